@@ -1,0 +1,38 @@
+# Two commands set kiln up on a fresh machine: `make train` and `make test`.
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+PIP := $(PY) -m pip
+# Pinned so pip picks the CPU wheel; an unpinned torch pulls several GB of CUDA wheels.
+TORCH_PIN ?= torch==2.13.0
+
+.PHONY: train test install install-test clean bench
+
+$(VENV)/.installed: pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(PIP) install --quiet --upgrade pip
+	@if $(PY) -c "import torch, sys; v = tuple(int(p) for p in torch.__version__.split('+')[0].split('.')[:2]); sys.exit(0 if v >= (2, 5) else 1)" 2>/dev/null; \
+	then echo "torch already importable"; \
+	else $(PIP) install --quiet "$(TORCH_PIN)"; fi
+	$(PIP) install --quiet -e .
+	touch $@
+
+$(VENV)/.installed-test: $(VENV)/.installed
+	$(PIP) install --quiet -e ".[test]"
+	touch $@
+
+install: $(VENV)/.installed
+
+install-test: $(VENV)/.installed-test
+
+train: install
+	$(VENV)/bin/kiln train
+
+test: install-test
+	$(PY) -m pytest -q tests
+
+bench: install
+	$(PY) benchmarks/throughput.py
+
+clean:
+	rm -rf $(VENV) runs build *.egg-info

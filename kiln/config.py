@@ -1,0 +1,268 @@
+"""Typed configuration: dataclass sections, TOML files, dotted overrides, loud errors.
+
+Each component owns the dataclass of its own section (ModelConfig in kiln.models, OptimConfig in kiln.train.optim,
+...); this module only assembles them, loads TOML, applies `--section.key=value` overrides and writes the
+resolved config back. Help text is each field's trailing `# comment` in its dataclass source.
+"""
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import inspect
+import re
+import tomllib
+import types
+import typing
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+
+
+def closest(name: str, choices) -> str | None:
+    """The valid name nearest to a misspelt one (None when nothing is close)."""
+    match = difflib.get_close_matches(name, list(choices), n=1, cutoff=0.4)
+    return match[0] if match else None
+
+
+class ConfigError(ValueError):
+    pass
+
+
+def _sections():
+    # Imported here so that `kiln.config` stays importable from every component without cycles.
+    from kiln.train.checkpoint import CheckpointConfig
+    from kiln.data import DataConfig
+    from kiln.models import ModelConfig
+    from kiln.train.logging import LogConfig
+    from kiln.train.optim import OptimConfig
+    from kiln.train.precision import PrecisionConfig
+    from kiln.train.schedule import ScheduleConfig
+    from kiln.train.trainer import TrainConfig
+
+    return {
+        "model": ModelConfig,
+        "data": DataConfig,
+        "optim": OptimConfig,
+        "schedule": ScheduleConfig,
+        "train": TrainConfig,
+        "precision": PrecisionConfig,
+        "checkpoint": CheckpointConfig,
+        "log": LogConfig,
+    }
+
+
+def section_types() -> dict[str, type]:
+    return _sections()
+
+
+def make_config(**sections):
+    """A Config instance; sections not given take their defaults."""
+    return Config(**{name: sections.get(name) or cls() for name, cls in _sections().items()})
+
+
+@dataclass
+class Config:
+    """The whole run's configuration. Components receive only their own section."""
+
+    model: typing.Any = None
+    data: typing.Any = None
+    optim: typing.Any = None
+    schedule: typing.Any = None
+    train: typing.Any = None
+    precision: typing.Any = None
+    checkpoint: typing.Any = None
+    log: typing.Any = None
+
+    def __post_init__(self):
+        for name, cls in _sections().items():
+            if getattr(self, name) is None:
+                setattr(self, name, cls())
+
+    def to_dict(self) -> dict:
+        return {name: dataclasses.asdict(getattr(self, name)) for name in _sections()}
+
+
+# ---------------------------------------------------------------- values and types
+
+
+def _field_type(cls, name: str):
+    return typing.get_type_hints(cls)[name]
+
+
+def _allowed(tp) -> tuple[type, ...]:
+    origin = typing.get_origin(tp)
+    if origin in (typing.Union, types.UnionType):
+        return tuple(t for arg in typing.get_args(tp) for t in _allowed(arg))
+    if origin is not None:
+        return (origin,)
+    return (type(None),) if tp is type(None) else (tp,)
+
+
+def _coerce(key: str, value, tp):
+    """Check (TOML value) or convert (override string) `value` to the field's type."""
+    allowed = _allowed(tp)
+    if isinstance(value, str) and str not in allowed:
+        value = _parse_string(key, value, allowed)
+    if isinstance(value, bool) and bool not in allowed:
+        raise ConfigError(f"{key} expects {_type_names(allowed)}, got the boolean {value}")
+    if isinstance(value, int) and not isinstance(value, bool) and float in allowed and int not in allowed:
+        value = float(value)
+    if not isinstance(value, allowed):
+        raise ConfigError(f"{key} expects {_type_names(allowed)}, got {value!r} ({type(value).__name__})")
+    if isinstance(value, list) and tuple in allowed:
+        value = tuple(value)
+    return value
+
+
+def _parse_string(key: str, text: str, allowed):
+    if type(None) in allowed and text.lower() in ("none", "null"):
+        return None
+    if bool in allowed:
+        if text.lower() in ("true", "1", "yes", "on"):
+            return True
+        if text.lower() in ("false", "0", "no", "off"):
+            return False
+    if int in allowed:
+        try:
+            return int(text.replace("_", ""))
+        except ValueError:
+            pass
+    if float in allowed:
+        try:
+            return float(text)
+        except ValueError:
+            pass
+    if tuple in allowed or list in allowed:
+        try:
+            return tuple(tomllib.loads(f"v = {text}")["v"])
+        except (tomllib.TOMLDecodeError, TypeError):
+            pass
+    raise ConfigError(f"{key}={text!r} is not a valid {_type_names(allowed)}")
+
+
+def _type_names(allowed) -> str:
+    return " or ".join("none" if t is type(None) else t.__name__ for t in allowed)
+
+
+# ---------------------------------------------------------------- loading
+
+
+def _set(cfg: Config, section: str, key: str, value, origin: str) -> None:
+    sections = _sections()
+    if section not in sections:
+        hint = closest(section, sections)
+        raise ConfigError(
+            f"unknown config section {section!r} ({origin})" + (f"; did you mean {hint!r}?" if hint else "")
+            + f" Sections: {', '.join(sections)}"
+        )
+    cls = sections[section]
+    names = [f.name for f in fields(cls)]
+    if key not in names:
+        hint = closest(key, names)
+        raise ConfigError(
+            f"unknown config key {section}.{key} ({origin})"
+            + (f"; did you mean {section}.{hint}?" if hint else f"; valid keys: {', '.join(names)}")
+        )
+    setattr(getattr(cfg, section), key, _coerce(f"{section}.{key}", value, _field_type(cls, key)))
+
+
+def parse_override(text: str) -> tuple[str, str, str]:
+    """'--optim.lr=3e-4' or 'optim.lr=3e-4' -> ('optim', 'lr', '3e-4')."""
+    m = re.fullmatch(r"(?:--)?([A-Za-z_]\w*)\.([A-Za-z_]\w*)=(.*)", text)
+    if not m:
+        raise ConfigError(f"cannot read override {text!r}; write it as --section.key=value (e.g. --optim.lr=3e-4)")
+    return m.group(1), m.group(2), m.group(3)
+
+
+def load_config(path: str | Path | None = None, overrides: typing.Iterable[str] = ()) -> Config:
+    """Defaults, then the TOML file, then the overrides; every section's own checks run at the end."""
+    cfg = Config()
+    if path is not None:
+        path = Path(path)
+        if not path.is_file():
+            raise ConfigError(f"config file {path} does not exist")
+        try:
+            data = tomllib.loads(path.read_text())
+        except tomllib.TOMLDecodeError as e:
+            raise ConfigError(f"{path} is not valid TOML: {e}") from None
+        for section, table in data.items():
+            if not isinstance(table, dict):
+                raise ConfigError(f"{path}: top-level key {section!r} must be a [section] table")
+            for key, value in table.items():
+                _set(cfg, section, key, value, str(path))
+    for text in overrides:
+        section, key, value = parse_override(text)
+        _set(cfg, section, key, value, "command line")
+    validate(cfg)
+    return cfg
+
+
+def validate(cfg: Config) -> None:
+    for name in _sections():
+        check = getattr(getattr(cfg, name), "validate", None)
+        if check is not None:
+            try:
+                check()
+            except ConfigError:
+                raise
+            except ValueError as e:
+                raise ConfigError(str(e)) from None
+
+
+# ---------------------------------------------------------------- writing and help
+
+
+def _toml_value(value) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, (int, float)):
+        return repr(value)
+    if isinstance(value, str):
+        return '"' + value.replace("\\", "\\\\").replace('"', '\\"') + '"'
+    if isinstance(value, (list, tuple)):
+        return "[" + ", ".join(_toml_value(v) for v in value) + "]"
+    raise TypeError(f"cannot write {value!r} to TOML")
+
+
+def to_toml(cfg: Config) -> str:
+    lines = []
+    for name, table in cfg.to_dict().items():
+        lines.append(f"[{name}]")
+        lines += [f"{key} = {_toml_value(value)}" for key, value in table.items() if value is not None]
+        lines.append("")
+    return "\n".join(lines)
+
+
+def save_config(cfg: Config, path: Path) -> None:
+    Path(path).write_text(to_toml(cfg))
+
+
+def field_help(cls) -> dict[str, str]:
+    """{field: one-line description} from the `# comment` after each field in the dataclass source."""
+    try:
+        source = inspect.getsource(cls)
+    except (OSError, TypeError):
+        return {}
+    helps = {}
+    for line in source.splitlines():
+        m = re.match(r"\s+(\w+)\s*:\s*[^=#]+=.*?#\s*(.+)$", line)
+        if m:
+            helps[m.group(1)] = m.group(2).strip()
+    return helps
+
+
+def describe() -> str:
+    """Every key with its default and a one-line description, for `kiln train --help`."""
+    out = []
+    for name, cls in _sections().items():
+        out.append(f"[{name}]")
+        helps = field_help(cls)
+        default = cls()
+        for f in fields(cls):
+            value = getattr(default, f.name)
+            shown = "(preset)" if value in (0, "", None) and name == "model" and f.name != "dropout" else _show(value)
+            out.append(f"  --{name}.{f.name}={shown}  {helps.get(f.name, '')}".rstrip())
+    return "\n".join(out)
+
+
+def _show(value) -> str:
+    return _toml_value(value).strip('"') if value is not None else "none"

@@ -1,0 +1,229 @@
+"""Batches of token windows: a seeded random sampler for training and fixed windows for validation.
+
+Batch i of the training stream is a pure function of (seed, i): its start offsets come from
+np.random.default_rng([seed, i]). Resuming is therefore exact after any number of batches, skipping ahead
+costs nothing, and no global RNG (torch, numpy, random) is touched, so model init and dropout streams are
+the same with or without data loading.
+"""
+from __future__ import annotations
+
+import queue
+import threading
+from typing import Iterator
+
+import numpy as np
+import torch
+from torch import Tensor
+
+_POLL_S = 0.1  # how often a blocked producer re-checks its stop flag; bounds how long close() can wait
+
+
+def _check_length(tokens: np.ndarray, seq_len: int, what: str) -> None:
+    if tokens.ndim != 1:
+        raise ValueError(f"{what}: token array must be 1-D, got shape {tokens.shape}")
+    if seq_len < 1:
+        raise ValueError(f"{what}: seq_len={seq_len} must be >= 1")
+    if len(tokens) < seq_len + 1:
+        raise ValueError(
+            f"{what}: {len(tokens)} tokens are fewer than seq_len + 1 = {seq_len + 1}; "
+            f"lower data.seq_len or use more text"
+        )
+
+
+def _windows(tokens: np.ndarray, starts: np.ndarray, seq_len: int) -> tuple[np.ndarray, np.ndarray]:
+    rows = tokens[starts[:, None] + np.arange(seq_len + 1)].astype(np.int64)  # (B, T+1)
+    # Contiguous copies (B*T*8 bytes each, cheap) so callers can .view(-1) the targets.
+    return np.ascontiguousarray(rows[:, :-1]), np.ascontiguousarray(rows[:, 1:])  # x, y: (B, T); y[:, t] = x[:, t+1]
+
+
+def batch_starts(seed: int, index: int, batch_size: int, num_tokens: int, seq_len: int) -> np.ndarray:
+    """Start offsets of training batch `index`, uniform in [0, num_tokens - seq_len - 1]."""
+    rng = np.random.default_rng([seed, index])  # a private generator: global RNG state is untouched
+    return rng.integers(0, num_tokens - seq_len, size=batch_size)
+
+
+def _host_batch(
+    tokens: np.ndarray, seed: int, index: int, batch_size: int, seq_len: int, pin: bool
+) -> tuple[Tensor, Tensor]:
+    starts = batch_starts(seed, index, batch_size, len(tokens), seq_len)
+    x, y = (torch.from_numpy(a) for a in _windows(tokens, starts, seq_len))
+    if pin:
+        x, y = x.pin_memory(), y.pin_memory()
+    return x, y
+
+
+def _produce(
+    tokens: np.ndarray, seed: int, batch_size: int, seq_len: int, pin: bool,
+    index: int, out: queue.Queue, stop: threading.Event,
+) -> None:
+    """Background thread body: put (i, batch) for i = index, index+1, ... until stopped; an error ends it."""
+    while not stop.is_set():
+        try:
+            item = _host_batch(tokens, seed, index, batch_size, seq_len, pin)
+        except BaseException as e:  # handed to next(), which re-raises it on the training thread
+            item = e
+        while not stop.is_set():
+            try:
+                out.put((index, item), timeout=_POLL_S)
+                break
+            except queue.Full:
+                continue
+        if isinstance(item, BaseException):
+            return
+        index += 1
+
+
+class TokenLoader:
+    """Random windows of seq_len + 1 tokens, batch_size at a time, prepared ahead on a background thread."""
+
+    def __init__(
+        self,
+        tokens: np.ndarray,
+        batch_size: int,
+        seq_len: int,
+        seed: int,
+        device: torch.device | str = "cpu",
+        prefetch: int = 2,
+    ) -> None:
+        _check_length(tokens, seq_len, "TokenLoader")
+        if batch_size < 1:
+            raise ValueError(f"TokenLoader: batch_size={batch_size} must be >= 1")
+        if prefetch < 0:
+            raise ValueError(f"TokenLoader: prefetch={prefetch} must be >= 0 (0 turns the background thread off)")
+        self.tokens = tokens
+        self.batch_size = batch_size
+        self.seq_len = seq_len
+        self.seed = seed
+        self.device = torch.device(device)
+        self.prefetch = prefetch
+        # Pinned host memory lets .to(device, non_blocking=True) return at once instead of waiting for the copy.
+        self._pin = self.device.type == "cuda"
+        self.batches_served = 0  # batches returned by next(); prefetched ones do not count
+        self._queue: queue.Queue | None = None
+        self._stop: threading.Event | None = None
+        self._thread: threading.Thread | None = None
+        self._start_prefetch()
+
+    def next(self) -> tuple[Tensor, Tensor]:
+        """The next (x, y) batch, int64 of shape (batch_size, seq_len), on the loader's device."""
+        index = self.batches_served
+        if self._queue is None:
+            x, y = _host_batch(self.tokens, self.seed, index, self.batch_size, self.seq_len, self._pin)
+        else:
+            got, item = self._queue.get()
+            if isinstance(item, BaseException):
+                self._join()
+                raise RuntimeError(f"TokenLoader background thread failed on batch {got}") from item
+            assert got == index, f"prefetcher produced batch {got}, expected {index}"
+            x, y = item
+        self.batches_served += 1
+        if self.device.type != "cpu":
+            # From pinned memory the copy is asynchronous: it is queued on the current stream, ahead of the
+            # forward pass that reads it, and the host returns at once to queue that forward pass.
+            x = x.to(self.device, non_blocking=True)
+            y = y.to(self.device, non_blocking=True)
+        return x, y
+
+    def __iter__(self) -> Iterator[tuple[Tensor, Tensor]]:
+        while True:
+            yield self.next()
+
+    # --- resume -----------------------------------------------------------------------------------------
+
+    def state_dict(self) -> dict:
+        return {
+            "batches_served": self.batches_served,
+            "seed": self.seed,
+            "batch_size": self.batch_size,
+            "seq_len": self.seq_len,
+            "num_tokens": len(self.tokens),
+        }
+
+    def load_state_dict(self, state: dict) -> None:
+        """Continue from a saved position. The stream's shape must match, or the resume would not be exact."""
+        mine = self.state_dict()
+        for key in ("seed", "batch_size", "seq_len", "num_tokens"):
+            if key in state and state[key] != mine[key]:
+                raise ValueError(
+                    f"TokenLoader state has {key}={state[key]} but this loader has {key}={mine[key]}; "
+                    f"the data stream would differ from the saved run's. Resume with the same data and batch config."
+                )
+        self._seek(int(state["batches_served"]))
+
+    def skip(self, n: int) -> None:
+        """Move past n batches without building them (e.g. a data window that produced a loss spike)."""
+        if n < 0:
+            raise ValueError(f"TokenLoader.skip: n={n} must be >= 0")
+        self._seek(self.batches_served + n)
+
+    def _seek(self, index: int) -> None:
+        self._stop_prefetch()  # batches already queued belong to the old position
+        self.batches_served = index
+        self._start_prefetch()
+
+    # --- background thread --------------------------------------------------------------------------------
+
+    def _start_prefetch(self) -> None:
+        if self.prefetch == 0:
+            return
+        self._queue = queue.Queue(maxsize=self.prefetch)
+        self._stop = threading.Event()
+        # The thread gets the array and numbers, not `self`, so a loader dropped without close() is still
+        # collected and __del__ stops the thread. daemon: a crashed training loop must still let the process exit.
+        args = (self.tokens, self.seed, self.batch_size, self.seq_len, self._pin)
+        self._thread = threading.Thread(
+            target=_produce, args=(*args, self.batches_served, self._queue, self._stop),
+            name="kiln-token-loader", daemon=True,
+        )
+        self._thread.start()
+
+    def _stop_prefetch(self) -> None:
+        if self._stop is not None:
+            self._stop.set()
+            # Emptying the queue wakes a producer blocked in put() now rather than at its next poll.
+            while True:
+                try:
+                    self._queue.get_nowait()
+                except queue.Empty:
+                    break
+        self._join()
+
+    def _join(self) -> None:
+        if self._thread is not None:
+            self._thread.join()
+        self._thread = self._queue = self._stop = None
+
+    def close(self) -> None:
+        """Stop the background thread. Safe to call more than once."""
+        self._stop_prefetch()
+
+    def __enter__(self) -> "TokenLoader":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def __del__(self) -> None:
+        try:
+            self.close()
+        except Exception:
+            pass  # interpreter shutdown: the daemon thread dies with the process anyway
+
+
+def val_batches(
+    tokens: np.ndarray, batch_size: int, seq_len: int, max_batches: int, device: torch.device | str = "cpu"
+) -> Iterator[tuple[Tensor, Tensor]]:
+    """Fixed validation batches: non-overlapping windows spread evenly over the whole split.
+
+    The same arguments always give the same batches, so validation losses compare across steps and runs.
+    At most max_batches * batch_size windows; the last batch is smaller when the split has fewer windows.
+    """
+    _check_length(tokens, seq_len, "val_batches")
+    if batch_size < 1 or max_batches < 1:
+        raise ValueError(f"val_batches: batch_size={batch_size} and max_batches={max_batches} must be >= 1")
+    available = (len(tokens) - 1) // seq_len  # window k reads tokens k*T .. k*T + T (its last is k+1's first)
+    wanted = min(available, batch_size * max_batches)
+    starts = (np.arange(wanted) * available // wanted) * seq_len  # evenly spaced window indices, no repeats
+    for first in range(0, wanted, batch_size):
+        x, y = _windows(tokens, starts[first : first + batch_size], seq_len)
+        yield torch.from_numpy(x).to(device), torch.from_numpy(y).to(device)

@@ -1,0 +1,145 @@
+"""Token shard files: a 64-byte header followed by the raw token array, read back with np.memmap.
+
+Header layout (little-endian, 64 bytes):
+
+    offset  size  field
+         0     8  magic b"KILNTOK\\0"
+         8     4  format version (uint32), currently 1
+        12     4  dtype code (uint32): bytes per token, 2 = uint16, 4 = uint32
+        16     8  token count (uint64)
+        24    16  tokenizer fingerprint, 16 ASCII hex digits
+        40    24  zero padding (room for later fields without moving the data offset)
+
+64 bytes keeps the token data 64-byte aligned in the file, so the memmap is aligned for any dtype.
+"""
+from __future__ import annotations
+
+import os
+import struct
+from pathlib import Path
+
+import numpy as np
+
+MAGIC = b"KILNTOK\0"
+VERSION = 1
+HEADER_SIZE = 64
+_HEADER = struct.Struct("<8sIIQ16s")  # 40 bytes used, padded to HEADER_SIZE
+DTYPES = {2: np.dtype("<u2"), 4: np.dtype("<u4")}
+REBUILD = "delete it and re-run to rebuild the cache"
+
+
+class ShardError(ValueError):
+    """A shard file that cannot be used as is; the message names the file and the fix."""
+
+
+def dtype_for_vocab(vocab_size: int) -> np.dtype:
+    # uint16 holds ids 0..65535, i.e. vocabularies up to 2**16, at half the disk and page-cache cost of uint32.
+    return DTYPES[2] if vocab_size <= 2**16 else DTYPES[4]
+
+
+class ShardWriter:
+    """Streams token arrays into one shard; the file appears under its final name only when complete.
+
+    Usage: `with ShardWriter(path, dtype, fingerprint) as w: w.append(ids)`. Writes go to a temporary file
+    beside the target that is renamed over it with os.replace, so a crash leaves no half-written shard.
+    """
+
+    def __init__(self, path: Path, dtype: np.dtype, fingerprint: str) -> None:
+        self.path = Path(path)
+        self.dtype = np.dtype(dtype).newbyteorder("<")
+        if self.dtype.itemsize not in DTYPES:
+            raise ValueError(f"shard dtype must be uint16 or uint32, got {dtype}")
+        if len(fingerprint) != 16:
+            raise ValueError(f"tokenizer fingerprint must be 16 hex digits, got {fingerprint!r}")
+        self.fingerprint = fingerprint
+        self.count = 0
+        self._max_id = np.iinfo(self.dtype).max
+        self._tmp = self.path.with_name(f"{self.path.name}.tmp-{os.getpid()}")
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self._file = self._tmp.open("wb")
+        self._file.write(self._header())  # placeholder; the count is patched in at close
+
+    def _header(self) -> bytes:
+        fields = _HEADER.pack(MAGIC, VERSION, self.dtype.itemsize, self.count, self.fingerprint.encode("ascii"))
+        return fields.ljust(HEADER_SIZE, b"\0")
+
+    def append(self, ids: np.ndarray) -> None:
+        ids = np.asarray(ids)
+        if ids.size and int(ids.max()) > self._max_id:
+            raise ValueError(f"token id {int(ids.max())} does not fit the shard dtype {self.dtype} of {self.path}")
+        self._file.write(ids.astype(self.dtype, copy=False).tobytes())
+        self.count += ids.size
+
+    def close(self) -> None:
+        self._file.seek(0)
+        self._file.write(self._header())
+        self._file.flush()
+        os.fsync(self._file.fileno())
+        self._file.close()
+        os.replace(self._tmp, self.path)
+
+    def abort(self) -> None:
+        self._file.close()
+        self._tmp.unlink(missing_ok=True)
+
+    def __enter__(self) -> "ShardWriter":
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        if exc_type is None:
+            self.close()
+        else:
+            self.abort()
+
+
+def write_shard(path: Path, tokens: np.ndarray, fingerprint: str, dtype: np.dtype | None = None) -> None:
+    """Write one array as a shard (dtype defaults to the smallest of uint16/uint32 that holds the ids)."""
+    tokens = np.asarray(tokens)
+    if dtype is None:
+        dtype = dtype_for_vocab(int(tokens.max()) + 1 if tokens.size else 0)
+    with ShardWriter(path, dtype, fingerprint) as writer:
+        writer.append(tokens)
+
+
+def read_header(path: Path) -> tuple[np.dtype, int, str]:
+    """(dtype, token count, fingerprint) of a shard, after checking magic, version and size."""
+    path = Path(path)
+    if not path.is_file():
+        raise ShardError(f"shard {path} does not exist; {REBUILD}")
+    size = path.stat().st_size
+    with path.open("rb") as f:
+        head = f.read(HEADER_SIZE)
+    if head[: len(MAGIC)] != MAGIC[: len(head)]:  # a short file whose bytes match the magic is truncated, below
+        raise ShardError(f"shard {path} is corrupt (wrong magic bytes {head[:8]!r}, expected {MAGIC!r}); {REBUILD}")
+    if len(head) < HEADER_SIZE:
+        raise ShardError(
+            f"shard {path} is truncated ({size} bytes, shorter than its {HEADER_SIZE}-byte header); {REBUILD}"
+        )
+    _, version, code, count, fingerprint = _HEADER.unpack_from(head)
+    if version != VERSION:
+        raise ShardError(
+            f"shard {path} has format version {version}, this kiln reads version {VERSION}; {REBUILD}"
+        )
+    if code not in DTYPES:
+        raise ShardError(f"shard {path} is corrupt (dtype code {code}, expected 2 or 4); {REBUILD}")
+    expected = HEADER_SIZE + count * code
+    if size < expected:
+        raise ShardError(
+            f"shard {path} is truncated ({size} bytes, header says {count} tokens = {expected} bytes); {REBUILD}"
+        )
+    if size > expected:
+        raise ShardError(f"shard {path} is corrupt ({size - expected} bytes after its {count} tokens); {REBUILD}")
+    return DTYPES[code], count, fingerprint.decode("ascii", errors="replace")
+
+
+def read_shard(path: Path, fingerprint: str | None = None) -> np.ndarray:
+    """The shard's tokens as a read-only memory map; checks the tokenizer fingerprint when one is given."""
+    dtype, count, found = read_header(path)
+    if fingerprint is not None and found != fingerprint:
+        raise ShardError(
+            f"shard {path} was written by tokenizer {found}, but the tokenizer in use is {fingerprint} "
+            f"(tokenizer mismatch); {REBUILD}"
+        )
+    if count == 0:
+        return np.zeros(0, dtype=dtype)  # np.memmap refuses to map zero bytes
+    return np.memmap(path, dtype=dtype, mode="r", offset=HEADER_SIZE, shape=(count,))

@@ -1,0 +1,14 @@
+"""Models: a decoder-only transformer (GPT-2 and Llama flavours) and its presets."""
+from kiln.models.config import PRESETS, ModelConfig, param_count
+from kiln.models.transformer import IGNORE_INDEX, Transformer
+
+
+def build_model(cfg: ModelConfig, device="cpu") -> Transformer:
+    """Build on `device`; pass device="meta" to inspect a large model without allocating it."""
+    with torch.device(device):
+        return Transformer(cfg.resolve())
+
+
+import torch  # noqa: E402
+
+__all__ = ["PRESETS", "ModelConfig", "Transformer", "IGNORE_INDEX", "build_model", "param_count"]

@@ -1,0 +1,1 @@
+"""Training: optimizer, schedules, precision, checkpoints, logging and the loop."""

@@ -1,0 +1,105 @@
+"""Run logging: metrics.jsonl (one JSON object per record), TensorBoard events, a live console progress bar."""
+from __future__ import annotations
+
+import json
+import math
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+
+
+@dataclass
+class LogConfig:
+    interval: int = 10  # steps between metric records (each one costs a host-device sync)
+    tensorboard: bool = True  # write TensorBoard event files beside metrics.jsonl
+    progress: str = "auto"  # "auto" (live bar on a terminal, plain lines otherwise) | "bar" | "lines" | "off"
+
+    def validate(self):
+        if self.interval < 1:
+            raise ValueError(f"log.interval must be ≥ 1, got {self.interval}")
+        if self.progress not in ("auto", "bar", "lines", "off"):
+            raise ValueError(f"log.progress={self.progress!r}; use auto, bar, lines or off")
+
+
+def _clean(value):
+    """JSON has no NaN/Inf: write them as strings so the file stays parseable by every reader."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return str(value)
+    return value
+
+
+class MetricsLogger:
+    def __init__(self, cfg: LogConfig, run_dir: Path, total_steps: int, start_step: int = 0,
+                 console: Console | None = None):
+        self.cfg = cfg
+        self.console = console or Console(file=sys.stdout)
+        run_dir.mkdir(parents=True, exist_ok=True)
+        self.file = open(run_dir / "metrics.jsonl", "a")
+        self.tb = None
+        if cfg.tensorboard:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self.tb = SummaryWriter(log_dir=str(run_dir / "tensorboard"))
+        mode = cfg.progress
+        if mode == "auto":
+            mode = "bar" if self.console.is_terminal else "lines"
+        self.mode = mode
+        self.progress = None
+        if mode == "bar":
+            self.progress = Progress(
+                TextColumn("step"), MofNCompleteColumn(), BarColumn(), TextColumn("{task.fields[stats]}"),
+                TimeElapsedColumn(), TextColumn("ETA"), TimeRemainingColumn(), console=self.console,
+            )
+            self.task = self.progress.add_task("train", total=total_steps, completed=start_step, stats="")
+            self.progress.start()
+
+    def print(self, *args, **kw):
+        self.console.print(*args, **kw)
+
+    def advance(self, step: int) -> None:
+        if self.progress is not None:
+            self.progress.update(self.task, completed=step)
+
+    def log(self, record: dict) -> None:
+        record = {k: _clean(v) for k, v in record.items() if v is not None}
+        self.file.write(json.dumps(record) + "\n")
+        self.file.flush()
+        step = record.get("step", 0)
+        if self.tb is not None:
+            for key, value in record.items():
+                if key != "step" and isinstance(value, (int, float)) and not isinstance(value, bool):
+                    self.tb.add_scalar(key, value, step)
+        stats = self._summary(record)
+        if self.progress is not None:
+            self.progress.update(self.task, stats=stats)
+        elif self.mode == "lines":
+            self.console.print(f"step {step} {stats}", highlight=False)
+
+    @staticmethod
+    def _summary(r: dict) -> str:
+        parts = []
+        if "loss" in r:
+            parts.append(f"loss {_fmt(r['loss'])}")
+        if "val_loss" in r:
+            parts.append(f"val_loss {_fmt(r['val_loss'])}")
+        if "lr" in r:
+            parts.append(f"lr {r['lr']:.2e}")
+        if "tokens_per_s" in r:
+            parts.append(f"{r['tokens_per_s']:,.0f} tok/s")
+        if r.get("mfu") is not None and "tokens_per_s" in r:
+            parts.append(f"mfu {100 * r['mfu']:.1f}%")
+        return " | ".join(parts)
+
+    def close(self) -> None:
+        if self.progress is not None:
+            self.progress.stop()
+        if self.tb is not None:
+            self.tb.close()
+        self.file.close()
+
+
+def _fmt(v) -> str:
+    return f"{v:.4f}" if isinstance(v, float) else str(v)

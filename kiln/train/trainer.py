@@ -1,0 +1,312 @@
+"""The training loop: one visible train step, evaluation, checkpoints, exact resume."""
+from __future__ import annotations
+
+import math
+import random
+import resource
+import time
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from kiln.config import Config, to_toml
+from kiln.data import TokenLoader, prepare_data, val_batches
+from kiln.models import IGNORE_INDEX, Transformer, build_model
+from kiln.perf import device_peak_flops, flops_per_token, mfu
+from kiln.train.checkpoint import Checkpointer, rng_state, set_rng_state
+from kiln.train.logging import MetricsLogger
+from kiln.train.optim import build_optimizer, clip_gradients, param_groups, supports_found_inf
+from kiln.train.precision import LossScaler, MasterWeights, Precision, resolve_mode
+from kiln.train.schedule import lr_factor
+
+
+@dataclass
+class TrainConfig:
+    max_steps: int = 300  # optimizer steps to train for (each one is micro_batch_size·grad_accum_steps sequences)
+    micro_batch_size: int = 8  # sequences per forward/backward pass
+    grad_accum_steps: int = 1  # micro-batches accumulated into one optimizer step
+    eval_interval: int = 0  # steps between validation passes (0: only at the end)
+    eval_batches: int = 20  # validation micro-batches per evaluation
+    early_stop_patience: int = 0  # stop after this many evaluations without a better val loss (0: never)
+    seed: int = 1337  # seed of model init and every training RNG stream
+    device: str = "auto"  # "auto" (cuda when available, else cpu) | "cpu" | "cuda" | "cuda:N"
+    compile: bool = False  # wrap the model in torch.compile
+    sample_tokens: int = 200  # tokens generated after training (0: no sample)
+    sample_prompt: str = "def "  # prompt of the sample printed after training
+
+    def validate(self):
+        for key in ("max_steps", "micro_batch_size", "grad_accum_steps", "eval_batches"):
+            if getattr(self, key) < 1:
+                raise ValueError(f"train.{key} must be ≥ 1, got {getattr(self, key)}")
+        for key in ("eval_interval", "early_stop_patience", "sample_tokens"):
+            if getattr(self, key) < 0:
+                raise ValueError(f"train.{key} must be ≥ 0, got {getattr(self, key)}")
+        if self.device != "auto" and not self.device.split(":")[0] in ("cpu", "cuda", "mps"):
+            raise ValueError(f"train.device={self.device!r}; use auto, cpu, cuda or cuda:N")
+
+
+def pick_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    device = torch.device(name)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError("train.device asks for CUDA but torch sees no GPU; use --train.device=cpu")
+    return device
+
+
+def seed_everything(seed: int) -> None:
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+
+
+@dataclass
+class StepResult:
+    loss: torch.Tensor  # mean loss over the global batch's valid tokens (device scalar)
+    grad_norm: torch.Tensor  # global gradient norm before clipping
+    skipped: torch.Tensor  # 1.0 when the update was not applied (inf/NaN gradient)
+    tokens: torch.Tensor  # valid target tokens in the global batch
+
+
+def accumulate_gradients(model, batches, precision: Precision, scaler: LossScaler):
+    """Forward and backward over every micro-batch; returns (mean loss, valid target count) as device tensors.
+
+    Each micro-batch's summed loss is divided by the valid targets of the whole global batch, so k micro-batches
+    give the gradient of one batch k× larger even when they hold different numbers of valid tokens.
+    """
+    n_valid = sum((y != IGNORE_INDEX).sum() for _, y in batches).clamp(min=1)
+    total_loss = torch.zeros((), device=n_valid.device)
+    for x, y in batches:
+        with precision.autocast():
+            loss = model(x, y, reduction="sum") / n_valid
+        scaler.scale_loss(loss).backward()
+        total_loss += loss.detach()
+    return total_loss, n_valid
+
+
+def train_step(model, batches, optimizer, precision: Precision, scaler: LossScaler, optim_cfg,
+               masters: MasterWeights | None = None) -> StepResult:
+    """One optimizer step over a global batch of micro-batches; no host-device sync on fused optimizers."""
+    total_loss, n_valid = accumulate_gradients(model, batches, precision, scaler)
+    if masters is not None:
+        masters.grads_to_masters()
+    params = masters.masters if masters is not None else [p for p in model.parameters() if p.requires_grad]
+    found_inf = scaler.unscale_(params)  # unscale before clipping: the threshold is in true-gradient units
+    grad_norm = clip_gradients(params, optim_cfg)
+    # A non-finite gradient is never applied, whatever the precision.
+    skipped = torch.maximum(found_inf, (~torch.isfinite(grad_norm)).float())
+    if supports_found_inf(optimizer):
+        optimizer.found_inf = skipped  # the fused kernel skips the update on the device
+        optimizer.step()
+    elif not skipped.item():
+        optimizer.step()
+    scaler.update(skipped)
+    if masters is not None:
+        masters.masters_to_model()
+    optimizer.zero_grad(set_to_none=True)
+    model.zero_grad(set_to_none=True)
+    return StepResult(total_loss, grad_norm, skipped, n_valid)
+
+
+@torch.no_grad()
+def evaluate(model, tokens, batch_size: int, seq_len: int, max_batches: int, precision: Precision, device) -> float:
+    """Mean validation loss per token."""
+    was_training = model.training
+    model.eval()
+    total = torch.zeros((), device=device, dtype=torch.float64)
+    count = 0
+    for x, y in val_batches(tokens, batch_size, seq_len, max_batches):
+        x, y = x.to(device), y.to(device)
+        with precision.autocast():
+            total += model(x, y, reduction="sum").double()
+        count += int((y != IGNORE_INDEX).sum())
+    model.train(was_training)
+    return total.item() / max(count, 1)
+
+
+def peak_memory_bytes(device: torch.device) -> int:
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device)
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
+
+
+class Run:
+    """Everything one training run holds; built from a Config, restorable from a checkpoint."""
+
+    def __init__(self, cfg: Config, run_dir: Path, log=print):
+        self.cfg, self.run_dir = cfg, Path(run_dir)
+        tc = cfg.train
+        self.device = pick_device(tc.device)
+        seed_everything(tc.seed)
+        self.data = prepare_data(cfg.data, self.run_dir, log=log)
+        vocab = self.data.tokenizer.vocab_size
+        model_cfg = cfg.model.resolve()
+        if model_cfg.vocab_size == 0:
+            model_cfg.vocab_size = vocab
+        elif model_cfg.vocab_size < vocab:
+            raise ValueError(f"model.vocab_size={model_cfg.vocab_size} is smaller than the tokenizer's {vocab}; "
+                             f"set --model.vocab_size={vocab} or 0 (take the tokenizer's)")
+        if cfg.data.seq_len > model_cfg.max_seq_len:
+            raise ValueError(f"data.seq_len={cfg.data.seq_len} exceeds model.max_seq_len={model_cfg.max_seq_len}; "
+                             f"lower data.seq_len or raise model.max_seq_len")
+        self.cfg = replace(cfg, model=model_cfg)  # the resolved config is what gets saved
+        self.precision = Precision(resolve_mode(cfg.precision.mode, self.device), self.device)
+        self.model = build_model(model_cfg, self.device).to(self.precision.param_dtype)
+        self.step_model = torch.compile(self.model) if tc.compile else self.model
+        groups = param_groups(self.model, cfg.optim.weight_decay)
+        self.masters = MasterWeights(self.model) if self.precision.mode == "bf16-master" else None
+        self.optimizer = build_optimizer(self.masters.groups(groups) if self.masters else groups, cfg.optim)
+        self.scaler = LossScaler(cfg.precision, self.device, enabled=self.precision.loss_scaling)
+        self.loader = TokenLoader(self.data.train, tc.micro_batch_size, cfg.data.seq_len, cfg.data.seed,
+                                  self.device, cfg.data.prefetch)
+        self.checkpointer = Checkpointer(cfg.checkpoint, self.run_dir)
+        self.step = 0
+        self.tokens_seen = 0
+        self.best_val = math.inf
+        self.evals_since_best = 0
+
+    def state_dict(self) -> dict:
+        state = {
+            "model": self.model.state_dict(),
+            "optimizer": self.optimizer.state_dict(),
+            "scaler": self.scaler.state_dict(),
+            "step": self.step,
+            "tokens_seen": self.tokens_seen,
+            "best_val": self.best_val,
+            "evals_since_best": self.evals_since_best,
+            "data": self.loader.state_dict(),
+            "rng": rng_state(),
+        }
+        if self.masters is not None:
+            state["masters"] = self.masters.state_dict()
+        return state
+
+    def load_state_dict(self, state: dict) -> None:
+        self.model.load_state_dict(state["model"])
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.scaler.load_state_dict(state["scaler"])
+        if self.masters is not None:
+            self.masters.load_state_dict(state["masters"])
+        self.step, self.tokens_seen = state["step"], state["tokens_seen"]
+        self.best_val, self.evals_since_best = state["best_val"], state["evals_since_best"]
+        self.loader.load_state_dict(state["data"])
+        set_rng_state(state["rng"])
+
+    def save_checkpoint(self) -> Path:
+        return self.checkpointer.save(self.step, self.state_dict(), to_toml(self.cfg), self.model)
+
+    def evaluate(self) -> float:
+        c = self.cfg
+        return evaluate(self.model, self.data.val, c.train.micro_batch_size, c.data.seq_len, c.train.eval_batches,
+                        self.precision, self.device)
+
+    def sample(self, prompt: str, max_new_tokens: int, temperature: float = 0.8, top_k: int | None = 50,
+               seed: int = 0) -> str:
+        tok = self.data.tokenizer
+        return generate_text(self.model, tok, prompt, max_new_tokens, temperature, top_k, seed, self.device,
+                             self.precision)
+
+
+def generate_text(model: Transformer, tokenizer, prompt: str, max_new_tokens: int, temperature: float,
+                  top_k: int | None, seed: int, device, precision: Precision | None = None) -> str:
+    # Own generator: sampling never disturbs the training RNG streams (exact resume).
+    gen = torch.Generator(device=device).manual_seed(seed)
+    ids = tokenizer.encode(prompt) or [0]
+    idx = torch.tensor([ids], dtype=torch.long, device=device)
+    was_training = model.training
+    model.eval()
+    ctx = precision.autocast() if precision is not None else torch.autocast(device.type, enabled=False)
+    with ctx:
+        out = model.generate(idx, max_new_tokens, temperature, top_k, vocab_limit=tokenizer.vocab_size, generator=gen)
+    model.train(was_training)
+    return tokenizer.decode(out[0].tolist())
+
+
+def train(cfg: Config, run_dir: Path, resume: bool = False, console=None) -> dict:
+    """Train (or resume) a run; returns a summary with the final validation loss."""
+    run_dir = Path(run_dir)
+    checkpointer = Checkpointer(cfg.checkpoint, run_dir)
+    if not resume and checkpointer.latest() is not None:
+        raise FileExistsError(f"{run_dir} already holds a run with checkpoints; pass --resume {run_dir} to continue "
+                              f"it, or choose another --run-dir")
+    logger_console = console
+    from rich.console import Console
+
+    con = logger_console or Console(soft_wrap=True)
+    run = Run(cfg, run_dir, log=lambda msg: con.print(msg, highlight=False))
+    cfg, tc = run.cfg, run.cfg.train
+    if resume:
+        run.load_state_dict(checkpointer.load(map_location=run.device))
+        con.print(f"resumed from {checkpointer.latest()} at step {run.step}", highlight=False)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    (run_dir / "config.toml").write_text(to_toml(cfg))
+
+    n_params = sum(p.numel() for p in dict.fromkeys(run.model.parameters()))
+    tokens_per_step = tc.micro_batch_size * tc.grad_accum_steps * cfg.data.seq_len
+    con.print(f"model: {cfg.model.preset} ({cfg.model.arch}) {n_params / 1e6:.2f}M parameters | "
+              f"device {run.device} | precision {run.precision.mode} | {tokens_per_step:,} tokens/step",
+              highlight=False)
+    fpt = flops_per_token(cfg.model, cfg.data.seq_len)
+    peak = device_peak_flops(run.device, run.precision.mode)
+    logger = MetricsLogger(cfg.log, run_dir, tc.max_steps, run.step, console=con)
+    horizon = cfg.schedule.total_steps or tc.max_steps
+    skipped_total = torch.zeros((), device=run.device)
+    window_start, window_steps = time.perf_counter(), 0
+    stop_reason = "max_steps"
+    val_loss = None
+    try:
+        while run.step < tc.max_steps:
+            lr = cfg.optim.lr * lr_factor(cfg.schedule, run.step, horizon)
+            for group in run.optimizer.param_groups:
+                group["lr"] = lr
+            batches = [run.loader.next() for _ in range(tc.grad_accum_steps)]
+            result = train_step(run.step_model, batches, run.optimizer, run.precision, run.scaler, cfg.optim,
+                                run.masters)
+            skipped_total += result.skipped
+            run.step += 1
+            run.tokens_seen += tokens_per_step
+            window_steps += 1
+            logger.advance(run.step)
+            if run.step % cfg.log.interval == 0 or run.step == tc.max_steps:
+                loss, grad_norm = result.loss.item(), result.grad_norm.item()  # the one sync per log interval
+                elapsed = time.perf_counter() - window_start
+                tps = window_steps * tokens_per_step / elapsed
+                logger.log({
+                    "step": run.step, "loss": loss, "lr": lr, "grad_norm": grad_norm,
+                    "tokens_per_s": tps, "step_time_s": elapsed / window_steps, "tokens_seen": run.tokens_seen,
+                    "peak_mem_bytes": peak_memory_bytes(run.device), "mfu": mfu(fpt, tps, peak),
+                    "skipped_steps": int(skipped_total.item()),
+                    "loss_scale": run.scaler.scale.item() if run.scaler.enabled else None,
+                })
+                window_start, window_steps = time.perf_counter(), 0
+            last = run.step == tc.max_steps
+            if (tc.eval_interval and run.step % tc.eval_interval == 0) or last:
+                val_loss = run.evaluate()
+                logger.log({"step": run.step, "val_loss": val_loss, "val_ppl": math.exp(min(val_loss, 50))})
+                if val_loss < run.best_val:
+                    run.best_val, run.evals_since_best = val_loss, 0
+                else:
+                    run.evals_since_best += 1
+                window_start = time.perf_counter()  # evaluation time is not training throughput
+                if tc.early_stop_patience and run.evals_since_best >= tc.early_stop_patience and not last:
+                    stop_reason = f"early stop: no val improvement in {tc.early_stop_patience} evaluations"
+                    break
+            if cfg.checkpoint.interval and run.step % cfg.checkpoint.interval == 0 and not last:
+                run.save_checkpoint()
+                window_start = time.perf_counter()
+        path = run.save_checkpoint()
+    finally:
+        logger.close()
+        run.loader.close()
+    con.print(f"done at step {run.step} ({stop_reason}): val_loss {val_loss:.4f} | unigram baseline "
+              f"{run.data.unigram_loss:.4f} | checkpoint {path}", highlight=False)
+    sample = None
+    if tc.sample_tokens:
+        sample = run.sample(tc.sample_prompt, tc.sample_tokens)
+        con.rule("sample")
+        con.print(sample, markup=False, highlight=False)
+        con.rule()
+    return {"step": run.step, "val_loss": val_loss, "unigram_loss": run.data.unigram_loss,
+            "checkpoint": str(path), "sample": sample, "stop_reason": stop_reason, "run": run}

@@ -1,0 +1,72 @@
+import pytest
+
+from kiln.config import ConfigError, describe, load_config, to_toml
+
+
+def test_defaults_and_contract_keys_exist():
+    cfg = load_config()
+    assert cfg.model.preset == "tiny"
+    assert cfg.train.max_steps > 0 and cfg.log.interval > 0
+    text = describe()
+    for key in ("--model.preset", "--train.max_steps", "--log.interval", "--optim.lr", "--precision.mode"):
+        assert key in text
+
+
+def test_every_key_has_help():
+    for line in describe().splitlines():
+        if line.startswith("  --"):
+            key, _, rest = line.strip().partition("  ")
+            assert rest.strip(), f"{key} has no description"
+
+
+def test_toml_then_overrides(tmp_path):
+    path = tmp_path / "run.toml"
+    path.write_text('[optim]\nlr = 3e-4\nname = "adam"\n[train]\nmax_steps = 7\n[model]\npreset = "gpt2-124m"\n')
+    cfg = load_config(path, ["--train.max_steps=9", "--model.bias=false", "--optim.weight_decay=0"])
+    assert cfg.optim.lr == 3e-4 and cfg.optim.name == "adam"
+    assert cfg.train.max_steps == 9
+    assert cfg.model.bias is False and cfg.optim.weight_decay == 0.0
+    assert isinstance(cfg.optim.weight_decay, float)
+
+
+def test_resolved_config_round_trips(tmp_path):
+    cfg = load_config(None, ["--model.preset=llama-125m", "--schedule.name=wsd", "--train.sample_prompt=a \"q\""])
+    cfg.model = cfg.model.resolve()
+    path = tmp_path / "config.toml"
+    path.write_text(to_toml(cfg))
+    again = load_config(path)
+    assert again == cfg
+
+
+@pytest.mark.parametrize("override, message", [
+    ("--model.presett=tiny", r"did you mean model\.preset\?"),
+    ("--optm.lr=1", r"did you mean 'optim'\?"),
+    ("--train.max_step=5", r"did you mean train\.max_steps\?"),
+    ("--optim.lr=fast", r"optim\.lr='fast' is not a valid float"),
+    ("--train.max_steps=1.5", r"train\.max_steps='1.5' is not a valid int"),
+    ("--train.max_steps=0", r"train\.max_steps must be ≥ 1"),
+    ("--optim.lr=-1", r"optim\.lr must be > 0"),
+    ("--precision.mode=fp8", r"precision\.mode='fp8' is unknown"),
+    ("--schedule.name=cosin", r"schedule\.name='cosin' is unknown"),
+    ("--model.preset=gpt2-125m", r"did you mean 'gpt2-124m'"),
+    ("--data.seq_len=0", r"data\.seq_len"),
+    ("lr=3", r"--section\.key=value"),
+])
+def test_bad_overrides_are_clear_errors(override, message):
+    with pytest.raises(ConfigError, match=message):
+        load_config(None, [override])
+
+
+def test_bad_toml_types_are_rejected(tmp_path):
+    path = tmp_path / "bad.toml"
+    path.write_text('[train]\nmax_steps = "ten"\n')
+    with pytest.raises(ConfigError, match=r"train\.max_steps=.ten. is not a valid int"):
+        load_config(path)
+    path.write_text('[train]\nmax_steps = true\n')
+    with pytest.raises(ConfigError, match="boolean"):
+        load_config(path)
+    path.write_text("lr = 3\n")
+    with pytest.raises(ConfigError, match=r"must be a \[section\] table"):
+        load_config(path)
+    with pytest.raises(ConfigError, match="does not exist"):
+        load_config(tmp_path / "missing.toml")

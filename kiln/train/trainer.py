@@ -30,6 +30,7 @@ class TrainConfig:
     eval_interval: int = 0  # steps between validation passes (0: only at the end)
     eval_batches: int = 20  # validation micro-batches per evaluation
     early_stop_patience: int = 0  # stop after this many evaluations without a better val loss (0: never)
+    early_stop_min_delta: float = 0.0  # a val loss must beat the best by more than this to count as better
     seed: int = 1337  # seed of model init and every training RNG stream
     device: str = "auto"  # "auto" (cuda when available, else cpu) | "cpu" | "cuda" | "cuda:N"
     compile: bool = False  # wrap the model in torch.compile
@@ -40,7 +41,7 @@ class TrainConfig:
         for key in ("max_steps", "micro_batch_size", "grad_accum_steps", "eval_batches"):
             if getattr(self, key) < 1:
                 raise ValueError(f"train.{key} must be ≥ 1, got {getattr(self, key)}")
-        for key in ("eval_interval", "early_stop_patience", "sample_tokens"):
+        for key in ("eval_interval", "early_stop_patience", "sample_tokens", "early_stop_min_delta"):
             if getattr(self, key) < 0:
                 raise ValueError(f"train.{key} must be ≥ 0, got {getattr(self, key)}")
         if self.device != "auto" and not self.device.split(":")[0] in ("cpu", "cuda", "mps"):
@@ -285,7 +286,7 @@ def train(cfg: Config, run_dir: Path, resume: bool = False, console=None) -> dic
             if (tc.eval_interval and run.step % tc.eval_interval == 0) or last:
                 val_loss = run.evaluate()
                 logger.log({"step": run.step, "val_loss": val_loss, "val_ppl": math.exp(min(val_loss, 50))})
-                if val_loss < run.best_val:
+                if val_loss < run.best_val - tc.early_stop_min_delta:
                     run.best_val, run.evals_since_best = val_loss, 0
                 else:
                     run.evals_since_best += 1

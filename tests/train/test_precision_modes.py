@@ -1,0 +1,35 @@
+import math
+
+import pytest
+import torch
+
+from kiln.train.precision import resolve_mode
+from kiln.train.trainer import train
+
+
+@pytest.mark.parametrize("mode", ["fp32", "bf16", "fp16", "bf16-master"])
+def test_every_precision_mode_trains(small_config, tmp_path, mode):
+    cfg = small_config(precision={"mode": mode}, train={"max_steps": 12}, optim={"lr": 3e-3})
+    out = train(cfg, tmp_path / mode)
+    run = out["run"]
+    assert run.precision.mode == mode
+    assert math.isfinite(out["val_loss"]) and out["val_loss"] < math.log(256)
+    expected = torch.bfloat16 if mode == "bf16-master" else torch.float32
+    assert all(p.dtype == expected for p in run.model.parameters())
+
+
+def test_auto_precision_resolution():
+    assert resolve_mode("fp32", torch.device("cpu")) == "fp32"
+    assert resolve_mode("auto", torch.device("cpu")) in ("bf16", "fp32")
+    with pytest.raises(ValueError, match="tf32.*CUDA"):
+        resolve_mode("tf32", torch.device("cpu"))
+
+
+def test_early_stopping(small_config, tmp_path):
+    # lr so small the model cannot improve on validation between evaluations -> stops after `patience` evals.
+    cfg = small_config(train={"max_steps": 40, "eval_interval": 2, "early_stop_patience": 2,
+                              "early_stop_min_delta": 0.01},
+                       optim={"lr": 1e-9}, schedule={"warmup_steps": 0, "name": "constant"})
+    out = train(cfg, tmp_path / "run")
+    assert out["stop_reason"].startswith("early stop")
+    assert out["step"] == 6  # evals at 2 (best), 4 and 6 (no better by 0.01) -> stop

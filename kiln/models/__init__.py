@@ -4,9 +4,18 @@ from kiln.models.transformer import IGNORE_INDEX, Transformer
 
 
 def build_model(cfg: ModelConfig, device="cpu") -> Transformer:
-    """Build on `device`; pass device="meta" to inspect a large model without allocating it."""
+    """Build on `device`; pass device="meta" to inspect a large model without allocating it.
+
+    cfg.kernels "triton" (or "auto" on CUDA with Triton installed) swaps in the Triton kernels after construction.
+    """
+    cfg = cfg.resolve()
     with torch.device(device):
-        return Transformer(cfg.resolve())
+        model = Transformer(cfg)
+    if cfg.kernels != "torch":
+        from kiln.kernels.apply import apply_kernels  # Triton is imported only by models that ask for kernels
+
+        apply_kernels(model, cfg.kernels, device)
+    return model
 
 
 import torch  # noqa: E402

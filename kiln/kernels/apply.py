@@ -1,0 +1,83 @@
+"""Swap a built model's norms, activations, attention core, RoPE and loss for the Triton kernels.
+
+The model is edited from outside, submodule by submodule; torch and every other library stay untouched. The
+swapped modules hold the original Parameter objects, so optimizer state and state_dict keys do not change.
+Resolving model.kernels needs no Triton; the kernels are imported only when a swap is actually made.
+"""
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+import torch.nn as nn
+
+import kiln.kernels as ops
+from kiln.kernels.utils import interpret_env
+from kiln.models.transformer import IGNORE_INDEX, SDPA, LMLoss, RMSNorm, Rotary, SwiGLU
+
+BACKENDS = ("torch", "triton", "auto")
+
+
+def triton_available() -> bool:
+    return ops.HAS_TRITON
+
+
+def resolve_kernels(kernels: str, device: torch.device | str) -> str:
+    """"torch" or "triton" for model.kernels on `device`; explains the fix when Triton cannot run there."""
+    device = torch.device(device)
+    if kernels not in BACKENDS:
+        raise ValueError(f"model.kernels={kernels!r} is unknown; use one of {BACKENDS}")
+    if kernels == "torch":
+        return "torch"
+    if kernels == "auto":
+        return "triton" if device.type == "cuda" and triton_available() else "torch"
+    if not triton_available():
+        raise RuntimeError("model.kernels='triton' needs the triton package: pip install 'kiln[triton]' "
+                           "(or use model.kernels='auto', which falls back to torch)")
+    if device.type in ("cuda", "meta"):
+        return "triton"
+    if device.type == "cpu" and interpret_env():
+        return "triton"  # Triton's interpreter: numpy on the CPU, for tests (slow)
+    raise RuntimeError(f"model.kernels='triton' runs on CUDA; on {device.type} only through Triton's interpreter: "
+                       f"set TRITON_INTERPRET=1 in the environment before starting (slow, meant for tests), or "
+                       f"use model.kernels='auto' or 'torch'")
+
+
+def _gelu(m: nn.GELU) -> nn.Module | None:
+    return ops.GELU() if m.approximate == "tanh" else None  # the kernel is the tanh approximation only
+
+
+# The model's module type -> a kernel module doing the same, or None to leave that one alone. Exact types
+# only: a subclass may have changed forward. Entries look the kernels up when called, so this table exists
+# (and model.kernels resolves) without Triton.
+SWAPS: dict[type, Callable[[nn.Module], nn.Module | None]] = {
+    nn.LayerNorm: lambda m: ops.LayerNorm.from_torch(m),
+    RMSNorm: lambda m: ops.RMSNorm.from_torch(m),
+    nn.GELU: _gelu,
+    SwiGLU: lambda m: ops.SwiGLU(),
+    Rotary: lambda m: ops.RoPE(),
+    SDPA: lambda m: ops.FlashAttention(dropout=m.dropout, causal=True),
+    # LMLoss returns the SUM over valid targets: the trainer divides by the global batch's valid count.
+    LMLoss: lambda m: ops.FusedLinearCrossEntropyLoss(ignore_index=IGNORE_INDEX, reduction="sum"),
+}
+
+
+def apply_kernels(model: nn.Module, kernels: str = "triton", device: torch.device | str | None = None) -> list[str]:
+    """Swap `model`'s submodules for kernel modules when `kernels` resolves to "triton"; returns the swapped names.
+
+    device defaults to where the model's parameters are.
+    """
+    if device is None:
+        device = next(model.parameters()).device
+    if resolve_kernels(kernels, device) == "torch":
+        return []
+    swapped = []
+    for parent_name, parent in list(model.named_modules()):
+        for name, child in list(parent.named_children()):
+            make = SWAPS.get(type(child))
+            new = make(child) if make is not None else None
+            if new is not None:
+                new.train(child.training)
+                setattr(parent, name, new)
+                swapped.append(f"{parent_name}.{name}" if parent_name else name)
+    return swapped

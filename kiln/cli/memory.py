@@ -1,0 +1,118 @@
+"""`kiln memory [CONFIG.toml] [--section.key=value ...] [--device NAME] [--measure] [--json] [--out PNG]`."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from kiln.cli.common import add_config_arguments, config_from
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser("memory", help="predict (and measure) the memory of one training step, by component",
+                       description="Bytes of one training step of CONFIG: parameters, gradients, master weights, "
+                                   "optimizer state, activations, logits, temporaries, device overhead.")
+    add_config_arguments(p)
+    p.add_argument("--device", default="", help="device to predict for: H100, H200, A100-80GB, A100-40GB, V100-32GB, "
+                                                "L4, RTX 4090 or cpu (default: this machine's)")
+    p.add_argument("--measure", action="store_true", help="also run a few steps here and measure (saved tensors, "
+                                                          "peak, timeline; CUDA: allocator peaks and a snapshot)")
+    p.add_argument("--steps", type=int, default=3, help="steps to measure with --measure")
+    p.add_argument("--json", action="store_true", help="print JSON instead of the table")
+    p.add_argument("--out", default="memory.png", help="stacked bar chart PNG ('' = none)")
+    p.add_argument("--timeline", default="", help="timeline PNG of one step (default with --measure: "
+                                                  "memory-timeline.png)")
+
+
+def _device(name: str):
+    import torch
+
+    from kiln.memory.devices import get_device, local_device
+
+    if name:
+        return get_device(name)
+    return local_device(torch.device("cuda" if torch.cuda.is_available() else "cpu"))
+
+
+def run(args, overrides) -> int:
+    import torch
+
+    from kiln.memory.estimate import COMPONENTS, estimate, fmt_bytes, peak_allocated
+    from kiln.memory.levers import job_for
+    from kiln.memory.plots import breakdown_bar, timeline
+
+    cfg = config_from(args, overrides)
+    device = _device(args.device)
+    job = job_for(cfg, device)
+    b = estimate(job)
+    out = b.to_json()
+    measured = None
+    if args.measure:
+        from kiln.memory.measure import measure_step
+
+        here = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        if args.device and device.kind != here.type:
+            print(f"note: measuring on this machine's {here.type}, predicting for {device.name}")
+        snapshot = "memory-snapshot.pickle" if here.type == "cuda" else None
+        measured = measure_step(cfg, here, steps=args.steps, snapshot_path=snapshot)
+        out["measured"] = {k: v for k, v in measured.components.items()}
+        out["measured_peak_bytes"] = measured.peak_bytes
+        out["predicted_peak_allocated_bytes"] = peak_allocated(b)
+        if measured.reserved_bytes is not None:
+            out["measured_reserved_bytes"] = measured.reserved_bytes
+        if measured.rss_peak_bytes is not None:
+            out["measured_peak_rss_bytes"] = measured.rss_peak_bytes
+        if measured.snapshot:
+            out["snapshot"] = measured.snapshot
+    title = (f"{cfg.model.preset} ({job.model.arch}), {job.precision}, micro-batch {job.micro_batch}×{job.seq_len}"
+             f", recompute {cfg.memory.recompute}, {device.name}")
+    files = []
+    if args.out:
+        files.append(str(breakdown_bar(args.out, b.components, title, measured.components if measured else None,
+                                       capacity=device.memory, full_sizes=b.held(),
+                                       measured_peak=measured.peak_bytes if measured else None)))
+    timeline_path = args.timeline or ("memory-timeline.png" if args.measure else "")
+    if timeline_path:
+        files.append(str(timeline(timeline_path, b.first_timeline, b.timeline,
+                                  measured.timeline if measured else None, args.steps, title)))
+    if args.json:
+        print(json.dumps(out, indent=2))
+        return 0
+
+    print(title)
+    print(f"parameters: {b.param_count:,} | attention backend: {b.backend} | peak at: {b.peak_phase}")
+    held = b.held()
+    head = f"  {'component':<18}{'at peak':>12}{'full size':>12}" + (f"{'measured':>12}" if measured else "")
+    print(head)
+    for name in COMPONENTS:
+        line = f"  {name:<18}{fmt_bytes(b.components[name]):>12}"
+        line += f"{(fmt_bytes(held[name]) if name in held else '-'):>12}"
+        if measured:
+            meas = measured.components.get(name)
+            line += f"{(fmt_bytes(meas) if meas is not None else '-'):>12}"
+        print(line)
+    print(f"  {'total at peak':<18}{fmt_bytes(b.total_bytes):>12}   of {fmt_bytes(device.memory)} on {device.name}"
+          f" ({'fits' if b.total_bytes <= device.memory else 'does NOT fit'})")
+    saved = sum(b.activations_saved.values())
+    print(f"saved for backward over the whole forward: {fmt_bytes(saved)} "
+          f"({', '.join(f'{k} {fmt_bytes(v)}' for k, v in _top(b.activations_saved, 5))})")
+    if b.host:
+        print("host (pinned) memory: " + ", ".join(f"{k} {fmt_bytes(v)}" for k, v in b.host.items()))
+    print(f"first step peak: {fmt_bytes(b.first_step_peak)} (no optimizer state until its first update)")
+    if measured:
+        print(f"measured saved-for-backward: {fmt_bytes(measured.saved.total)} (predicted {fmt_bytes(saved)}, "
+              f"{100 * (saved / max(measured.saved.total, 1) - 1):+.2f}%)")
+        pk = peak_allocated(b)
+        print(f"measured peak: {fmt_bytes(measured.peak_bytes)} (predicted {fmt_bytes(pk)}, "
+              f"{100 * (pk / measured.peak_bytes - 1):+.2f}%) over steps "
+              + ", ".join(fmt_bytes(p) for p in measured.step_peaks))
+        if measured.rss_peak_bytes:
+            print(f"process peak RSS: {fmt_bytes(measured.rss_peak_bytes)} (Python, libraries and data included)")
+        if measured.snapshot:
+            print(f"CUDA memory snapshot: {measured.snapshot} (drag into https://pytorch.org/memory_viz)")
+    for f in files:
+        print(f"wrote {Path(f)}")
+    return 0
+
+
+def _top(d: dict, n: int):
+    return sorted(d.items(), key=lambda kv: -kv[1])[:n]

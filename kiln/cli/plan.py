@@ -1,0 +1,101 @@
+"""`kiln plan [CONFIG.toml] [overrides] --memory 24GiB [--global-batch-tokens N] [--device NAME] [--json]
+[--verify]`: the fastest configuration predicted to fit."""
+from __future__ import annotations
+
+import json
+
+from kiln.cli.common import add_config_arguments, config_from
+from kiln.config import ConfigError
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser("plan", help="search memory levers for the fastest configuration that fits",
+                       description="Search precision × micro-batch × accumulation × recompute × offload × 8-bit "
+                                   "optimizer × chunked loss for CONFIG; rank what fits by predicted step time.")
+    add_config_arguments(p)
+    p.add_argument("--memory", default="", help="memory to fit in, e.g. 24GiB or 80GB (default: the device's)")
+    p.add_argument("--global-batch-tokens", type=int, default=0,
+                   help="tokens per optimizer step (default: micro_batch_size × grad_accum_steps × seq_len)")
+    p.add_argument("--device", default="", help="H100, H200, A100-80GB, A100-40GB, V100-32GB, L4, RTX 4090 or cpu "
+                                                "(default: this machine's)")
+    p.add_argument("--top", type=int, default=10, help="rows of the ranked table")
+    p.add_argument("--json", action="store_true", help='print {"best": {...}, "candidates": [...]}')
+    p.add_argument("--verify", type=int, nargs="?", const=3, default=0, metavar="K",
+                   help="run a few steps of the top K candidates here and print predicted vs measured peak")
+
+
+def _row(i, c) -> str:
+    from kiln.memory.estimate import GiB
+
+    o, comp = c.overrides, c.breakdown.components
+    state = sum(comp[k] for k in ("parameters", "gradients", "master_weights", "optimizer_states"))
+    optim = o["optim.name"] + ("+host" if o["optim.offload"] != "none" else "")
+    rec = o["memory.recompute"] + ("*" if o["memory.recompute"] == "budget" else "")
+    return (f"{i:>3} {o['precision.mode']:<12}{o['train.micro_batch_size']:>4}×{o['train.grad_accum_steps']:<4}"
+            f"{rec:<11}{o['memory.offload_blocks']:<6}{optim:<15}{o['memory.chunked_loss'] or '-':>6}"
+            f"{state / GiB:>8.2f}{comp['activations'] / GiB:>8.2f}{(comp['logits'] + comp['temporaries']) / GiB:>8.2f}"
+            f"{c.total_bytes / GiB:>8.2f}{c.step_s:>10.4g}")
+
+
+def run(args, overrides) -> int:
+    from kiln.cli.memory import _device
+    from kiln.memory.estimate import fmt_bytes, parse_bytes
+    from kiln.memory.planner import search
+
+    cfg = config_from(args, overrides)
+    device = _device(args.device)
+    try:
+        memory = parse_bytes(args.memory) if args.memory else None
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+    plan = search(cfg, device, memory, args.global_batch_tokens)
+    if args.json:
+        out = plan.to_json()
+        if args.verify:
+            out["verify"] = _verify(cfg, plan, args.verify, quiet=True)
+        print(json.dumps(out, indent=2))
+        return 0 if plan.best else 1
+    print(f"{cfg.model.preset}: {plan.global_sequences} sequences × {plan.seq_len} tokens per step on {device.name}, "
+          f"{fmt_bytes(plan.memory)}: {plan.considered} configurations considered, {len(plan.candidates)} fit")
+    if not plan.best:
+        print(plan.shortfall())
+        return 1
+    print(f"{'#':>3} {'precision':<12}{'mb×acc':<9}{'recompute':<11}{'offl':<6}{'optimizer':<15}{'chunk':>6}"
+          f"{'state':>8}{'acts':>8}{'logit+t':>8}{'total':>8}{'step s':>10}   (GiB)")
+    for i, c in enumerate(plan.candidates[: args.top], 1):
+        print(_row(i, c))
+    best = plan.best
+    flags = " ".join(f"--{k}={v}" for k, v in best.overrides.items() if v not in ("", None))
+    print(f"recommended: kiln train {args.config or ''} {flags}".replace("  ", " "))
+    print(f"  or: kiln train --plan.memory={args.memory or fmt_bytes(plan.memory).replace(' ', '')}"
+          + (f" --plan.device={args.device}" if args.device else ""))
+    if args.verify:
+        _verify(cfg, plan, args.verify, quiet=False)
+    return 0
+
+
+def _verify(cfg, plan, k: int, quiet: bool) -> list[dict]:
+    """Train a few steps of the top k candidates on this machine: predicted vs measured peak and step time."""
+    import torch
+
+    from kiln.memory.estimate import fmt_bytes, peak_allocated
+    from kiln.memory.measure import measure_step
+    from kiln.memory.planner import with_overrides
+
+    here = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    rows = []
+    if not quiet:
+        what = "max_memory_allocated" if here.type == "cuda" else "live tensor bytes"
+        print(f"verify on {here.type} (3 steps each; peak = {what}):")
+    for i, c in enumerate(plan.candidates[:k], 1):
+        trial = with_overrides(cfg, c.overrides)
+        m = measure_step(trial, here, steps=3)
+        pred = peak_allocated(c.breakdown)
+        row = {"rank": i, "overrides": c.overrides, "predicted_peak_bytes": pred, "measured_peak_bytes": m.peak_bytes,
+               "predicted_step_s": c.step_s, "measured_step_s": min(m.step_seconds[1:] or m.step_seconds)}
+        rows.append(row)
+        if not quiet:
+            print(f"  #{i}: peak predicted {fmt_bytes(pred)}, measured {fmt_bytes(m.peak_bytes)} "
+                  f"({100 * (pred / m.peak_bytes - 1):+.1f}%); step predicted {c.step_s:.3g} s, measured "
+                  f"{row['measured_step_s']:.3g} s")
+    return rows

@@ -1,0 +1,163 @@
+"""AdamW with 8-bit, block-wise quantized moments, in plain PyTorch (CPU and GPU alike).
+
+Each moment of a parameter with at least MIN_8BIT elements is stored as one uint8 code per element plus one fp32
+scale per BLOCK elements: 1 + 4/256 bytes per element instead of 4, so AdamW's state drops from 8 to ≈2.03 bytes
+per parameter (3.94×). Smaller tensors (norm gains, biases) keep fp32 moments: they are a rounding error of the
+total and the most sensitive to quantization.
+
+Codes index a 256-entry dynamic-exponent codebook (the idea of Dettmers et al. 2022, "8-bit Optimizers via
+Block-wise Quantization"): values normalized by the block's absolute maximum fall in [-1, 1]; each decade below 1
+gets half the levels of the decade above it (64, 32, 16 ... for the signed first moment; 128, 64, ... for the
+non-negative second moment), so numbers near the block maximum keep ~1% resolution and numbers 10^-7 below it
+are still representable instead of rounding to zero — which would turn m / sqrt(v) into a division by ~eps.
+Encoding is a bucketize against the midpoints between codebook entries (round to nearest).
+
+The update dequantizes CHUNK elements at a time, so its fp32 temporaries stay bounded (≈16 bytes × CHUNK).
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+
+BLOCK = 256  # elements sharing one fp32 scale
+MIN_8BIT = 4096  # smaller tensors keep fp32 moments
+CHUNK = 1 << 20  # elements dequantized and updated at once (a multiple of BLOCK)
+
+
+def dynamic_codebook(signed: bool) -> torch.Tensor:
+    """Sorted fp32 codebook in [-1, 1] (signed, 255 entries) or [0, 1] (unsigned, 256 entries)."""
+    levels = [64, 32, 16, 8, 4, 2, 1] if signed else [128, 64, 32, 16, 8, 4, 2, 1]
+    mags = []
+    for e, n in enumerate(levels):
+        lo, hi = 10.0 ** -(e + 1), 10.0 ** -e
+        mags += [lo + (hi - lo) * (j + 1) / n for j in range(n)]
+    mags = sorted(mags)
+    values = ([-m for m in reversed(mags)] if signed else []) + [0.0] + mags
+    return torch.tensor(values, dtype=torch.float32)
+
+
+def state_bytes(numel: int) -> int:
+    """Bytes of this optimizer's state for one parameter tensor of `numel` elements."""
+    if numel < MIN_8BIT:
+        return 8 * numel
+    blocks = math.ceil(numel / BLOCK)
+    return 2 * (blocks * BLOCK + 4 * blocks)  # two moments: codes (padded to whole blocks) + one scale per block
+
+
+class _Codebook:
+    """Encode by arithmetic on the codebook's structure (a bucketize against 255 midpoints is ~10x slower on CPU):
+    the decade is floor(-log10|x|), the level inside it the nearest multiple of the decade's step."""
+
+    def __init__(self, signed: bool, device):
+        self.signed = signed
+        self.values = dynamic_codebook(signed).to(device)
+        levels = [64, 32, 16, 8, 4, 2, 1] if signed else [128, 64, 32, 16, 8, 4, 2, 1]
+        E = len(levels)
+        # offset[e]: how many magnitudes lie below decade e (decades are stored smallest first)
+        offsets = [sum(levels[e + 1:]) for e in range(E)]
+        self.E = E
+        lo = [10.0 ** -(e + 1) for e in range(E)]
+        step = [(10.0 ** -e - lo[e]) / n for e, n in enumerate(levels)]
+        lo[-1], step[-1] = 0.0, 10.0 ** -(E - 1)  # below the last (single) level comes 0, not 10^-E
+        self.lo = torch.tensor(lo, device=device)
+        self.step = torch.tensor(step, device=device)
+        self.offset = torch.tensor(offsets, dtype=torch.float32, device=device)
+        self.zero = (len(self.values) - 1) // 2 if signed else 0  # index of 0.0
+
+    def encode(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """x (n_blocks, BLOCK) fp32 -> (codes uint8, scale fp32 per block), rounding to the nearest entry."""
+        scale = x.abs().amax(dim=1).clamp_min(1e-30)
+        a = (x / scale[:, None]).abs_()
+        e = torch.floor(-torch.log10(a.clamp_min(1e-30))).clamp_(0, self.E - 1).long()
+        # magnitude index: -1 is zero, then the levels from smallest to largest
+        j = torch.round((a - self.lo[e]) / self.step[e]).clamp_(min=0) - 1 + self.offset[e]
+        j = j.clamp_(min=-1)
+        codes = (j + 1) * torch.sign(x) if self.signed else j + 1
+        return (codes + self.zero).to(torch.uint8), scale
+
+    def decode(self, codes: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+        return self.values[codes.long()] * scale[:, None]
+
+
+class AdamW8bit(torch.optim.Optimizer):
+    """Decoupled-weight-decay Adam whose moments are stored in 8 bits (see the module docstring)."""
+
+    def __init__(self, params, lr: float = 1e-3, betas=(0.9, 0.95), eps: float = 1e-8, weight_decay: float = 0.0):
+        if lr <= 0 or eps <= 0 or weight_decay < 0 or not all(0.0 <= b < 1.0 for b in betas):
+            raise ValueError("AdamW8bit: lr > 0, eps > 0, weight_decay ≥ 0 and betas in [0, 1) are required")
+        super().__init__(params, dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay))
+        self._codebooks: dict = {}
+
+    def _books(self, device):
+        if device not in self._codebooks:
+            self._codebooks[device] = (_Codebook(True, device), _Codebook(False, device))
+        return self._codebooks[device]
+
+    def _init_state(self, p):
+        n = p.numel()
+        if n < MIN_8BIT:
+            return {"step": 0.0, "exp_avg": torch.zeros(n, dtype=torch.float32, device=p.device),
+                    "exp_avg_sq": torch.zeros(n, dtype=torch.float32, device=p.device)}
+        blocks = math.ceil(n / BLOCK)
+        codes = torch.empty(blocks * BLOCK, dtype=torch.uint8, device=p.device)
+        signed, unsigned = self._books(p.device)
+        zero_m = int(torch.searchsorted(signed.values, torch.zeros(())))  # the code of 0.0
+        return {"step": 0.0, "m_codes": codes.fill_(zero_m), "m_scale": torch.zeros(blocks, device=p.device),
+                "v_codes": torch.zeros_like(codes), "v_scale": torch.zeros(blocks, device=p.device)}
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        for group in self.param_groups:
+            lr, (b1, b2), eps, wd = group["lr"], group["betas"], group["eps"], group["weight_decay"]
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                state = self.state[p]
+                if not state:
+                    state.update(self._init_state(p))
+                state["step"] += 1.0
+                t = state["step"]
+                bc1, bc2 = 1 - b1**t, 1 - b2**t
+                flat_p, flat_g = p.view(-1), p.grad.reshape(-1)
+                if "exp_avg" in state:
+                    m, v = state["exp_avg"], state["exp_avg_sq"]
+                    g = flat_g.float()
+                    m.mul_(b1).add_(g, alpha=1 - b1)
+                    v.mul_(b2).addcmul_(g, g, value=1 - b2)
+                    pf = flat_p.float()
+                    pf.mul_(1 - lr * wd).addcdiv_(m / bc1, (v / bc2).sqrt_().add_(eps), value=-lr)
+                    flat_p.copy_(pf)
+                    continue
+                self._update_quantized(flat_p, flat_g, state, lr, b1, b2, eps, wd, bc1, bc2)
+        return loss
+
+    def _update_quantized(self, flat_p, flat_g, state, lr, b1, b2, eps, wd, bc1, bc2):
+        signed, unsigned = self._books(flat_p.device)
+        n = flat_p.numel()
+        for start in range(0, n, CHUNK):
+            stop = min(start + CHUNK, n)
+            b0, b_end = start // BLOCK, math.ceil(stop / BLOCK)
+            padded = (b_end - b0) * BLOCK
+            g = torch.zeros(padded, dtype=torch.float32, device=flat_p.device)
+            g[: stop - start] = flat_g[start:stop]
+            g = g.view(-1, BLOCK)
+            m = signed.decode(state["m_codes"][b0 * BLOCK: b_end * BLOCK].view(-1, BLOCK), state["m_scale"][b0:b_end])
+            v = unsigned.decode(state["v_codes"][b0 * BLOCK: b_end * BLOCK].view(-1, BLOCK),
+                                state["v_scale"][b0:b_end])
+            m.mul_(b1).add_(g, alpha=1 - b1)
+            v.mul_(b2).addcmul_(g, g, value=1 - b2)
+            update = (m / bc1).div_((v / bc2).sqrt_().add_(eps)).view(-1)[: stop - start]
+            pf = flat_p[start:stop].float()
+            pf.mul_(1 - lr * wd).add_(update, alpha=-lr)
+            flat_p[start:stop].copy_(pf)
+            codes, scale = signed.encode(m)
+            state["m_codes"][b0 * BLOCK: b_end * BLOCK].copy_(codes.view(-1))
+            state["m_scale"][b0:b_end].copy_(scale)
+            codes, scale = unsigned.encode(v)
+            state["v_codes"][b0 * BLOCK: b_end * BLOCK].copy_(codes.view(-1))
+            state["v_scale"][b0:b_end].copy_(scale)

@@ -1,0 +1,612 @@
+"""Bytes of one training step, derived tensor by tensor from kiln's own model code.
+
+    estimate(job) -> Breakdown     components alive at the predicted peak, per-block activations, a timeline
+    job_from_config(cfg, device)   the Job (everything memory depends on) of a kiln Config on a device
+
+Every saved-for-backward tensor of `kiln/models/transformer.py` is listed in `_block_tensors` and `_head_tensors`
+with its size as a function of micro-batch B, sequence T, width d, heads H, kv-heads KV, head size hd, MLP width F,
+vocabulary V, the precision mode and the attention backend. `docs/memory.md` derives each line; the tests compare
+the sum with the bytes that torch.autograd.graph.saved_tensors_hooks sees, storage by storage.
+"""
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import dataclass, field
+
+from kiln.models.config import ModelConfig
+
+KiB, MiB, GiB = 1024, 1024**2, 1024**3
+_UNITS = {"": 1, "b": 1, "k": 1e3, "kb": 1e3, "m": 1e6, "mb": 1e6, "g": 1e9, "gb": 1e9, "t": 1e12, "tb": 1e12,
+          "kib": KiB, "mib": MiB, "gib": GiB, "tib": 1024**4}
+
+COMPONENTS = ("parameters", "gradients", "master_weights", "optimizer_states", "activations", "logits",
+              "weight_casts", "temporaries", "buffers", "device_overhead")
+
+
+def parse_bytes(text: str | int | float) -> int:
+    """'24GiB' -> 25769803776, '80GB' -> 8e10, '512MiB', '1.5e9' -> bytes."""
+    if isinstance(text, (int, float)):
+        return int(text)
+    m = re.fullmatch(r"\s*([0-9.]+(?:e[0-9]+)?)\s*([A-Za-z]*)\s*", str(text))
+    if not m or m.group(2).lower() not in _UNITS:
+        raise ValueError(f"cannot read {text!r} as a size; write it like 24GiB, 80GB or 512MiB")
+    return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
+
+
+def fmt_bytes(n: float) -> str:
+    for unit, size in (("GiB", GiB), ("MiB", MiB), ("KiB", KiB)):
+        if abs(n) >= size:
+            return f"{n / size:.2f} {unit}"
+    return f"{int(n)} B"
+
+
+# ---------------------------------------------------------------- numerics of the precision modes
+
+
+@dataclass(frozen=True)
+class Numerics:
+    """Bytes per element of each kind of tensor under one precision mode (kiln/train/precision.py)."""
+
+    param: int  # a parameter on the device
+    grad: int  # its .grad (same dtype as the parameter)
+    master: int  # fp32 master copy held by MasterWeights (bf16-master only)
+    residual: int  # the residual stream: block inputs and outputs, norm inputs
+    compute: int  # matmul outputs and what attention and the MLP make of them
+    autocast: bool  # linears see half-precision copies of their input and weight, made by autocast
+
+
+NUMERICS = {
+    "fp32": Numerics(4, 4, 0, 4, 4, False),
+    "tf32": Numerics(4, 4, 0, 4, 4, False),
+    "bf16": Numerics(4, 4, 0, 4, 2, True),  # autocast: fp32 parameters and residual, bf16 matmuls
+    "fp16": Numerics(4, 4, 0, 4, 2, True),
+    "bf16-master": Numerics(2, 2, 4, 2, 2, False),  # bf16 parameters and activations, fp32 masters beside them
+}
+
+
+@dataclass(frozen=True)
+class Target:
+    """What the device changes in the accounting."""
+
+    kind: str = "cpu"  # "cpu" | "cuda"
+    capability: float = 9.0  # CUDA compute capability: flash attention needs ≥ 8.0
+    context_bytes: int = 0  # outside the allocator: CUDA context and kernels (or the CPU process' baseline)
+    fragmentation: float = 0.0  # allowance between allocated and reserved memory, as a share of the peak
+
+    def mask_bytes(self, dtype_bytes: int) -> int:
+        # CUDA dropout is the fused native_dropout with a bool mask; CPU multiplies by a mask of the input dtype.
+        return 1 if self.kind == "cuda" else dtype_bytes
+
+    def layernorm_stat_bytes(self, dtype_bytes: int) -> int:
+        # mean and rstd: fp32 on CUDA whatever the input; the input's dtype on CPU.
+        return 4 if self.kind == "cuda" else dtype_bytes
+
+
+def attention_backend(cfg: ModelConfig, num: Numerics, target: Target) -> str:
+    """The SDPA kernel torch picks for kiln's attention core (causal, no mask) while training."""
+    if target.kind != "cuda":
+        return "math" if cfg.dropout > 0 else "flash"  # CPU flash kernel has no dropout
+    if num.compute == 2 and target.capability >= 8.0 and cfg.head_dim <= 256:
+        return "flash"
+    return "efficient" if cfg.n_kv_head == cfg.n_head else "math"  # mem-efficient kernel has no GQA
+
+
+# ---------------------------------------------------------------- the job
+
+
+@dataclass(frozen=True)
+class Job:
+    """Everything the bytes of a training step depend on."""
+
+    model: ModelConfig  # resolved, vocab_size known
+    micro_batch: int
+    seq_len: int
+    grad_accum: int = 1
+    precision: str = "fp32"  # concrete mode (not "auto")
+    target: Target = field(default_factory=Target)
+    attention: str = "auto"  # "auto" | "flash" | "efficient" | "math"
+    recompute: tuple[str, ...] = ()  # per block: "none" | "selective" | "full" | "seg" (inside a full segment)
+    offload: frozenset = frozenset()  # block indices whose saved tensors go to pinned host memory
+    chunked_loss: int = 0  # tokens per chunk of the LM head + cross-entropy; 0 = the whole [N x V] at once
+    optimizer: str = "adamw"  # "adamw" | "adam" | "sgd" | "adamw8bit"
+    sgd_momentum: float = 0.9
+    optimizer_offload: str = "none"  # "none" | "host" | "host-async"
+
+    @property
+    def num(self) -> Numerics:
+        return NUMERICS[self.precision]
+
+    @property
+    def backend(self) -> str:
+        return attention_backend(self.model, self.num, self.target) if self.attention == "auto" else self.attention
+
+    def policy(self, i: int) -> str:
+        return self.recompute[i] if self.recompute else "none"
+
+    def segments(self) -> list[tuple[int, int, str]]:
+        """Blocks grouped as recompute sees them: (first, last+1, policy); a "full" segment may span blocks."""
+        out, i, L = [], 0, self.model.n_layer
+        while i < L:
+            p = self.policy(i)
+            j = i + 1
+            if p == "full":
+                while j < L and self.policy(j) == "seg":
+                    j += 1
+            out.append((i, j, p))
+            i = j
+        return out
+
+
+def recompute_plan(policy: str, n_layer: int, every: int = 2) -> tuple[str, ...]:
+    """Per-block policies for the uniform policies (budget is solved in kiln.memory.recompute)."""
+    if policy in ("none", "full", "selective"):
+        return (policy,) * n_layer
+    if policy == "every_k":
+        if every < 1:
+            raise ValueError("memory.recompute_every must be ≥ 1")
+        return tuple("full" if i % every == 0 else "seg" for i in range(n_layer))
+    raise ValueError(f"no uniform plan for recompute policy {policy!r}")
+
+
+# ---------------------------------------------------------------- parameters
+
+
+def parameter_numels(cfg: ModelConfig) -> list[tuple[str, int]]:
+    """(name, numel) of every parameter tensor of Transformer(cfg), tied weights once, in model order."""
+    d, ff, hd, V = cfg.d_model, cfg.d_ff, cfg.head_dim, cfg.padded_vocab
+    gpt2 = cfg.arch == "gpt2"
+    bias = bool(cfg.bias) and gpt2
+    qkv = (cfg.n_head + 2 * cfg.n_kv_head) * hd
+    fc = ff if gpt2 else 2 * ff
+    out = [("embed.weight", V * d)]
+    if gpt2:
+        out.append(("pos_embed.weight", cfg.max_seq_len * d))
+
+    def norm(name):
+        return [(f"{name}.weight", d)] + ([(f"{name}.bias", d)] if bias else [])
+
+    def linear(name, n_in, n_out, with_bias):
+        return [(f"{name}.weight", n_in * n_out)] + ([(f"{name}.bias", n_out)] if with_bias else [])
+
+    for i in range(cfg.n_layer):
+        b = f"blocks.{i}"
+        out += norm(f"{b}.norm1") + linear(f"{b}.attn.qkv", d, qkv, bias)
+        out += linear(f"{b}.attn.proj", cfg.n_head * hd, d, bias) + norm(f"{b}.norm2")
+        out += linear(f"{b}.mlp.fc", d, fc, bool(cfg.bias) and gpt2) + linear(f"{b}.mlp.proj", ff, d,
+                                                                                bool(cfg.bias) and gpt2)
+    out += norm("norm")
+    if not cfg.tie_embeddings:
+        out.append(("head.weight", V * d))
+    return out
+
+
+def block_matmul_numel(cfg: ModelConfig) -> int:
+    """Weights one block multiplies by (what autocast copies to half precision)."""
+    d, hd = cfg.d_model, cfg.head_dim
+    fc = cfg.d_ff if cfg.arch == "gpt2" else 2 * cfg.d_ff
+    return d * (cfg.n_head + 2 * cfg.n_kv_head) * hd + cfg.n_head * hd * d + d * fc + cfg.d_ff * d
+
+
+def buffer_bytes(cfg: ModelConfig, num: Numerics) -> int:
+    """Non-parameter model state: the RoPE cos/sin tables (fp32; bf16 after .to(bf16) in bf16-master)."""
+    if cfg.arch == "gpt2":
+        return 0
+    return 2 * cfg.max_seq_len * (cfg.head_dim // 2) * (2 if num.param == 2 else 4)
+
+
+def optimizer_state_bytes(numels: list[int], optimizer: str, momentum: float = 0.9) -> int:
+    """Optimizer state for parameter tensors of these sizes (fp32 masters or parameters)."""
+    if optimizer in ("adamw", "adam"):
+        return sum(8 * n + 4 for n in numels)  # exp_avg, exp_avg_sq and a 4-byte `step` tensor each
+    if optimizer == "sgd":
+        return sum(4 * n for n in numels) if momentum > 0 else 0
+    if optimizer == "adamw8bit":
+        from kiln.memory.adam8bit import state_bytes
+
+        return sum(state_bytes(n) for n in numels)
+    raise ValueError(f"unknown optimizer {optimizer!r}")
+
+
+# ---------------------------------------------------------------- saved-for-backward tensors
+
+
+def _norm_tensors(cfg, N, num, target, name) -> dict[str, int]:
+    """What a norm saves for backward; the input is the residual stream."""
+    d, r = cfg.d_model, num.residual
+    if cfg.arch == "gpt2":  # nn.LayerNorm: input, mean, rstd
+        return {f"{name}.input": N * d * r, f"{name}.stats": 2 * N * target.layernorm_stat_bytes(r)}
+    # RMSNorm computes in fp32: x.float() (a copy when x is bf16), rsqrt per token, the normalized y;
+    # y * weight.float() keeps the fp32 weight (a copy when the weight is bf16).
+    out = {f"{name}.input": N * d * 4, f"{name}.stats": N * 4, f"{name}.normed": N * d * 4}
+    if num.param == 2:
+        out[f"{name}.weight_fp32"] = d * 4
+    return out
+
+
+def _attention_core(cfg, B, T, num, target, backend, rotary: bool) -> dict[str, int]:
+    H, KV, hd, c = cfg.n_head, cfg.n_kv_head, cfg.head_dim, num.compute
+    N = B * T
+    out = {}
+    if backend in ("flash", "efficient"):
+        # q, k, v are views of the qkv output; with RoPE, q and k are new tensors and only v's view keeps
+        # the qkv storage alive (all of it: q, k and v columns).
+        out["attn.qkv"] = N * (H + 2 * KV) * hd * c
+        if rotary:
+            out["attn.q_rot"] = N * H * hd * c
+            out["attn.k_rot"] = N * KV * hd * c
+        out["attn.out"] = N * H * hd * c
+        if rotary and target.kind != "cuda":
+            # CPU kernels write the output in q's layout; RoPE's q is a contiguous (B, H, T, hd) tensor, so
+            # (B, H, T, hd) -> (B, T, C) is a copy for the projection. CUDA kernels write (B, T, H, hd): a view.
+            out["attn.proj_input"] = N * H * hd * c
+        t_lse = T if backend == "flash" else 32 * math.ceil(T / 32)
+        out["attn.logsumexp"] = B * H * t_lse * 4
+        return out
+    # math backend: q, k, v upcast to fp32 and (k, v) expanded to H heads; q·scale and k·scale are copies, v is
+    # made contiguous; the probabilities are kept (and with dropout: the mask and the dropped probabilities).
+    out["attn.qk_scaled"] = 2 * B * H * T * hd * 4
+    out["attn.v"] = B * H * T * hd * 4
+    out["attn.probs"] = B * H * T * T * 4
+    if cfg.dropout > 0:
+        out["attn.dropout_mask"] = B * H * T * T * target.mask_bytes(4)
+        out["attn.dropped_probs"] = B * H * T * T * 4
+    out["attn.out"] = N * H * hd * c  # (B, H, T, hd) -> (B, T, C) copy fed to the projection
+    return out
+
+
+def _block_tensors(cfg: ModelConfig, B: int, T: int, num: Numerics, target: Target, backend: str) -> dict[str, int]:
+    """Every tensor one block saves for backward without recomputation: {kind: bytes}."""
+    N, d, F, c = B * T, cfg.d_model, cfg.d_ff, num.compute
+    llama = cfg.arch == "llama"
+    t = {}
+    t.update(_norm_tensors(cfg, N, num, target, "norm1"))
+    t["attn.qkv_input"] = N * d * c  # fp32: the norm output; autocast: its half copy; bf16-master: the output
+    if llama and num.autocast:
+        t["attn.rope_tables"] = 4 * T * (cfg.head_dim // 2) * c  # cos, sin cast to bf16, per q and per k call
+    t.update(_attention_core(cfg, B, T, num, target, backend, rotary=llama))
+    if cfg.dropout > 0:
+        t["resid.dropout_masks"] = 2 * N * d * target.mask_bytes(c)
+    t.update(_norm_tensors(cfg, N, num, target, "norm2"))
+    t["mlp.fc_input"] = N * d * c
+    if llama:
+        t["mlp.gate_up"] = N * 2 * F * c  # silu(gate) and the product keep the fc output's storage
+        t["mlp.silu_out"] = N * F * c
+    else:
+        t["mlp.act_input"] = N * F * c  # GELU saves its input (the fc output)
+    t["mlp.proj_input"] = N * F * c
+    if num.autocast:
+        t["weight_casts"] = 2 * block_matmul_numel(cfg)
+    if llama:  # RMSNorm's fp32 copies of a bf16 weight are weight copies too
+        w = t.pop("norm1.weight_fp32", 0) + t.pop("norm2.weight_fp32", 0)
+        if w:
+            t["weight_casts"] = t.get("weight_casts", 0) + w
+    return {k: v for k, v in t.items() if v}
+
+
+def _selective_tensors(cfg: ModelConfig, B: int, T: int, num: Numerics) -> dict[str, int]:
+    """Selective recompute keeps the block input and every matmul output; the rest is recomputed."""
+    N, d, F, hd, c = B * T, cfg.d_model, cfg.d_ff, cfg.head_dim, num.compute
+    fc = F if cfg.arch == "gpt2" else 2 * F
+    return {
+        "block_input": N * d * num.residual,
+        "attn.qkv": N * (cfg.n_head + 2 * cfg.n_kv_head) * hd * c,
+        "attn.proj_out": N * d * c,
+        "mlp.fc_out": N * fc * c,
+        "mlp.proj_out": N * d * c,
+    }
+
+
+def _embed_tensors(cfg: ModelConfig, B: int, T: int, num: Numerics, target: Target) -> dict[str, int]:
+    N = B * T
+    t = {"embed.token_ids": N * 8}
+    if cfg.arch == "gpt2":
+        t["embed.positions"] = T * 8
+    if cfg.dropout > 0:
+        t["embed.dropout_mask"] = N * cfg.d_model * target.mask_bytes(num.residual)
+    return t
+
+
+def _head_tensors(cfg: ModelConfig, B: int, T: int, num: Numerics, target: Target, chunk: int) -> dict[str, int]:
+    """Final norm and the loss. 'logits' is the [N x V] fp32 log-softmax output cross-entropy keeps."""
+    N, d, V, c = B * T, cfg.d_model, cfg.padded_vocab, num.compute
+    t = _norm_tensors(cfg, N, num, target, "norm")
+    w = t.pop("norm.weight_fp32", 0)
+    t["loss.input"] = N * d * c
+    t["loss.targets"] = N * 8
+    if chunk:
+        t["loss.logsumexp"] = N * 4
+    else:
+        t["logits"] = N * V * 4
+        t["loss.total_weight"] = 4
+        if num.autocast:
+            w += 2 * V * d
+    if w:
+        t["weight_casts"] = w
+    return t
+
+
+# ---------------------------------------------------------------- transients (not saved, alive for a moment)
+
+
+def _loss_transients(cfg: ModelConfig, N: int, num: Numerics, chunk: int) -> tuple[int, int]:
+    """(forward, backward) peak bytes of the loss' temporaries, beyond what it saves."""
+    V, d, c = cfg.padded_vocab, cfg.d_model, num.compute
+    if chunk:
+        n = min(chunk, N)
+        cast = V * d * c if c != num.param else 0  # the head weight in the compute dtype
+        fwd = n * V * (c + 4 + 4) + cast  # chunk logits, their fp32 copy, exp() inside logsumexp
+        # beside fp32 grad_W, the weight's half copy and grad_h: either a chunk's logits (half, then fp32) or the
+        # chunk's half softmax gradient with its (V, d) product, whichever is larger
+        bwd = max(n * V * (c + 4), n * V * c + V * d * c) + V * d * 4 + cast + N * d * c
+        return fwd, bwd
+    fwd = N * V * c + (N * V * 4 if c == 2 else 0)  # matmul output and its fp32 copy (log-probs are saved)
+    bwd = 2 * N * V * 4  # grad of log-probs and grad of logits, beside the saved log-probs
+    return fwd, bwd
+
+
+def _block_grad_transient(cfg: ModelConfig, N: int, num: Numerics) -> int:
+    """Bytes beyond the saved tensors when a block's backward peaks, at the MLP output projection: the gradient
+    of the block output (and its half copy under autocast), the gradient of the projection's input (SwiGLU: with
+    the (N, 2F) gate/up gradient that follows it) and the projection's weight gradient (half, then fp32)."""
+    d, F, c, r = cfg.d_model, cfg.d_ff, num.compute, num.residual
+    wide = 3 * F if cfg.arch == "llama" else F
+    grad_w = F * d * (c + 4 if num.autocast else num.grad)
+    return N * d * (r + (c if num.autocast else 0)) + N * wide * c + grad_w
+
+
+# ---------------------------------------------------------------- the step
+
+
+@dataclass
+class Breakdown:
+    job: Job
+    param_count: int
+    components: dict[str, int]  # bytes alive on the device at the predicted peak
+    total_bytes: int
+    peak_phase: str
+    host: dict[str, int]  # pinned host memory (offloaded activations, host optimizer)
+    activations_saved: dict[str, int]  # every saved-for-backward kind summed over the model (device and host)
+    per_block: list[dict[str, int]]  # saved bytes per block as kept during forward
+    model_state: dict[str, int]  # parameters, gradients, master_weights, optimizer_states (+ buffers) after a step
+    timeline: list[tuple[str, dict[str, int]]]  # (event, live bytes per component): a later step
+    first_timeline: list[tuple[str, dict[str, int]]]  # the first step (no optimizer state until its update)
+    first_step_peak: int
+    backend: str
+    recompute_flops: float  # extra forward FLOPs per micro-batch spent recomputing
+
+    def held(self) -> dict[str, int]:
+        """Each component at its full size over the step (model state after an update, everything saved by the
+        forward), i.e. what a measurement counts; temporaries and overhead have no such size."""
+        out = dict(self.model_state)
+        out.update(_split(self.activations_saved))
+        return out
+
+    def to_json(self) -> dict:
+        return {"param_count": self.param_count, "components": dict(self.components), "total_bytes": self.total_bytes,
+                "peak_phase": self.peak_phase, "host": dict(self.host), "attention_backend": self.backend,
+                "first_step_peak_bytes": self.first_step_peak}
+
+
+def saved_tensors(job: Job) -> tuple[dict[str, int], list[dict[str, int]], dict[str, int]]:
+    """(embedding, per block, head) saved-for-backward bytes by kind, as held between forward and backward."""
+    cfg, B, T, num, tgt = job.model, job.micro_batch, job.seq_len, job.num, job.target
+    full_block = _block_tensors(cfg, B, T, num, tgt, job.backend)
+    blocks = []
+    for i in range(cfg.n_layer):
+        p = job.policy(i)
+        if p == "none":
+            blocks.append(dict(full_block))
+        elif p == "selective":
+            blocks.append(_selective_tensors(cfg, B, T, num))
+        elif p == "full":
+            blocks.append({"block_input": B * T * cfg.d_model * num.residual})
+        else:  # inside a full segment: nothing kept
+            blocks.append({})
+    return _embed_tensors(cfg, B, T, num, tgt), blocks, _head_tensors(cfg, B, T, num, tgt, job.chunked_loss)
+
+
+def _split(kinds: dict[str, int]) -> dict[str, int]:
+    """Saved kinds -> breakdown components."""
+    out = {"activations": 0, "logits": 0, "weight_casts": 0}
+    for k, v in kinds.items():
+        out["logits" if k == "logits" else "weight_casts" if k == "weight_casts" else "activations"] += v
+    return out
+
+
+def block_flops(cfg: ModelConfig, B: int, T: int, causal_kernel: bool) -> tuple[float, float]:
+    """(matmul, attention-core) forward FLOPs of one block."""
+    N = B * T
+    matmul = 2 * N * block_matmul_numel(cfg)
+    attn = 4 * B * cfg.n_head * T * T * cfg.head_dim * (0.5 if causal_kernel else 1.0)
+    return matmul, attn
+
+
+def estimate(job: Job) -> Breakdown:
+    cfg, num, tgt = job.model, job.num, job.target
+    B, T, L = job.micro_batch, job.seq_len, cfg.n_layer
+    N = B * T
+    numels = parameter_numels(cfg)
+    n_params = sum(n for _, n in numels)
+    host_opt = job.optimizer_offload != "none"
+    P = n_params * num.param
+    G = n_params * num.grad
+    M = 0 if host_opt else n_params * num.master
+    S = 0 if host_opt else optimizer_state_bytes([n for _, n in numels], job.optimizer, job.sgd_momentum)
+    MG = 0 if host_opt else (n_params * 4 if num.master else 0)  # fp32 gradients on the masters during the step
+    buffers = buffer_bytes(cfg, num)
+    host = {}
+    if host_opt:
+        host = {"master_weights": n_params * 4, "gradients": n_params * 4,
+                "optimizer_states": optimizer_state_bytes([n for _, n in numels], job.optimizer, job.sgd_momentum)}
+
+    embed, blocks, head = saved_tensors(job)
+    full_block = _block_tensors(cfg, B, T, num, tgt, job.backend)
+    offloaded = {i for i in job.offload if 0 <= i < L and job.policy(i) == "none"} if tgt.kind == "cuda" else set()
+    device_blocks = [({} if i in offloaded else b) for i, b in enumerate(blocks)]
+    if offloaded:
+        host["activations"] = sum(sum(blocks[i].values()) for i in offloaded)
+
+    all_saved: dict[str, int] = {}
+    for part in [embed, head, *blocks]:
+        for k, v in part.items():
+            all_saved[k] = all_saved.get(k, 0) + v
+
+    # Per-block parameter gradients (created during the first micro-batch's backward).
+    block_params = {}
+    for name, n in numels:
+        key = int(name.split(".")[1]) if name.startswith("blocks.") else name.split(".")[0]
+        block_params[key] = block_params.get(key, 0) + n
+    head_params = block_params.get("head", 0) + block_params.get("norm", 0)
+    embed_params = block_params.get("embed", 0) + block_params.get("pos_embed", 0)
+    tied_head = cfg.padded_vocab * cfg.d_model if cfg.tie_embeddings else 0
+
+    casts_cached = 2 * block_matmul_numel(cfg) if num.autocast else 0  # autocast's cache during forward
+    loss_fwd, loss_bwd = _loss_transients(cfg, N, num, job.chunked_loss)
+    grad_tmp = _block_grad_transient(cfg, N, num)
+    selective = _selective_tensors(cfg, B, T, num)
+    work_full = sum(full_block.values()) - full_block.get("weight_casts", 0)
+    # Forward of one block: the residual stream, its half copy and the widest MLP tensors (SwiGLU: gate/up,
+    # silu, product) are alive together; a block that keeps nothing frees them as it goes.
+    wide = 4 * cfg.d_ff if cfg.arch == "llama" else 2 * cfg.d_ff
+    fwd_tmp = N * (cfg.d_model * (num.residual + num.compute) + wide * num.compute)
+    mm_flops, attn_flops = block_flops(cfg, B, T, job.backend != "math")
+
+    def simulate(first_step: bool, accumulating: bool):
+        """Walk one micro-batch and the optimizer step; return [(event, components)]."""
+        events = []
+        state = {"parameters": P, "buffers": buffers, "master_weights": M,
+                 "optimizer_states": 0 if first_step else S,
+                 "gradients": G if accumulating else 0}
+        live = {"activations": 0, "logits": 0, "weight_casts": 0}
+        cache = 0
+
+        def snap(name, temporaries=0, extra_casts=0):
+            comp = {**state, **live, "temporaries": temporaries}
+            comp["weight_casts"] += extra_casts
+            events.append((name, comp))
+
+        def add(kinds, sign=1):
+            for k, v in _split(kinds).items():
+                live[k] += sign * v
+
+        add(embed)
+        snap("forward: embeddings")
+        for i in range(L):
+            add(device_blocks[i])
+            recomputed = job.policy(i) != "none"
+            if (recomputed or i in offloaded) and num.autocast:
+                cache += casts_cached  # not saved on the device, but in autocast's cache until forward ends
+            snap(f"forward: block {i}", temporaries=fwd_tmp if recomputed else N * cfg.d_model * 4, extra_casts=cache)
+        add(head)
+        snap("forward: loss", temporaries=loss_fwd, extra_casts=cache)
+        snap("forward: end", extra_casts=cache)
+        cache = 0  # autocast exits before backward
+        snap("backward: loss", temporaries=loss_bwd)
+        add(head, sign=-1)
+        if not accumulating:
+            state["gradients"] += (head_params + tied_head) * num.grad
+        snap("backward: head", temporaries=N * cfg.d_model * (num.compute + num.residual)
+             + cfg.padded_vocab * cfg.d_model * (num.compute + 4 if num.autocast else 0))
+        for first, stop, policy in reversed(job.segments()):
+            # Recomputing a segment brings back what its blocks would have saved (selective: minus what it kept).
+            per_block_work = {"none": 0, "full": work_full, "selective": work_full - sum(selective.values())}[policy]
+            work = (stop - first) * per_block_work
+            for i in reversed(range(first, stop)):
+                casts = 2 * block_matmul_numel(cfg) if (num.autocast and policy != "none") else 0
+                snap(f"backward: block {i}", temporaries=work + grad_tmp, extra_casts=casts)
+                if not accumulating:
+                    state["gradients"] += block_params.get(i, 0) * num.grad
+                add(device_blocks[i], sign=-1)
+                work -= per_block_work
+        add(embed, sign=-1)
+        if not accumulating:
+            state["gradients"] += (embed_params - tied_head) * num.grad  # a tied embedding got its grad at the head
+        # a tied embedding's dense gradient is made, then added to the head's: a second V x d for a moment
+        snap("backward: embeddings", temporaries=tied_head * num.grad)
+        # optimizer step (after the last micro-batch): bf16-master moves gradients to fp32 masters first
+        if num.master and not host_opt:
+            state["gradients"] = MG
+        state["optimizer_states"] = S
+        step_tmp = 0
+        if job.optimizer == "adamw8bit" and not host_opt:
+            from kiln.memory.adam8bit import CHUNK
+
+            step_tmp = min(max(n for _, n in numels), CHUNK) * 16
+        snap("optimizer step", temporaries=step_tmp)
+        return events
+
+    steady = simulate(first_step=False, accumulating=job.grad_accum > 1)
+    first = simulate(first_step=True, accumulating=job.grad_accum > 1)
+    if job.grad_accum > 1:  # the first micro-batch of a step has no gradients yet; its peak can differ
+        steady = simulate(first_step=False, accumulating=False)[:-1] + steady
+        first = simulate(first_step=True, accumulating=False)[:-1] + first
+    peak_name, peak = max(steady, key=lambda e: sum(e[1].values()))
+    allocated = sum(peak.values())
+    overhead = tgt.context_bytes + int(tgt.fragmentation * allocated)
+    components = {k: int(peak.get(k, 0)) for k in COMPONENTS if k != "device_overhead"}
+    components["device_overhead"] = overhead
+    first_peak = max(sum(e[1].values()) for e in first)
+
+    recompute = 0.0
+    for first_blk, stop, policy in job.segments():
+        n = stop - first_blk
+        if policy == "full":
+            recompute += n * (mm_flops + attn_flops)
+        elif policy == "selective":
+            recompute += n * attn_flops
+    model_state = {"parameters": P, "gradients": G, "master_weights": M, "optimizer_states": S, "buffers": buffers}
+    return Breakdown(job=job, param_count=n_params, components=components, total_bytes=sum(components.values()),
+                     peak_phase=peak_name, host=host, activations_saved=all_saved,
+                     per_block=[dict(b) for b in blocks], model_state=model_state, timeline=steady,
+                     first_timeline=first,
+                     first_step_peak=first_peak, backend=job.backend, recompute_flops=recompute)
+
+
+def peak_allocated(b: Breakdown) -> int:
+    """Predicted peak of the allocator (what torch.cuda.max_memory_allocated reports): no context, no slack."""
+    return b.total_bytes - b.components["device_overhead"]
+
+
+# ---------------------------------------------------------------- classic cross-checks (docs/memory.md)
+
+
+def korthikanti_layer_bytes(s: int, b: int, h: int, a: int) -> int:
+    """Activation bytes per layer of a GPT block with 16-bit activations, 1-byte dropout masks, attention scores
+    materialized (Korthikanti et al. 2022, eq. 2): s·b·h·(34 + 5·a·s/h)."""
+    return s * b * h * 34 + 5 * a * s * s * b
+
+
+def textbook_layer_bytes(s: int, b: int, h: int, a: int) -> int:
+    """kiln's GPT-2 block under the paper's assumptions, from `_block_tensors`: every activation 16-bit on CUDA
+    (mask 1 byte), the math attention path without its fp32 upcast, LayerNorm statistics left out."""
+    cfg = ModelConfig(preset="gpt2-124m", n_layer=1, n_head=a, d_model=h, dropout=0.1).resolve()
+    num = NUMERICS["bf16-master"]
+    t = _block_tensors(cfg, b, s, num, Target("cuda"), "math")
+    t = {k: v for k, v in t.items() if not k.endswith(".stats")}
+    # The paper's attention core keeps its q, k, v, probabilities and dropped probabilities in 16 bits;
+    # torch's math backend upcasts them to fp32, so halve those five.
+    for k in ("attn.qk_scaled", "attn.v", "attn.probs", "attn.dropped_probs"):
+        t[k] //= 2
+    return sum(t.values())
+
+
+BYTES_PER_PARAM = {
+    # Model-state bytes per parameter (weights, gradients, fp32 masters, Adam m and v).
+    "fp32": 4 + 4 + 0 + 8,
+    "mixed": 2 + 2 + 4 + 8,  # half weights and gradients, fp32 masters and Adam
+    "mixed+fp32-grad-accum": 2 + 2 + 4 + 8 + 4,  # plus an fp32 gradient accumulation buffer
+}
+
+
+def model_state_table(sizes=(1e9, 7e9, 70e9)) -> list[tuple[float, int, int, int]]:
+    """(parameters, fp32 bytes, mixed bytes, mixed with fp32 grad accumulation bytes) per model size."""
+    return [(n, int(n * BYTES_PER_PARAM["fp32"]), int(n * BYTES_PER_PARAM["mixed"]),
+             int(n * BYTES_PER_PARAM["mixed+fp32-grad-accum"])) for n in sizes]
+
+
+def kiln_bytes_per_param(precision: str, optimizer: str = "adamw") -> int:
+    """Model-state bytes per parameter kiln holds during backward (Adam state included; step tensors excluded)."""
+    num = NUMERICS[precision]
+    state = {"adamw": 8, "adam": 8, "sgd": 4}[optimizer]
+    return num.param + num.grad + num.master + state

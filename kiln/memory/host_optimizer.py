@@ -1,0 +1,157 @@
+"""Optimizer state on the host for a single device: fp32 master weights, gradients and Adam state in (pinned)
+CPU memory, the update computed by the CPU, so a model whose Adam state does not fit on the device still trains.
+
+The device keeps only the parameters and their gradients (4 + 4 bytes per parameter in fp32/autocast modes,
+2 + 2 in bf16-master) instead of 16. Each step copies the gradients device→host, runs the inner optimizer
+(fused CPU AdamW, or AdamW8bit) on the fp32 masters and copies the masters back into the parameters.
+
+mode "host": the step waits for the update; numerics equal the inner optimizer run on the device.
+mode "host-async": the update of step t runs on a host thread while step t+1's forward and backward run on the
+device, and is copied into the parameters at the start of step t+2's update (ZeRO-Offload's one-step delayed
+parameter update): parameters are one update stale, in exchange the host update costs no device time. Call
+`flush()` (state_dict does) to apply the pending update.
+"""
+from __future__ import annotations
+
+import threading
+from dataclasses import replace
+
+import torch
+
+
+class HostOptimizer(torch.optim.Optimizer):
+    """Looks like an optimizer over the device parameters; holds the real one (`inner`) over host masters."""
+
+    def __init__(self, groups: list[dict], cfg, mode: str = "host"):
+        if mode not in ("host", "host-async"):
+            raise ValueError(f"optimizer offload mode {mode!r}; use 'host' or 'host-async'")
+        from kiln.train.optim import build_optimizer
+
+        groups = [g for g in groups if g["params"]]
+        super().__init__(groups, dict(lr=cfg.lr))
+        self.mode = mode
+        self.pairs: list[tuple[torch.Tensor, torch.Tensor]] = []
+        host_groups = []
+        for g in self.param_groups:
+            masters = []
+            for p in g["params"]:
+                pin = p.device.type == "cuda"
+                m = torch.empty(p.shape, dtype=torch.float32, pin_memory=pin)
+                m.copy_(p.detach())
+                m.grad = torch.zeros(p.shape, dtype=torch.float32, pin_memory=pin)
+                masters.append(m)
+                self.pairs.append((p, m))
+            host_groups.append({k: v for k, v in g.items() if k != "params"} | {"params": masters})
+        self.inner = build_optimizer(host_groups, replace(cfg, offload="none"))
+        self._thread: threading.Thread | None = None
+        self._pending = False  # an update finished on the host and not yet copied to the device
+        self._error: BaseException | None = None
+
+    # ------------------------------------------------------------ the step
+
+    def _sync_hyperparameters(self):
+        for mine, inner in zip(self.param_groups, self.inner.param_groups):
+            for key, value in mine.items():
+                if key != "params" and key in inner:
+                    inner[key] = value
+
+    def _grads_to_host(self):
+        for p, m in self.pairs:
+            if p.grad is None:
+                m.grad.zero_()
+            else:
+                m.grad.copy_(p.grad, non_blocking=True)
+        done = None
+        if any(p.device.type == "cuda" for p, _ in self.pairs):
+            done = torch.cuda.Event()
+            done.record()
+        return done
+
+    @torch.no_grad()
+    def _masters_to_device(self):
+        for p, m in self.pairs:
+            p.copy_(m, non_blocking=True)
+        if any(p.device.type == "cuda" for p, _ in self.pairs):
+            copied = torch.cuda.Event()
+            copied.record()
+            return copied
+        return None
+
+    def _host_update(self, wait_for):
+        try:
+            for event in wait_for:
+                if event is not None:
+                    event.synchronize()
+            self.inner.step()
+        except BaseException as e:  # re-raised on the training thread
+            self._error = e
+
+    def _join(self):
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+        if self._error is not None:
+            error, self._error = self._error, None
+            raise error
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        if closure is not None:
+            raise ValueError("HostOptimizer.step does not take a closure")
+        self._sync_hyperparameters()
+        if self.mode == "host":
+            grads_ready = self._grads_to_host()
+            if grads_ready is not None:
+                grads_ready.synchronize()
+            self.inner.step()
+            self._masters_to_device()
+            return None
+        # host-async: publish the previous update, then start this one on a host thread.
+        self._join()
+        copied = self._masters_to_device() if self._pending else None
+        grads_ready = self._grads_to_host()
+        self._thread = threading.Thread(target=self._host_update, args=([copied, grads_ready],), daemon=True)
+        self._thread.start()
+        self._pending = True
+        return None
+
+    def flush(self) -> None:
+        """Apply a pending host update to the device parameters (host-async)."""
+        self._join()
+        if self._pending:
+            self._masters_to_device()
+            self._pending = False
+            if any(p.device.type == "cuda" for p, _ in self.pairs):
+                torch.cuda.synchronize()
+
+    def close(self) -> None:
+        self.flush()
+
+    def zero_grad(self, set_to_none: bool = True):
+        for p, _ in self.pairs:
+            if set_to_none:
+                p.grad = None
+            elif p.grad is not None:
+                p.grad.zero_()
+
+    # ------------------------------------------------------------ checkpoints
+
+    def state_dict(self):
+        self.flush()
+        return {"inner": self.inner.state_dict(), "masters": [m.detach().clone() for _, m in self.pairs],
+                "mode": self.mode}
+
+    @torch.no_grad()
+    def load_state_dict(self, state):
+        self.flush()
+        self.inner.load_state_dict(state["inner"])
+        for (p, m), saved in zip(self.pairs, state["masters"]):
+            m.copy_(saved)
+            p.copy_(m)
+
+    def host_bytes(self) -> int:
+        """Host memory this optimizer holds: masters, their gradients and the inner optimizer's state."""
+        total = sum(2 * m.numel() * 4 for _, m in self.pairs)
+        for state in self.inner.state.values():
+            total += sum(v.numel() * v.element_size() for v in state.values() if isinstance(v, torch.Tensor))
+        return total

@@ -1,0 +1,158 @@
+"""The `memory` config section and what it turns on, applied to a built model from outside.
+
+    MemoryConfig                         recompute, offload, chunked loss keys
+    job_for(cfg, device)                 the estimator's Job for a whole Config on a Device
+    apply_levers(model, cfg.memory, job) recompute + activation offload + chunked loss on a built model
+    apply_memory_config(model, cfg, dev)  the same from a Config, as kiln train calls it
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+import torch
+
+from kiln.memory.estimate import Job, parse_bytes
+from kiln.memory.offload import apply_offload, parse_blocks
+from kiln.memory.recompute import POLICIES, apply_recompute, plan_for
+
+
+@dataclass
+class MemoryConfig:
+    """The `memory` section."""
+
+    recompute: str = "none"  # activation recomputation: none | full | every_k | selective | budget
+    recompute_every: int = 2  # every_k: blocks per checkpointed segment (one checkpoint per k blocks)
+    recompute_budget: str = ""  # budget: bytes saved activations may take, e.g. 6GiB (least recompute FLOPs)
+    offload_blocks: str = "none"  # blocks whose saved activations go to pinned host memory: none | all | 0-5 | 0,2,4
+    chunked_loss: int = 0  # tokens per chunk of LM head + cross-entropy (0: off); never makes [tokens x vocab] fp32
+
+    def validate(self):
+        if self.recompute not in POLICIES:
+            from kiln.config import closest
+
+            hint = closest(self.recompute, POLICIES)
+            raise ValueError(f"memory.recompute={self.recompute!r} is unknown" + (f"; did you mean {hint!r}?" if hint
+                                                                                   else "") + f" Use one of {POLICIES}")
+        if self.recompute_every < 1:
+            raise ValueError(f"memory.recompute_every must be ≥ 1, got {self.recompute_every}")
+        if self.recompute == "budget" and not self.recompute_budget:
+            raise ValueError("memory.recompute='budget' needs memory.recompute_budget, e.g. "
+                             "--memory.recompute_budget=6GiB")
+        if self.recompute_budget:
+            parse_bytes(self.recompute_budget)
+        if self.chunked_loss < 0:
+            raise ValueError(f"memory.chunked_loss must be ≥ 0 (0 = off), got {self.chunked_loss}")
+        parse_blocks(self.offload_blocks, 10**9)
+
+
+def resolved_model(cfg):
+    """The model section resolved, with the tokenizer's vocabulary when model.vocab_size is 0."""
+    model = cfg.model.resolve()
+    if model.vocab_size == 0:
+        model.vocab_size = 256 if cfg.data.tokenizer == "bytes" else cfg.data.vocab_size
+    return model
+
+
+def precision_for(mode: str, device) -> str:
+    """Concrete precision of `mode` on a Device from kiln.memory.devices (auto: bf16 where supported)."""
+    if mode == "auto":
+        if device.kind == "cpu":
+            return "bf16" if "bf16" in device.peak_flops else "fp32"
+        return "bf16" if device.capability >= 8.0 else "fp32"
+    if not device.supports(mode):
+        raise ValueError(f"precision.mode={mode!r} does not run on {device.name}")
+    return mode
+
+
+def job_for(cfg, device, recompute_plan: tuple[str, ...] | None = None) -> Job:
+    """The estimator's Job for a Config on a Device (kiln.memory.devices.Device)."""
+    model = resolved_model(cfg)
+    job = Job(model=model, micro_batch=cfg.train.micro_batch_size, seq_len=cfg.data.seq_len,
+              grad_accum=cfg.train.grad_accum_steps, precision=precision_for(cfg.precision.mode, device),
+              target=device.target, offload=parse_blocks(cfg.memory.offload_blocks, model.n_layer),
+              chunked_loss=cfg.memory.chunked_loss, optimizer=cfg.optim.name, sgd_momentum=cfg.optim.momentum,
+              optimizer_offload=cfg.optim.offload)
+    if recompute_plan is None:
+        m = cfg.memory
+        recompute_plan = plan_for(m.recompute, m.recompute_every, m.recompute_budget, job)
+    return replace(job, recompute=tuple(recompute_plan))
+
+
+def apply_levers(model, mem: MemoryConfig, job: Job) -> dict:
+    """Recompute plan, activation offload and chunked loss on a built model; returns what was applied."""
+    from kiln.memory.chunked_loss import ChunkedLMLoss
+
+    applied = {}
+    if any(p != "none" for p in job.recompute):
+        apply_recompute(model, job.recompute)
+        applied["recompute"] = mem.recompute
+    if job.offload:
+        device = next(model.parameters()).device
+        if device.type == "cuda":
+            apply_offload(model, job.offload)
+            applied["offload_blocks"] = sorted(job.offload)
+    if mem.chunked_loss:
+        model.loss = ChunkedLMLoss(mem.chunked_loss)
+        applied["chunked_loss"] = mem.chunked_loss
+    return applied
+
+
+def runtime_target(torch_device):
+    """The estimator's Target for the device this process trains on, without measuring anything."""
+    from kiln.memory.estimate import Target
+
+    if torch_device.type == "cuda":
+        major, minor = torch.cuda.get_device_capability(torch_device)
+        return Target("cuda", float(f"{major}.{minor}"))
+    return Target(torch_device.type)
+
+
+def apply_memory_config(model, cfg, torch_device) -> dict:
+    """What `kiln train` calls on its built model: the `memory` section's levers; {} when none is on."""
+    from kiln.train.precision import resolve_mode
+
+    mem = cfg.memory
+    if mem.recompute == "none" and not mem.chunked_loss and parse_blocks(mem.offload_blocks, 1 << 30) == frozenset():
+        return {}
+    model_cfg = model.cfg
+    job = Job(model=model_cfg, micro_batch=cfg.train.micro_batch_size, seq_len=cfg.data.seq_len,
+              grad_accum=cfg.train.grad_accum_steps, precision=resolve_mode(cfg.precision.mode, torch_device),
+              target=runtime_target(torch_device), offload=parse_blocks(mem.offload_blocks, model_cfg.n_layer),
+              chunked_loss=mem.chunked_loss)
+    job = replace(job, recompute=plan_for(mem.recompute, mem.recompute_every, mem.recompute_budget, job))
+    return apply_levers(model, mem, job)
+
+
+@dataclass
+class Rig:
+    """A model and optimizer built as `kiln train` builds them, without data: for measurement and verification."""
+
+    model_cfg: object
+    model: torch.nn.Module
+    step_model: torch.nn.Module
+    precision: object
+    masters: object
+    optimizer: object
+    scaler: object
+    job: Job
+
+
+def build_for_measure(cfg, device: torch.device) -> Rig:
+    from kiln.memory.devices import local_device
+    from kiln.models import build_model
+    from kiln.train.optim import build_optimizer, param_groups
+    from kiln.train.precision import LossScaler, MasterWeights, Precision, resolve_mode
+    from kiln.train.trainer import seed_everything
+
+    seed_everything(cfg.train.seed)
+    job = job_for(cfg, local_device(device))
+    precision = Precision(resolve_mode(cfg.precision.mode, device), device)
+    model = build_model(job.model, device).to(precision.param_dtype)
+    apply_levers(model, cfg.memory, job)
+    step_model = torch.compile(model) if cfg.train.compile else model
+    groups = param_groups(model, cfg.optim.weight_decay)
+    keep_masters = precision.mode == "bf16-master" and cfg.optim.offload == "none"  # as Run does
+    masters = MasterWeights(model) if keep_masters else None
+    optimizer = build_optimizer(masters.groups(groups) if masters else groups, cfg.optim)
+    scaler = LossScaler(cfg.precision, device, enabled=precision.loss_scaling)
+    return Rig(job.model, model, step_model, precision, masters, optimizer, scaler, job)

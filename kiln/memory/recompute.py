@@ -1,0 +1,156 @@
+"""Activation recomputation, applied to a built model from outside.
+
+    apply_recompute(model, plan)      plan: one policy per block ("none" | "selective" | "full" | "seg")
+    plan_for(memory_cfg, job)         the per-block plan of a `memory` section (solves `budget`)
+    remove_recompute(model)
+
+A recomputed block's `forward` is replaced on the instance (the class and the parameter names stay as they are,
+so checkpoints load either way). "full" checkpoints a segment: its first block runs every block of the segment
+under one torch.utils.checkpoint call and the others ("seg") pass their input through. "selective" keeps the
+outputs of the matmuls (aten.mm/addmm) and recomputes the rest of the block — norms, attention core, MLP
+activation — through torch.utils.checkpoint's selective checkpoint contexts.
+"""
+from __future__ import annotations
+
+import contextlib
+from dataclasses import replace
+
+import torch
+from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
+
+POLICIES = ("none", "full", "every_k", "selective", "budget")
+_KEPT_MATMULS = {torch.ops.aten.mm.default, torch.ops.aten.addmm.default}
+
+# Callbacks told about every tensor a recompute region keeps alive outside autograd's saved tensors (the
+# region's input and, for selective, the cached matmul outputs); kiln.memory.measure counts them.
+_observers: list = []
+
+
+@contextlib.contextmanager
+def observe_kept(callback):
+    _observers.append(callback)
+    try:
+        yield
+    finally:
+        _observers.remove(callback)
+
+
+def _kept(t):
+    for callback in _observers:
+        callback(t)
+
+
+def _selective_policy(ctx, op, *args, **kwargs):
+    if op in _KEPT_MATMULS:
+        _kept(ctx.op_output)
+        return CheckpointPolicy.MUST_SAVE
+    return CheckpointPolicy.PREFER_RECOMPUTE
+
+
+def _selective_contexts():
+    return create_selective_checkpoint_contexts(_selective_policy)
+
+
+class _Segment:
+    """Replaces the forward of a segment's first block: runs forwards[0..] under one checkpoint."""
+
+    def __init__(self, forwards, selective: bool):
+        self.forwards, self.selective = forwards, selective
+
+    def _run(self, x, rope_cache):
+        for forward in self.forwards:
+            x = forward(x, rope_cache)
+        return x
+
+    def __call__(self, x, rope_cache=None):
+        _kept(x)
+        extra = {"context_fn": _selective_contexts} if self.selective else {}
+        return checkpoint(self._run, x, rope_cache, use_reentrant=False, **extra)
+
+
+def _pass_through(x, rope_cache=None):
+    return x  # computed by the segment's first block
+
+
+def _original_forward(block):
+    return type(block).forward.__get__(block)
+
+
+def remove_recompute(model) -> None:
+    for block in model.blocks:
+        block.__dict__.pop("forward", None)
+        block.__dict__.pop("kiln_recompute", None)
+
+
+def apply_recompute(model, plan) -> None:
+    """Install a per-block plan (a tuple with one policy per block) on model.blocks."""
+    blocks = list(model.blocks)
+    if len(plan) != len(blocks):
+        raise ValueError(f"recompute plan has {len(plan)} entries for {len(blocks)} blocks")
+    remove_recompute(model)
+    i = 0
+    while i < len(blocks):
+        policy = plan[i]
+        if policy == "seg":
+            raise ValueError(f"recompute plan: block {i} is 'seg' but no 'full' block opens its segment")
+        if policy not in ("none", "full", "selective"):
+            raise ValueError(f"unknown per-block recompute policy {policy!r}")
+        j = i + 1
+        if policy == "full":
+            while j < len(blocks) and plan[j] == "seg":
+                j += 1
+        if policy != "none":
+            blocks[i].forward = _Segment([_original_forward(b) for b in blocks[i:j]], selective=policy == "selective")
+            for b in blocks[i + 1:j]:
+                b.forward = _pass_through
+        for b in blocks[i:j]:
+            b.kiln_recompute = policy if b is blocks[i] else "seg"
+        i = j
+
+
+# ---------------------------------------------------------------- choosing the plan
+
+
+def solve_budget(job, budget_bytes: int) -> tuple[str, ...]:
+    """Per-block policies whose saved activations fit in budget_bytes at the least recompute FLOPs.
+
+    Blocks are identical, so the answer is a count of blocks at each level (none > selective > full in memory,
+    the reverse in FLOPs); every split is tried. Blocks nearest the loss keep their activations (their backward
+    runs first, so what they hold is freed first). Raises when even full recomputation does not fit.
+    """
+    from kiln.memory.estimate import block_flops, saved_tensors
+
+    L = job.model.n_layer
+    sizes, costs = {}, {}
+    mm, attn = block_flops(job.model, job.micro_batch, job.seq_len, job.backend != "math")
+    for policy, cost in (("none", 0.0), ("selective", attn), ("full", mm + attn)):
+        _, blocks, _ = saved_tensors(replace(job, recompute=(policy,) * L))
+        sizes[policy], costs[policy] = sum(blocks[0].values()), cost
+    best = None
+    for n_full in range(L + 1):
+        for n_sel in range(L - n_full + 1):
+            n_none = L - n_full - n_sel
+            size = n_none * sizes["none"] + n_sel * sizes["selective"] + n_full * sizes["full"]
+            cost = n_sel * costs["selective"] + n_full * costs["full"]
+            if size <= budget_bytes and (best is None or cost < best[0] or (cost == best[0] and size < best[1])):
+                best = (cost, size, n_full, n_sel)
+    if best is None:
+        from kiln.memory.estimate import fmt_bytes
+
+        raise ValueError(f"memory.recompute_budget={fmt_bytes(budget_bytes)} is below what full recomputation keeps "
+                         f"({fmt_bytes(L * sizes['full'])}); raise the budget or lower the micro-batch")
+    _, _, n_full, n_sel = best
+    return ("full",) * n_full + ("selective",) * n_sel + ("none",) * (L - n_full - n_sel)
+
+
+def plan_for(policy: str, every: int, budget: str, job) -> tuple[str, ...]:
+    """The per-block plan for a `memory` section's recompute keys and a Job (shapes, precision, backend)."""
+    from kiln.memory.estimate import parse_bytes, recompute_plan
+
+    if policy not in POLICIES:
+        raise ValueError(f"memory.recompute={policy!r} is unknown; use one of {POLICIES}")
+    if policy == "budget":
+        if not budget:
+            raise ValueError("memory.recompute='budget' needs memory.recompute_budget, e.g. 4GiB")
+        return solve_budget(job, parse_bytes(budget))
+    return recompute_plan(policy, job.model.n_layer, every)

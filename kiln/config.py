@@ -37,6 +37,9 @@ def _sections():
     from kiln.train.precision import PrecisionConfig
     from kiln.train.schedule import ScheduleConfig
     from kiln.train.trainer import TrainConfig
+    from kiln.numerics import FaultsConfig, NumericsConfig
+    from kiln.memory.levers import MemoryConfig
+    from kiln.memory.planner import PlanConfig
 
     return {
         "model": ModelConfig,
@@ -47,6 +50,10 @@ def _sections():
         "precision": PrecisionConfig,
         "checkpoint": CheckpointConfig,
         "log": LogConfig,
+        "numerics": NumericsConfig,
+        "faults": FaultsConfig,
+        "memory": MemoryConfig,
+        "plan": PlanConfig,
     }
 
 
@@ -71,6 +78,10 @@ class Config:
     precision: typing.Any = None
     checkpoint: typing.Any = None
     log: typing.Any = None
+    numerics: typing.Any = None
+    faults: typing.Any = None
+    memory: typing.Any = None
+    plan: typing.Any = None
 
     def __post_init__(self):
         for name, cls in _sections().items():

@@ -11,6 +11,9 @@ from kiln.config import ConfigError
 COMMANDS = {
     "train": "kiln.cli.train",
     "sample": "kiln.cli.sample",
+    "memory": "kiln.cli.memory",
+    "plan": "kiln.cli.plan",
+    "doctor": "kiln.cli.doctor",
 }
 
 

@@ -13,7 +13,11 @@ import torch
 
 from kiln.config import Config, to_toml
 from kiln.data import TokenLoader, prepare_data, val_batches
+from kiln.memory.levers import apply_memory_config
+from kiln.memory.planner import apply_plan
 from kiln.models import IGNORE_INDEX, Transformer, build_model
+from kiln.numerics.monitor import Numerics
+from kiln.numerics.spikes import StepGuard
 from kiln.perf import device_peak_flops, flops_per_token, mfu
 from kiln.train.checkpoint import Checkpointer, rng_state, set_rng_state
 from kiln.train.logging import MetricsLogger
@@ -88,22 +92,27 @@ def accumulate_gradients(model, batches, precision: Precision, scaler: LossScale
 
 
 def train_step(model, batches, optimizer, precision: Precision, scaler: LossScaler, optim_cfg,
-               masters: MasterWeights | None = None) -> StepResult:
+               masters: MasterWeights | None = None, guard: StepGuard | None = None) -> StepResult:
     """One optimizer step over a global batch of micro-batches; no host-device sync on fused optimizers."""
     total_loss, n_valid = accumulate_gradients(model, batches, precision, scaler)
     if masters is not None:
         masters.grads_to_masters()
     params = masters.masters if masters is not None else [p for p in model.parameters() if p.requires_grad]
+    if guard is not None:
+        guard.inspect_scaled_grads(params)  # fp16 underflow/overflow per tensor, every fp16_telemetry_interval
     found_inf = scaler.unscale_(params)  # unscale before clipping: the threshold is in true-gradient units
     grad_norm = clip_gradients(params, optim_cfg)
     # A non-finite gradient is never applied, whatever the precision.
-    skipped = torch.maximum(found_inf, (~torch.isfinite(grad_norm)).float())
+    nonfinite = torch.maximum(found_inf, (~torch.isfinite(grad_norm)).float())
+    skipped = nonfinite
+    if guard is not None:  # records the step on the device; withholds a spike (spike_policy skip|rollback|stop)
+        skipped = guard.check(total_loss, grad_norm, nonfinite, scaler.scale)
     if supports_found_inf(optimizer):
         optimizer.found_inf = skipped  # the fused kernel skips the update on the device
         optimizer.step()
     elif not skipped.item():
         optimizer.step()
-    scaler.update(skipped)
+    scaler.update(nonfinite)  # only an overflow backs the loss scale off, not a withheld spike
     if masters is not None:
         masters.masters_to_model()
     optimizer.zero_grad(set_to_none=True)
@@ -152,12 +161,18 @@ class Run:
         if cfg.data.seq_len > model_cfg.max_seq_len:
             raise ValueError(f"data.seq_len={cfg.data.seq_len} exceeds model.max_seq_len={model_cfg.max_seq_len}; "
                              f"lower data.seq_len or raise model.max_seq_len")
+        if cfg.plan.memory:  # the planner picks precision, batch split and memory levers for this budget
+            cfg = apply_plan(replace(cfg, model=model_cfg), self.device, log)
+            tc = cfg.train
         self.cfg = replace(cfg, model=model_cfg)  # the resolved config is what gets saved
         self.precision = Precision(resolve_mode(cfg.precision.mode, self.device), self.device)
         self.model = build_model(model_cfg, self.device).to(self.precision.param_dtype)
+        self.memory_levers = apply_memory_config(self.model, cfg, self.device)  # recompute, offload, chunked loss
         self.step_model = torch.compile(self.model) if tc.compile else self.model
         groups = param_groups(self.model, cfg.optim.weight_decay)
-        self.masters = MasterWeights(self.model) if self.precision.mode == "bf16-master" else None
+        # With optim.offload the host optimizer keeps the fp32 masters itself.
+        keep_masters = self.precision.mode == "bf16-master" and cfg.optim.offload == "none"
+        self.masters = MasterWeights(self.model) if keep_masters else None
         self.optimizer = build_optimizer(self.masters.groups(groups) if self.masters else groups, cfg.optim)
         self.scaler = LossScaler(cfg.precision, self.device, enabled=self.precision.loss_scaling)
         self.loader = TokenLoader(self.data.train, tc.micro_batch_size, cfg.data.seq_len, cfg.data.seed,
@@ -251,6 +266,7 @@ def train(cfg: Config, run_dir: Path, resume: bool = False, console=None) -> dic
               highlight=False)
     fpt = flops_per_token(cfg.model, cfg.data.seq_len)
     peak = device_peak_flops(run.device, run.precision.mode)
+    numerics = Numerics(cfg.numerics, cfg.faults, run, run_dir, cfg.log.interval)
     logger = MetricsLogger(cfg.log, run_dir, tc.max_steps, run.step, console=con)
     horizon = cfg.schedule.total_steps or tc.max_steps
     skipped_total = torch.zeros((), device=run.device)
@@ -259,18 +275,30 @@ def train(cfg: Config, run_dir: Path, resume: bool = False, console=None) -> dic
     val_loss = None
     try:
         while run.step < tc.max_steps:
-            lr = cfg.optim.lr * lr_factor(cfg.schedule, run.step, horizon)
+            lr = cfg.optim.lr * lr_factor(cfg.schedule, run.step, horizon) * numerics.lr_factor(run.step)
             for group in run.optimizer.param_groups:
                 group["lr"] = lr
-            batches = [run.loader.next() for _ in range(tc.grad_accum_steps)]
+            batches = numerics.begin_step(run.step + 1, [run.loader.next() for _ in range(tc.grad_accum_steps)])
             result = train_step(run.step_model, batches, run.optimizer, run.precision, run.scaler, cfg.optim,
-                                run.masters)
+                                run.masters, numerics.guard)
             skipped_total += result.skipped
             run.step += 1
             run.tokens_seen += tokens_per_step
             window_steps += 1
             logger.advance(run.step)
-            if run.step % cfg.log.interval == 0 or run.step == tc.max_steps:
+            last = run.step == tc.max_steps
+            log_due = run.step % cfg.log.interval == 0 or last
+            eval_due = (tc.eval_interval and run.step % tc.eval_interval == 0) or last
+            checkpoint_due = cfg.checkpoint.interval and run.step % cfg.checkpoint.interval == 0 and not last
+            verdict = None
+            if log_due or eval_due or checkpoint_due:
+                # A sync point: numerics reads back the steps since the last one (spikes, NaN/Inf, loss scale)
+                # and, where needed, traces a non-finite step, rolls back to the last good state, or stops.
+                verdict = numerics.review(logger)
+                if verdict.rolled_back:
+                    window_start, window_steps = time.perf_counter(), 0
+                    continue
+            if log_due:
                 loss, grad_norm = result.loss.item(), result.grad_norm.item()  # the one sync per log interval
                 elapsed = time.perf_counter() - window_start
                 tps = window_steps * tokens_per_step / elapsed
@@ -282,8 +310,10 @@ def train(cfg: Config, run_dir: Path, resume: bool = False, console=None) -> dic
                     "loss_scale": run.scaler.scale.item() if run.scaler.enabled else None,
                 })
                 window_start, window_steps = time.perf_counter(), 0
-            last = run.step == tc.max_steps
-            if (tc.eval_interval and run.step % tc.eval_interval == 0) or last:
+            if verdict is not None and verdict.stop:
+                stop_reason = verdict.stop
+                break
+            if eval_due:
                 val_loss = run.evaluate()
                 logger.log({"step": run.step, "val_loss": val_loss, "val_ppl": math.exp(min(val_loss, 50))})
                 if val_loss < run.best_val - tc.early_stop_min_delta:
@@ -294,14 +324,16 @@ def train(cfg: Config, run_dir: Path, resume: bool = False, console=None) -> dic
                 if tc.early_stop_patience and run.evals_since_best >= tc.early_stop_patience and not last:
                     stop_reason = f"early stop: no val improvement in {tc.early_stop_patience} evaluations"
                     break
-            if cfg.checkpoint.interval and run.step % cfg.checkpoint.interval == 0 and not last:
+            if checkpoint_due:
                 run.save_checkpoint()
                 window_start = time.perf_counter()
         path = run.save_checkpoint()
     finally:
+        numerics.close()
         logger.close()
         run.loader.close()
-    con.print(f"done at step {run.step} ({stop_reason}): val_loss {val_loss:.4f} | unigram baseline "
+    shown_val = f"{val_loss:.4f}" if val_loss is not None else "n/a (stopped before an evaluation)"
+    con.print(f"done at step {run.step} ({stop_reason}): val_loss {shown_val} | unigram baseline "
               f"{run.data.unigram_loss:.4f} | checkpoint {path}", highlight=False)
     sample = None
     if tc.sample_tokens:

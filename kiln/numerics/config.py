@@ -1,0 +1,50 @@
+"""The `numerics` section: non-finite tracing, loss-spike detection and recovery, fp16 telemetry."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+SPIKE_POLICIES = ("off", "warn", "skip", "rollback", "stop")
+
+
+@dataclass
+class NumericsConfig:
+    trace: bool = True  # replay a step whose loss or gradient went NaN/Inf with hooks; write nonfinite_report.json
+    spike_policy: str = "warn"  # off | warn | skip (withhold the update) | rollback (restore last good state) | stop
+    spike_threshold: float = 6.0  # robust z-score (loss - median) / (1.4826·MAD) above which a step is a spike
+    spike_grad_norm_threshold: float = 12.0  # the same for log(grad norm), which is heavier-tailed (0: not judged)
+    spike_window: int = 100  # steps of loss and grad-norm history behind the rolling median and MAD
+    spike_min_history: int = 20  # accepted steps needed before any step is judged a spike
+    spike_rel_floor: float = 0.01  # MAD floor as a fraction of the median: a flat history does not flag its noise
+    snapshot_interval: int = 50  # rollback from memory: steps between in-memory snapshots of a verified state
+    rollback_from: str = "memory"  # memory (snapshot on the training device) | disk (the latest checkpoint)
+    rollback_lr_factor: float = 1.0  # lr multiplier for rollback_lr_steps steps after a rollback (1.0: unchanged)
+    rollback_lr_steps: int = 0  # steps that run at rollback_lr_factor after each rollback
+    max_rollbacks: int = 5  # stop after this many rollbacks: a spike that keeps coming back is not one bad batch
+    max_nonfinite_steps: int = 100  # stop after this many non-finite steps in a row (0: never)
+    fp16_telemetry_interval: int = 100  # fp16: steps between per-tensor gradient underflow/overflow measurements
+    fp16_advice_backoffs: int = 5  # fp16: loss-scale back-offs within 100 steps that count as a collapsing scale
+
+    def validate(self):
+        if self.spike_policy not in SPIKE_POLICIES:
+            raise ValueError(f"numerics.spike_policy={self.spike_policy!r} is unknown; use one of {SPIKE_POLICIES}")
+        if self.rollback_from not in ("memory", "disk"):
+            raise ValueError(f"numerics.rollback_from={self.rollback_from!r}; use 'memory' or 'disk'")
+        if self.spike_threshold <= 0 or self.spike_grad_norm_threshold < 0 or self.spike_rel_floor < 0:
+            raise ValueError("numerics: spike_threshold must be > 0, spike_grad_norm_threshold and spike_rel_floor "
+                             "≥ 0")
+        if self.spike_window < 3 or not 1 <= self.spike_min_history <= self.spike_window:
+            raise ValueError(f"numerics: need spike_window ≥ 3 and 1 ≤ spike_min_history ≤ spike_window, got "
+                             f"{self.spike_window} and {self.spike_min_history}")
+        if not 0 < self.rollback_lr_factor <= 1:
+            raise ValueError(f"numerics.rollback_lr_factor must be in (0, 1], got {self.rollback_lr_factor}")
+        for key in ("snapshot_interval", "max_rollbacks", "fp16_advice_backoffs"):
+            if getattr(self, key) < 1:
+                raise ValueError(f"numerics.{key} must be ≥ 1, got {getattr(self, key)}")
+        for key in ("rollback_lr_steps", "max_nonfinite_steps", "fp16_telemetry_interval"):
+            if getattr(self, key) < 0:
+                raise ValueError(f"numerics.{key} must be ≥ 0, got {getattr(self, key)}")
+
+    @property
+    def withholds_spikes(self) -> bool:
+        """Whether a spiking update is kept off the weights (decided on the device, folded into found_inf)."""
+        return self.spike_policy in ("skip", "rollback", "stop")

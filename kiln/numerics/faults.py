@@ -1,0 +1,137 @@
+"""Fault injection for tests and demos: planted NaN/Inf, a loss-spike batch, and setups broken on purpose.
+
+Faults are hooks on the built model and a transform of the batches; nothing in the model or the train step
+knows about them. Steps are 1-based, as in metrics.jsonl.
+"""
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+import torch
+import torch.nn as nn
+
+from kiln.models import IGNORE_INDEX
+
+_SPEC = re.compile(r"([A-Za-z_][\w.]*)@(\d+)(?:-(\d+))?")
+
+
+@dataclass
+class FaultsConfig:
+    nan_forward: str = ""  # MODULE@STEP or MODULE@FIRST-LAST: a NaN in that module's forward output (blocks.2.mlp@20)
+    inf_backward: str = ""  # MODULE@STEP or MODULE@FIRST-LAST: an Inf in the gradient that module passes back
+    spike: int = 0  # STEP: the first time that step runs, its batch gets scrambled targets: a real loss spike (0: off)
+    unshifted_labels: bool = False  # targets equal the inputs, not the next tokens (doctor check 4 fails)
+    frozen_module: str = ""  # MODULE: its output is detached, so its parameters get no gradient (doctor check 3)
+    skip_zero_grad: bool = False  # gradients stay in .grad between steps, as if zero_grad were forgotten (check 7)
+
+    def validate(self):
+        for key in ("nan_forward", "inf_backward"):
+            if getattr(self, key):
+                parse_spec(getattr(self, key), f"faults.{key}")
+        if self.spike < 0:
+            raise ValueError(f"faults.spike must be a step ≥ 1 (0: off), got {self.spike}")
+
+    @property
+    def any(self) -> bool:
+        return bool(self.nan_forward or self.inf_backward or self.spike or self.unshifted_labels
+                    or self.frozen_module or self.skip_zero_grad)
+
+
+def parse_spec(spec: str, key: str = "fault") -> tuple[str, int, int]:
+    """'blocks.2.mlp@20' -> ('blocks.2.mlp', 20, 20); 'blocks.2.mlp@5-9' -> ('blocks.2.mlp', 5, 9)."""
+    m = _SPEC.fullmatch(spec.strip())
+    if not m:
+        raise ValueError(f"{key}={spec!r}; write MODULE@STEP or MODULE@FIRST-LAST, e.g. blocks.2.mlp@20")
+    first = int(m.group(2))
+    last = int(m.group(3) or first)
+    if first < 1 or last < first:
+        raise ValueError(f"{key}={spec!r}: steps are 1-based and FIRST ≤ LAST")
+    return m.group(1), first, last
+
+
+def _module(model: nn.Module, name: str, key: str) -> nn.Module:
+    modules = dict(model.named_modules())
+    if name not in modules:
+        from kiln.config import closest
+
+        hint = closest(name, [n for n in modules if n])
+        raise ValueError(f"{key}: the model has no module {name!r}" + (f"; did you mean {hint!r}?" if hint else ""))
+    return modules[name]
+
+
+def _poison(t: torch.Tensor, value: float) -> torch.Tensor:
+    """A copy of t with its first element replaced by value (NaN or Inf): one bad number is enough."""
+    mask = torch.zeros_like(t, dtype=torch.bool)
+    mask.view(-1)[0] = True
+    return t.masked_fill(mask, value)
+
+
+class FaultInjector:
+    """Arms the configured faults on a built (uncompiled) model; `begin_step` tells it which step runs next."""
+
+    def __init__(self, cfg: FaultsConfig, model: nn.Module, vocab_size: int):
+        self.cfg, self.model, self.vocab_size = cfg, model, vocab_size
+        self.step = 0
+        self.spiked = False  # the spike batch is served once: a rollback that replays step `spike` gets clean data
+        self._handles = []
+        self._leftover: dict[nn.Parameter, torch.Tensor] = {}
+        if cfg.nan_forward:
+            name, first, last = parse_spec(cfg.nan_forward, "faults.nan_forward")
+            self._handles.append(_module(model, name, "faults.nan_forward").register_forward_hook(
+                self._nan_output(first, last)))
+        if cfg.inf_backward:
+            name, first, last = parse_spec(cfg.inf_backward, "faults.inf_backward")
+            module = _module(model, name, "faults.inf_backward")
+            if isinstance(module, nn.Embedding):
+                raise ValueError(f"faults.inf_backward={cfg.inf_backward!r}: {name} takes token ids, which have no "
+                                 f"gradient; pick a module with a floating-point input such as blocks.1.attn")
+            self._handles.append(module.register_full_backward_hook(self._inf_grad_input(first, last)))
+        if cfg.frozen_module:
+            module = _module(model, cfg.frozen_module, "faults.frozen_module")
+            self._handles.append(module.register_forward_hook(lambda m, args, out: out.detach()))
+        if cfg.skip_zero_grad:
+            for p in model.parameters():
+                if p.requires_grad:
+                    self._handles.append(p.register_post_accumulate_grad_hook(self._keep_grad))
+
+    def _nan_output(self, first: int, last: int):
+        def hook(module, args, output):
+            if first <= self.step <= last:
+                if not isinstance(output, torch.Tensor):
+                    raise TypeError(f"faults.nan_forward: {type(module).__name__} returns {type(output).__name__}, "
+                                    f"not a tensor; pick another module")
+                return _poison(output, float("nan"))
+        return hook
+
+    def _inf_grad_input(self, first: int, last: int):
+        def hook(module, grad_input, grad_output):
+            if first <= self.step <= last:
+                return tuple(None if g is None else _poison(g, float("inf")) for g in grad_input)
+        return hook
+
+    def _keep_grad(self, p: torch.Tensor) -> None:
+        self._leftover[p] = p.grad
+
+    def begin_step(self, step: int) -> None:
+        """Arm the step-keyed faults for `step`; with skip_zero_grad, put last step's gradients back."""
+        self.step = step
+        for p, grad in self._leftover.items():
+            p.grad = grad
+        self._leftover = {}
+
+    def transform(self, batches: list[tuple[torch.Tensor, torch.Tensor]]) -> list:
+        """The batches of the current step, with the data faults applied."""
+        if self.cfg.unshifted_labels:
+            batches = [(x, x.clone()) for x, _ in batches]
+        if self.cfg.spike and self.step == self.cfg.spike and not self.spiked:
+            self.spiked = True
+            # Targets remapped by a fixed affine map of the ids: mostly tokens the model finds unlikely.
+            batches = [(x, torch.where(y == IGNORE_INDEX, y, (y * 7 + 13) % self.vocab_size)) for x, y in batches]
+        return batches
+
+    def close(self) -> None:
+        for h in self._handles:
+            h.remove()
+        self._handles = []
+        self._leftover = {}

@@ -1,0 +1,54 @@
+"""`kiln doctor`: the default configuration passes; each broken setup fails its own check, with the fix."""
+import json
+
+import pytest
+
+from kiln.cli.main import main
+from kiln.config import to_toml
+from kiln.numerics.doctor import CHECKS, run_checks
+
+
+def test_default_configuration_has_no_failure(corpus_file, kiln_cache, capsys):
+    # The default model, optimizer, schedule and precision; only the text (a smaller corpus) and device differ.
+    code = main(["doctor", "--json", f"--data.source={corpus_file}", "--train.device=cpu"])
+    checks = json.loads(capsys.readouterr().out)["checks"]
+    assert [c["name"] for c in checks] == [name for _, name, _ in CHECKS]
+    assert all(set(c) >= {"number", "name", "status", "value", "fix"} for c in checks)
+    failed = [c for c in checks if c["status"] == "fail"]
+    assert not failed, failed
+    assert code == 0
+    by_name = {c["name"]: c for c in checks}
+    assert by_name["init_loss"]["value"].startswith("5.")  # ln(256) = 5.545
+    assert by_name["overfit_one_batch"]["status"] == "pass"
+
+
+BROKEN = [
+    ({"unshifted_labels": True}, "targets_shifted", "targets == inputs"),
+    ({"frozen_module": "blocks.1.mlp"}, "gradient_flow", "blocks.1.mlp.fc.weight"),
+    ({"skip_zero_grad": True}, "grads_cleared", "still hold the last step's gradient"),
+]
+
+
+@pytest.mark.parametrize("fault, check, evidence", BROKEN, ids=[b[1] for b in BROKEN])
+def test_each_broken_setup_fails_its_check(small_config, tmp_path, capsys, fault, check, evidence):
+    path = tmp_path / "broken.toml"
+    path.write_text(to_toml(small_config(faults=fault, optim={"lr": 3e-3})))  # memorizes the batch sooner
+    code = main(["doctor", str(path)])
+    out = capsys.readouterr().out
+    assert code == 1
+    line = next(line for line in out.splitlines() if check in line)
+    assert "FAIL" in line and evidence in line
+    fix = out.splitlines()[out.splitlines().index(line) + 1]
+    assert fix.strip().startswith("fix: ")
+
+
+def test_small_clean_setup_passes_every_check(small_config):
+    checks = run_checks(small_config(optim={"lr": 3e-3}), log=lambda msg: None)
+    assert {c.status for c in checks} <= {"pass", "warn"}, [c for c in checks if c.status == "fail"]
+    assert [c.number for c in checks] == list(range(1, len(CHECKS) + 1))
+
+
+def test_missing_warmup_warns(small_config):
+    cfg = small_config(schedule={"warmup_steps": 0}, optim={"lr": 3e-3})
+    checks = {c.name: c for c in run_checks(cfg, log=lambda msg: None)}
+    assert checks["warmup"].status == "warn" and "warmup_steps" in checks["warmup"].fix

@@ -28,7 +28,7 @@ from kiln.train.schedule import lr_factor
 
 @dataclass
 class TrainConfig:
-    max_steps: int = 300  # optimizer steps to train for (each one is micro_batch_size·grad_accum_steps sequences)
+    max_steps: int = 400  # optimizer steps to train for (each one is micro_batch_size·grad_accum_steps sequences)
     micro_batch_size: int = 8  # sequences per forward/backward pass
     grad_accum_steps: int = 1  # micro-batches accumulated into one optimizer step
     eval_interval: int = 0  # steps between validation passes (0: only at the end)

@@ -100,6 +100,14 @@ class PreparedData:
     cache_dir: Path | None = None  # the shard directory in use
 
 
+def _home_relative(path: Path) -> str:
+    """~/... for paths under the home directory: shorter, and the same in every user's logs."""
+    try:
+        return "~/" + str(Path(path).resolve().relative_to(Path.home().resolve()))
+    except ValueError:
+        return str(path)
+
+
 def cache_root(cfg: DataConfig) -> Path:
     if cfg.cache_dir:
         return Path(cfg.cache_dir).expanduser()
@@ -225,7 +233,7 @@ def prepare_data(cfg: DataConfig, run_dir: Path | None = None, log: Callable[[st
     log(
         f"data: {_source_label(cfg.source)} {meta['docs']} docs, train {_millions(len(train))} tokens, "
         f"val {_millions(len(val))} tokens ({tok.kind} vocab {tok.vocab_size}, "
-        f"{'built' if built else 'cached'} at {final})"
+        f"{'built' if built else 'cached'} at {_home_relative(final)})"
     )
     return PreparedData(
         tokenizer=tok,

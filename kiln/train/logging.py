@@ -75,7 +75,7 @@ class MetricsLogger:
         stats = self._summary(record)
         if self.progress is not None:
             self.progress.update(self.task, stats=stats)
-        elif self.mode == "lines":
+        elif self.mode == "lines" and stats:
             self.console.print(f"step {step} {stats}", highlight=False)
 
     @staticmethod

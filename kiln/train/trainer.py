@@ -299,15 +299,17 @@ def train(cfg: Config, run_dir: Path, resume: bool = False, console=None) -> dic
                     window_start, window_steps = time.perf_counter(), 0
                     continue
             if log_due:
-                loss, grad_norm = result.loss.item(), result.grad_norm.item()  # the one sync per log interval
+                # The one host-device transfer per log interval.
+                loss, grad_norm, skipped, scale = torch.stack([
+                    result.loss.float(), result.grad_norm.float(), skipped_total.float(), run.scaler.scale.float()
+                ]).tolist()
                 elapsed = time.perf_counter() - window_start
                 tps = window_steps * tokens_per_step / elapsed
                 logger.log({
                     "step": run.step, "loss": loss, "lr": lr, "grad_norm": grad_norm,
                     "tokens_per_s": tps, "step_time_s": elapsed / window_steps, "tokens_seen": run.tokens_seen,
                     "peak_mem_bytes": peak_memory_bytes(run.device), "mfu": mfu(fpt, tps, peak),
-                    "skipped_steps": int(skipped_total.item()),
-                    "loss_scale": run.scaler.scale.item() if run.scaler.enabled else None,
+                    "skipped_steps": int(skipped), "loss_scale": scale if run.scaler.enabled else None,
                 })
                 window_start, window_steps = time.perf_counter(), 0
             if verdict is not None and verdict.stop:

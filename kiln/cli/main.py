@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import sys
 
 from kiln.config import ConfigError
@@ -32,6 +33,9 @@ def main(argv=None) -> int:
     except (ConfigError, FileExistsError, FileNotFoundError, ValueError) as e:
         print(f"kiln {args.command}: error: {e}", file=sys.stderr)
         return 2
+    except BrokenPipeError:  # `kiln ... | head`: the reader has gone, which is not an error
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 0
 
 
 if __name__ == "__main__":

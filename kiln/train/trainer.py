@@ -10,6 +10,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from rich.console import Console
 
 from kiln.config import Config, to_toml
 from kiln.data import TokenLoader, prepare_data, val_batches
@@ -115,8 +116,9 @@ def train_step(model, batches, optimizer, precision: Precision, scaler: LossScal
     scaler.update(nonfinite)  # only an overflow backs the loss scale off, not a withheld spike
     if masters is not None:
         masters.masters_to_model()
+    # Every trainable parameter's gradient is cleared here: plain optimizers hold the model's parameters,
+    # MasterWeights already moved them to the masters, and the host optimizer clears the device copies.
     optimizer.zero_grad(set_to_none=True)
-    model.zero_grad(set_to_none=True)
     return StepResult(total_loss, grad_norm, skipped, n_valid)
 
 
@@ -126,14 +128,14 @@ def evaluate(model, tokens, batch_size: int, seq_len: int, max_batches: int, pre
     was_training = model.training
     model.eval()
     total = torch.zeros((), device=device, dtype=torch.float64)
-    count = 0
+    count = torch.zeros((), device=device, dtype=torch.int64)
     for x, y in val_batches(tokens, batch_size, seq_len, max_batches):
         x, y = x.to(device), y.to(device)
         with precision.autocast():
             total += model(x, y, reduction="sum").double()
-        count += int((y != IGNORE_INDEX).sum())
+        count += (y != IGNORE_INDEX).sum()
     model.train(was_training)
-    return total.item() / max(count, 1)
+    return (total / count.clamp(min=1)).item()  # one sync per evaluation
 
 
 def peak_memory_bytes(device: torch.device) -> int:
@@ -247,10 +249,7 @@ def train(cfg: Config, run_dir: Path, resume: bool = False, console=None) -> dic
     if not resume and checkpointer.latest() is not None:
         raise FileExistsError(f"{run_dir} already holds a run with checkpoints; pass --resume {run_dir} to continue "
                               f"it, or choose another --run-dir")
-    logger_console = console
-    from rich.console import Console
-
-    con = logger_console or Console(soft_wrap=True)
+    con = console or Console(soft_wrap=True)
     run = Run(cfg, run_dir, log=lambda msg: con.print(msg, highlight=False))
     cfg, tc = run.cfg, run.cfg.train
     if resume:

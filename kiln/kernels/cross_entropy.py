@@ -14,7 +14,7 @@ import torch.nn as nn
 import triton
 import triton.language as tl
 
-from kiln.kernels.utils import check_device
+from kiln.kernels.utils import check_device, gpu_tiles
 
 REDUCTIONS = ("mean", "sum")
 
@@ -71,7 +71,7 @@ def vocab_block(V: int, device: torch.device) -> int:
     # CUDA: 4096 per block with 8 warps = 16 fp32 values per thread, 8-32 blocks per row at vocabularies 32k-128k
     # (not tuned). Interpreter: 64, so the odd test vocabularies span several blocks and exercise the online
     # rescaling.
-    return min(triton.next_power_of_2(V), 4096 if device.type == "cuda" else 64)
+    return min(triton.next_power_of_2(V), 4096 if gpu_tiles(device) else 64)
 
 
 def cross_entropy_rows(logits: torch.Tensor, target: torch.Tensor, loss: torch.Tensor, grad: torch.Tensor | None,
@@ -89,7 +89,7 @@ def cross_entropy_rows(logits: torch.Tensor, target: torch.Tensor, loss: torch.T
     _cross_entropy_fwd_kernel[(N,)](
         logits, logits.stride(0), grad if grad is not None else logits, grad.stride(0) if grad is not None else 0,
         target, loss, n_valid, V, ignore_index, label_smoothing, COMPUTE_GRAD=grad is not None, MEAN=mean,
-        BLOCK_V=block, num_warps=8 if logits.is_cuda else 1)
+        BLOCK_V=block, num_warps=8 if gpu_tiles(logits.device) else 1)
 
 
 def _check(logits, target, label_smoothing, reduction):

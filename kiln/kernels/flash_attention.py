@@ -21,7 +21,7 @@ import torch.nn as nn
 import triton
 import triton.language as tl
 
-from kiln.kernels.utils import autocast_dtype, check_device, dot_precision
+from kiln.kernels.utils import autocast_dtype, check_device, dot_precision, gpu_tiles
 
 LOG2E = 1.4426950408889634  # exp(x) = exp2(x · log2 e): exp2 is the native instruction
 
@@ -183,10 +183,15 @@ def _flash_attention_bwd_dq_kernel(Q, K, V, DO, LSE, Delta, DQ, stride_qb, strid
 def _blocks(q: torch.Tensor):
     """(BLOCK_M, BLOCK_N, BLOCK_D, num_warps, num_stages)."""
     block_d = max(16, triton.next_power_of_2(q.shape[-1]))
-    if q.is_cuda:
-        # 64x64 tiles, 4 warps (8 at D=128, where a tile row holds twice the values): a common starting point,
-        # not tuned here.
-        return 64, 64, block_d, 8 if block_d >= 128 else 4, 2
+    if gpu_tiles(q.device):
+        if q.element_size() * block_d <= 256:
+            # 16-bit inputs up to D=128, fp32 up to D=64: 64x64 tiles, 4 warps (8 at D=128, where a tile row
+            # holds twice the values): a common starting point, not tuned here.
+            return 64, 64, block_d, 8 if block_d >= 128 else 4, 2
+        # Wider rows (fp32 at D=128): 32x32 tiles. At 64x64 the fp32 backward needs up to 197 KB of shared memory,
+        # more than a block gets on an A100 (163 KB) or an L4 (99 KB); 32x32 needs at most 98.6 KB (compiled for
+        # sm_80 and sm_89 by tests/kernels/test_kernels_gpu_launches.py).
+        return 32, 32, block_d, 4, 2
     return 16, 16, block_d, 1, 1  # tl.dot's smallest tile; the interpreter's cost is per program and per op
 
 

@@ -14,7 +14,7 @@ import torch.nn as nn
 import triton
 import triton.language as tl
 
-from kiln.kernels.utils import autocast_dtype, check_device, dot_precision
+from kiln.kernels.utils import autocast_dtype, check_device, dot_precision, gpu_tiles
 
 
 @triton.jit
@@ -61,7 +61,7 @@ def matmul(a: torch.Tensor, b: torch.Tensor, out_dtype: torch.dtype, bias: torch
     N = b.shape[1]
     c = torch.empty((M, N), dtype=out_dtype, device=a.device)
     sums = torch.empty(M, dtype=torch.float32, device=a.device) if row_sum else c
-    if a.is_cuda:
+    if gpu_tiles(a.device):
         # 128x128x32 tiles, 8 warps, 3 stages for 16-bit inputs: a common starting point for tensor-core
         # matmuls, not tuned for kiln; fp32 inputs take 64x64 tiles (twice the bytes per element in shared memory).
         wide = a.element_size() <= 2

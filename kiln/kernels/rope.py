@@ -13,7 +13,7 @@ import torch.nn as nn
 import triton
 import triton.language as tl
 
-from kiln.kernels.utils import check_device
+from kiln.kernels.utils import check_device, gpu_tiles
 
 
 @triton.jit
@@ -44,7 +44,7 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, backward: boo
     # Whole half-rows per program; 32 positions (16 on the interpreter) per program: 32x64 fp32 halves fit in
     # registers at D=128.
     block_half = triton.next_power_of_2(D // 2)
-    block_t = max(1, min(triton.next_power_of_2(T), 32 if x.is_cuda else 16))
+    block_t = max(1, min(triton.next_power_of_2(T), 32 if gpu_tiles(x.device) else 16))
     grid = (B * H, triton.cdiv(T, block_t))
     _rope_kernel[grid](x, y, cos, sin, x.stride(0), x.stride(1), x.stride(2), y.stride(0), y.stride(1),
                        y.stride(2), cos.stride(0), H, T, D // 2, BACKWARD=backward, BLOCK_T=block_t,

@@ -41,6 +41,15 @@ def check_device(*tensors: torch.Tensor | None, kernel=None) -> None:
                        f"Use model.kernels='torch' (or 'auto') on this device.")
 
 
+def gpu_tiles(device: torch.device) -> bool:
+    """Whether launches for tensors on `device` take the GPU's tile sizes and warps (else the interpreter's).
+
+    True on CUDA. tests/kernels/test_kernels_gpu_launches.py also makes it true for CPU tensors: it records the
+    launches a GPU would get and compiles them for GPU targets on a machine without one.
+    """
+    return device.type == "cuda"
+
+
 def next_power_of_2(n: int) -> int:
     return 1 << max(n - 1, 0).bit_length()
 
@@ -51,7 +60,7 @@ def row_tile(n: int, device: torch.device) -> tuple[int, int, int]:
     if block_n > 65536:
         # Beyond 64k fp32 values a row no longer fits the registers of one program.
         raise ValueError(f"kiln.kernels: rows of {n} elements exceed the 65536 a row kernel holds")
-    if device.type == "cuda":
+    if gpu_tiles(device):
         # Tiles of at least 2048 elements: one row per program from hidden 2048 up, several rows below it so a
         # program still moves enough bytes to hide its launch; one warp per 256 elements (8 fp32 per thread).
         block_m = max(1, 2048 // block_n)
@@ -66,7 +75,7 @@ def elementwise_tile(n: int, device: torch.device) -> tuple[int, int, int]:
     """(BLOCK_M, BLOCK_N, num_warps) for elementwise kernels over (rows, n) with a row stride."""
     # 2048-element tiles with 4 warps: 16 values per thread, enough bytes in flight per program for a
     # bandwidth-bound op (not tuned); on the interpreter 4096 (fewer programs, same per-op cost).
-    tile = 2048 if device.type == "cuda" else 4096
+    tile = 2048 if gpu_tiles(device) else 4096
     block_n = min(next_power_of_2(n), tile)
     return tile // block_n, block_n, 4
 

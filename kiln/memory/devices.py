@@ -13,7 +13,7 @@ from dataclasses import dataclass, replace
 import torch
 
 from kiln.memory.estimate import GiB, Target
-from kiln.perf.flops import DEVICE_PEAKS, measured_cpu_peak
+from kiln.perf.flops import DEVICE_PEAKS, measured_cpu_peak, names_gpu
 
 
 @dataclass(frozen=True)
@@ -130,13 +130,15 @@ def local_device(device: torch.device) -> Device:
     if device.type != "cuda":
         return cpu_device()
     props = torch.cuda.get_device_properties(device)
-    name = props.name
-    match = None
-    for key, dev in DEVICES.items():
-        stem = key.split("-")[0]
-        if stem in name and (match is None or abs(dev.memory - props.total_memory) < abs(match.memory -
-                                                                                           props.total_memory)):
-            match = dev
-    base = match or Device(name=name, memory=props.total_memory, peak_flops={"fp32": 20e12, "bf16": 100e12},
-                           bandwidth=1e12, host_link=12e9, host_bandwidth=50e9, context_bytes=int(0.5 * GiB))
-    return replace(base, name=name, memory=props.total_memory, capability=float(f"{props.major}.{props.minor}"))
+    return cuda_device(props.name, props.total_memory, float(f"{props.major}.{props.minor}"))
+
+
+def cuda_device(name: str, total_memory: int, capability: float) -> Device:
+    """A CUDA device as torch names it: the table entry of its model (of the closest memory size when the table
+    has several), else generic numbers; memory and capability as reported."""
+    matches = [dev for key, dev in DEVICES.items() if names_gpu(name, key.split("-")[0])]
+    base = min(matches, key=lambda dev: abs(dev.memory - total_memory), default=None)
+    if base is None:
+        base = Device(name=name, memory=total_memory, peak_flops={"fp32": 20e12, "bf16": 100e12}, bandwidth=1e12,
+                      host_link=12e9, host_bandwidth=50e9, context_bytes=int(0.5 * GiB))
+    return replace(base, name=name, memory=total_memory, capability=capability)

@@ -6,6 +6,7 @@ square, so MFU is comparable with published numbers even though causal kernels s
 """
 from __future__ import annotations
 
+import re
 import time
 
 import torch
@@ -54,16 +55,28 @@ def measured_cpu_peak(dtype: torch.dtype = torch.float32, n: int = 1024, seconds
     return _cpu_peak_cache[dtype]
 
 
+def names_gpu(name: str, model: str) -> bool:
+    """Whether the CUDA device name (e.g. "NVIDIA A100-SXM4-80GB") is of `model` ("A100"), as a whole word:
+    "NVIDIA L40S" is not an L4, "NVIDIA H200" not an H100."""
+    return re.search(rf"(?<![A-Za-z0-9]){re.escape(model)}(?![A-Za-z0-9])", name, re.IGNORECASE) is not None
+
+
+def peak_flops_for(name: str, precision: str) -> float | None:
+    """Datasheet peak FLOP/s of the CUDA device called `name` for a precision mode; None when not in the table."""
+    key = {"bf16-master": "bf16", "auto": "fp32"}.get(precision, precision)
+    for model, peaks in DEVICE_PEAKS.items():
+        if names_gpu(name, model):
+            return peaks.get(key)
+    return None
+
+
 def device_peak_flops(device: torch.device, precision: str) -> float | None:
     """Peak FLOP/s for the concrete precision mode, or None when the device is unknown."""
-    key = {"bf16-master": "bf16", "auto": "fp32"}.get(precision, precision)
     if device.type == "cpu":
+        key = {"bf16-master": "bf16"}.get(precision, precision)
         return measured_cpu_peak(torch.bfloat16 if key == "bf16" else torch.float32)
     if device.type == "cuda":
-        name = torch.cuda.get_device_name(device)
-        for known, peaks in DEVICE_PEAKS.items():
-            if known in name:
-                return peaks.get(key)
+        return peak_flops_for(torch.cuda.get_device_name(device), precision)
     return None
 
 

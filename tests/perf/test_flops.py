@@ -1,0 +1,49 @@
+"""FLOPs per token against PyTorch's own FLOP counter; GPU names matched to the device tables."""
+import pytest
+import torch
+from torch.nn.attention import SDPBackend, sdpa_kernel
+from torch.utils.flop_counter import FlopCounterMode
+
+from kiln.memory.devices import DEVICES, cuda_device
+from kiln.models import ModelConfig, build_model
+from kiln.perf.flops import flops_per_token, names_gpu, peak_flops_for
+
+
+@pytest.mark.parametrize("arch", [
+    dict(preset="tiny", n_layer=2, n_head=4, d_model=64, max_seq_len=32, vocab_size=259),
+    dict(preset="llama-125m", n_layer=2, n_head=4, n_kv_head=2, d_model=64, d_ff=96, max_seq_len=32,
+         vocab_size=300),
+], ids=["gpt2", "llama-gqa"])
+def test_flops_per_token_equals_counted_matmul_flops(arch):
+    """6·N + 12·L·T·d_attn is what the model's matmuls do, forward and backward, when attention is counted over
+    the full T×T square (torch's math attention computes the whole square, masked)."""
+    cfg = ModelConfig(**arch).resolve()
+    model = build_model(cfg)
+    B, T = 3, 32
+    x = torch.randint(0, cfg.vocab_size, (B, T))
+    counter = FlopCounterMode(display=False)
+    with counter, sdpa_kernel(SDPBackend.MATH):
+        model(x, x).backward()
+    assert counter.get_total_flops() == flops_per_token(cfg, T) * B * T
+
+
+@pytest.mark.parametrize("name,model", [
+    ("NVIDIA H100 80GB HBM3", "H100"), ("NVIDIA H200", "H200"), ("NVIDIA A100-SXM4-80GB", "A100-80GB"),
+    ("NVIDIA A100-PCIE-40GB", "A100-40GB"), ("Tesla V100-SXM2-32GB", "V100-32GB"), ("NVIDIA L4", "L4"),
+    ("NVIDIA GeForce RTX 4090", "RTX 4090"), ("NVIDIA L40S", None), ("NVIDIA GeForce RTX 3090", None),
+])
+def test_cuda_names_find_their_table_entry(name, model):
+    memory = DEVICES[model].memory if model else 48 * 2**30
+    device = cuda_device(name, memory, 8.0)
+    assert device.name == name and device.memory == memory and device.capability == 8.0
+    if model:
+        assert device.peak_flops == DEVICES[model].peak_flops and device.bandwidth == DEVICES[model].bandwidth
+        assert peak_flops_for(name, "bf16-master") == DEVICES[model].peak_flops.get("bf16")
+    else:  # not in the table: generic numbers, never another card's (an L40S is not an L4)
+        assert all(device.peak_flops != d.peak_flops for d in DEVICES.values())
+        assert peak_flops_for(name, "bf16") is None
+
+
+def test_names_gpu_is_whole_word():
+    assert names_gpu("NVIDIA L4", "L4") and not names_gpu("NVIDIA L40S", "L4")
+    assert not names_gpu("NVIDIA H200", "H100") and names_gpu("nvidia h100 pcie", "H100")

@@ -73,4 +73,29 @@ def compare_with_reference(kernel_fn, reference_fn, inputs, upstream=None, tol=N
     return checked
 
 
+def _outputs_and_grads(fn, inputs, upstream):
+    leaves = [t.detach().clone().requires_grad_(t.is_floating_point()) for t in inputs]
+    out = fn(*leaves)
+    out.backward(upstream.to(out.dtype))
+    return [out.float()] + [t.grad.float() for t in leaves if t.is_floating_point()]
+
+
+def assert_within_twice_torch_error(name, kernel_fn, torch_fn, inputs, dtype):
+    """The low-precision criterion: for the output and every gradient, max|kernel - ref| ≤ 2·max|torch - ref| +
+    atol, where ref is torch_fn on the same low-precision inputs upcast to fp32 and atol = eps(dtype)·max|ref|."""
+    inputs = [t.to(dtype) if t.is_floating_point() else t for t in inputs]
+    ref_inputs = [t.float() if t.is_floating_point() else t for t in inputs]
+    expected = torch_fn(*ref_inputs)
+    device = expected.device
+    upstream = torch.randn(expected.shape, device=device) if expected.dim() else torch.tensor(0.37, device=device)
+    ref = _outputs_and_grads(torch_fn, ref_inputs, upstream)
+    ours = _outputs_and_grads(kernel_fn, inputs, upstream)
+    low = _outputs_and_grads(torch_fn, inputs, upstream)
+    assert len(ours) == len(ref) > 1
+    for i, (k, t, r) in enumerate(zip(ours, low, ref)):
+        atol = torch.finfo(dtype).eps * r.abs().max().item()
+        err_k, err_t = (k - r).abs().max().item(), (t - r).abs().max().item()
+        assert err_k <= 2 * err_t + atol, f"{name} tensor {i}: kernel err {err_k:.3e} vs torch {err_t:.3e}"
+
+
 requires_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (bf16/fp16 kernels)")

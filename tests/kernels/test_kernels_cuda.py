@@ -12,7 +12,7 @@ import torch.nn.functional as F
 import kiln.kernels as ops
 from kiln.models import IGNORE_INDEX, ModelConfig, build_model
 from kiln.models.transformer import Rotary, rope_cache
-from tests.kernels.conftest import requires_cuda
+from tests.kernels.conftest import assert_within_twice_torch_error, requires_cuda
 
 CUDA = torch.device("cuda")
 
@@ -57,13 +57,6 @@ def _cases():
     }
 
 
-def _run(fn, inputs, upstream):
-    leaves = [t.detach().clone().requires_grad_(t.is_floating_point()) for t in inputs]
-    out = fn(*leaves)
-    out.backward(upstream.to(out.dtype))
-    return [out.float()] + [t.grad.float() for t in leaves if t.is_floating_point()]
-
-
 @requires_cuda
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
@@ -72,17 +65,7 @@ def test_low_precision_within_twice_torch_error(name, dtype):
     torch.manual_seed(0)
     torch.backends.cuda.matmul.allow_tf32 = False
     make, kernel_fn, torch_fn = _cases()[name]
-    inputs = [t.to(dtype) if t.is_floating_point() else t for t in make()]
-    ref_inputs = [t.float() if t.is_floating_point() else t for t in inputs]
-    expected = torch_fn(*ref_inputs)
-    upstream = torch.randn(expected.shape, device=CUDA) if expected.dim() else torch.tensor(0.37, device=CUDA)
-    ref = _run(torch_fn, ref_inputs, upstream)
-    ours = _run(kernel_fn, inputs, upstream)
-    low = _run(torch_fn, inputs, upstream)
-    for i, (k, t, r) in enumerate(zip(ours, low, ref)):
-        atol = torch.finfo(dtype).eps * r.abs().max().item()
-        err_k, err_t = (k - r).abs().max().item(), (t - r).abs().max().item()
-        assert err_k <= 2 * err_t + atol, f"{name} tensor {i}: kernel err {err_k:.3e} vs torch {err_t:.3e}"
+    assert_within_twice_torch_error(name, kernel_fn, torch_fn, make(), dtype)
 
 
 @requires_cuda

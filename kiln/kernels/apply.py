@@ -22,6 +22,19 @@ def triton_available() -> bool:
     return ops.HAS_TRITON
 
 
+# The GPUs the kernels' launch configurations are checked for (compiled for sm_80, sm_89 and sm_90 by
+# tests/kernels/test_kernels_gpu_launches.py). Older cards have less shared memory per block than some launches
+# need: 16-bit flash attention at head dim 128 takes 128 KiB in its backward, a V100 block gets 96 KiB.
+MIN_CAPABILITY = (8, 0)
+
+
+def _capability_ok(device: torch.device) -> tuple[bool, tuple[int, int] | None]:
+    if device.type != "cuda" or not torch.cuda.is_available():
+        return True, None  # resolving for a GPU this process does not see (planning, tests): assume a new one
+    capability = torch.cuda.get_device_capability(device)
+    return capability >= MIN_CAPABILITY, capability
+
+
 def resolve_kernels(kernels: str, device: torch.device | str) -> str:
     """"torch" or "triton" for model.kernels on `device`; explains the fix when Triton cannot run there."""
     device = torch.device(device)
@@ -29,11 +42,16 @@ def resolve_kernels(kernels: str, device: torch.device | str) -> str:
         raise ValueError(f"model.kernels={kernels!r} is unknown; use one of {BACKENDS}")
     if kernels == "torch":
         return "torch"
+    supported, capability = _capability_ok(device)
     if kernels == "auto":
-        return "triton" if device.type == "cuda" and triton_available() else "torch"
+        return "triton" if device.type == "cuda" and supported and triton_available() else "torch"
     if not triton_available():
         raise RuntimeError("model.kernels='triton' needs the triton package: pip install 'kiln[triton]' "
                            "(or use model.kernels='auto', which falls back to torch)")
+    if not supported:
+        raise RuntimeError(f"model.kernels='triton' needs compute capability {MIN_CAPABILITY[0]}.{MIN_CAPABILITY[1]} "
+                           f"or newer (Ampere and later GPUs); this GPU is "
+                           f"{capability[0]}.{capability[1]}: use model.kernels='torch' or 'auto'")
     if device.type in ("cuda", "meta"):
         return "triton"
     if device.type == "cpu" and interpret_env():

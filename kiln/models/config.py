@@ -26,7 +26,7 @@ class ModelConfig:
     dropout: float = 0.0  # dropout on attention probabilities and residual branches
     norm_eps: float = 0.0  # epsilon of LayerNorm / RMSNorm
     rope_theta: float = 0.0  # RoPE base frequency (llama)
-    kernels: str = "torch"  # "torch" | "triton" | "auto" (Triton on CUDA when importable)
+    kernels: str = "torch"  # "torch" | "triton" | "auto" (Triton on CUDA compute capability ≥ 8.0 when importable)
 
     def resolve(self) -> "ModelConfig":
         """Fill every 0/None field from the preset; check the shape is buildable."""

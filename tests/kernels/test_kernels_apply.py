@@ -28,6 +28,16 @@ def test_resolution(monkeypatch):
     assert resolve_kernels("triton", "cpu") == "triton"
 
 
+def test_gpus_older_than_ampere_keep_torch(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (7, 0))  # V100
+    assert resolve_kernels("auto", "cuda") == "torch"
+    with pytest.raises(RuntimeError, match="compute capability 8.0 or newer.*this GPU is 7.0"):
+        resolve_kernels("triton", "cuda")
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))  # H100
+    assert resolve_kernels("auto", "cuda") == resolve_kernels("triton", "cuda") == "triton"
+
+
 def test_public_api_exports():
     for name in ops.__all__:
         assert callable(getattr(ops, name)), name

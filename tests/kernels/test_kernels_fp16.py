@@ -41,6 +41,8 @@ CASES = {  # name -> (fp32 inputs, kernel, torch)
     "flash_attention": (lambda: [_rand(1, 4, 40, 32), _rand(1, 2, 40, 32), _rand(1, 2, 40, 32)],
                         ops.flash_attention,
                         lambda q, k, v: F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)),
+    "flash_attention_d128": (lambda: [_rand(1, 2, 70, 128) for _ in range(3)], ops.flash_attention,
+                             lambda q, k, v: F.scaled_dot_product_attention(q, k, v, is_causal=True)),
 }
 
 

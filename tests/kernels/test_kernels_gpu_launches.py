@@ -8,8 +8,8 @@ tensors get the GPU's tile sizes, warps and pipeline stages, and two things are 
   distinct launch to a cubin with ptxas for sm_90 (H100, H200), and the launches of the tl.dot kernels, whose
   shared memory grows with their tiles, also for sm_80 (A100) and sm_89 (L4, RTX 4090). Each must compile, and
   the shared memory it needs must fit its architecture.
-- computed: the interpreter runs each op with the GPU's tiles at shapes that leave partial tiles, against the
-  fp64 references.
+- computed: the interpreter runs each op with the GPU's tiles at shapes that leave partial tiles, in fp32 against
+  the fp64 references and in fp16 against torch's fp16 (the criterion of the CUDA tests).
 
 On a GPU this file skips: there the CUDA tests compile and run the same kernels.
 """
@@ -36,7 +36,8 @@ from kiln.kernels.swiglu import swiglu_reference
 from kiln.kernels.utils import interpret_env
 from kiln.models import IGNORE_INDEX
 from kiln.models.transformer import rope_cache
-from tests.kernels.conftest import compare_with_reference
+from tests.kernels.conftest import assert_within_twice_torch_error, compare_with_reference
+from tests.kernels.test_kernels_fp16 import CASES as FP16_CASES
 
 pytestmark = pytest.mark.skipif(not interpret_env(), reason="on a GPU the CUDA tests compile and run the kernels")
 
@@ -200,3 +201,10 @@ def test_gpu_tiles_compute_the_same(name, gpu_tiles_on):
     torch.manual_seed(0)
     make, kernel, reference = GPU_TILE_CASES[name]
     compare_with_reference(kernel, reference, make(), what=f"{name} with GPU tiles")
+
+
+@pytest.mark.parametrize("name", FP16_CASES)
+def test_gpu_tiles_fp16_within_twice_torch_error(name, gpu_tiles_on):
+    torch.manual_seed(0)
+    make, kernel_fn, torch_fn = FP16_CASES[name]
+    assert_within_twice_torch_error(name, kernel_fn, torch_fn, make(), torch.float16)

@@ -15,6 +15,7 @@ if not torch.cuda.is_available():
     os.environ["TRITON_INTERPRET"] = "1"
 
 from kiln.kernels.utils import interpret_env  # noqa: E402  (imports no Triton)
+from kiln.models.transformer import IGNORE_INDEX  # noqa: E402
 
 INTERPRET = interpret_env()
 DEVICE = torch.device("cpu" if INTERPRET else "cuda")
@@ -71,6 +72,17 @@ def compare_with_reference(kernel_fn, reference_fn, inputs, upstream=None, tol=N
             assert_close(o.grad.cpu(), r.grad, f"{what} grad of input {i}", **tol)
             checked += 1
     return checked
+
+
+def randn(*shape, scale=1.0, device=DEVICE):
+    return torch.randn(*shape, device=device) * scale
+
+
+def targets(n, vocab, device=DEVICE):
+    """Class ids for n rows, every 7th one ignored."""
+    t = torch.randint(0, vocab, (n,), device=device)
+    t[::7] = IGNORE_INDEX
+    return t
 
 
 def _outputs_and_grads(fn, inputs, upstream):

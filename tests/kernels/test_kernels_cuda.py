@@ -10,21 +10,19 @@ import torch
 import torch.nn.functional as F
 
 import kiln.kernels as ops
-from kiln.models import IGNORE_INDEX, ModelConfig, build_model
+from kiln.models import ModelConfig, build_model
 from kiln.models.transformer import Rotary, rope_cache
-from tests.kernels.conftest import assert_within_twice_torch_error, requires_cuda
+from tests.kernels.conftest import assert_within_twice_torch_error, randn, requires_cuda, targets
 
 CUDA = torch.device("cuda")
 
 
 def _rand(*shape, scale=1.0):
-    return torch.randn(*shape, device=CUDA) * scale
+    return randn(*shape, scale=scale, device=CUDA)
 
 
-def _targets(N, V):
-    t = torch.randint(0, V, (N,), device=CUDA)
-    t[::7] = IGNORE_INDEX
-    return t
+def _targets(n, vocab):
+    return targets(n, vocab, device=CUDA)
 
 
 def _cases():

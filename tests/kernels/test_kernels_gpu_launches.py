@@ -34,9 +34,8 @@ from kiln.kernels.rms_norm import rms_norm_reference
 from kiln.kernels.rope import rope_reference
 from kiln.kernels.swiglu import swiglu_reference
 from kiln.kernels.utils import interpret_env
-from kiln.models import IGNORE_INDEX
 from kiln.models.transformer import rope_cache
-from tests.kernels.conftest import assert_within_twice_torch_error, compare_with_reference
+from tests.kernels.conftest import assert_within_twice_torch_error, compare_with_reference, targets
 from tests.kernels.test_kernels_fp16 import CASES as FP16_CASES
 
 pytestmark = pytest.mark.skipif(not interpret_env(), reason="on a GPU the CUDA tests compile and run the kernels")
@@ -82,12 +81,6 @@ def gpu_launches(gpu_tiles_on, monkeypatch):
     return launches
 
 
-def _targets(n, vocab):
-    t = torch.randint(0, vocab, (n,))
-    t[::3] = IGNORE_INDEX
-    return t
-
-
 def _forward_backward(fn, *inputs):
     leaves = [t.requires_grad_() if t.is_floating_point() else t for t in inputs]
     fn(*leaves).float().sum().backward()
@@ -108,10 +101,10 @@ def _run_ops(dtype: torch.dtype) -> None:
     _forward_backward(ops.linear, rand(64, 768), rand(3072, 768), rand(3072))
     _forward_backward(ops.linear, rand(64, 768), rand(3072, 768))
     for vocab in (50257, 128256):
-        _forward_backward(ops.cross_entropy, rand(4, vocab), _targets(4, vocab))
+        _forward_backward(ops.cross_entropy, rand(4, vocab), targets(4, vocab))
         _forward_backward(lambda x, t: ops.cross_entropy(x, t, label_smoothing=0.1), rand(4, vocab),
-                          _targets(4, vocab))
-    _forward_backward(ops.fused_linear_cross_entropy, rand(8, 768), rand(50257, 768), _targets(8, 50257))
+                          targets(4, vocab))
+    _forward_backward(ops.fused_linear_cross_entropy, rand(8, 768), rand(50257, 768), targets(8, 50257))
     for head_dim in (64, 80, 128):
         cos, sin = rope_cache(head_dim, 16, 10000.0)
         _forward_backward(lambda x: ops.rope(x, cos, sin), rand(1, 4, 16, head_dim))
@@ -183,9 +176,9 @@ GPU_TILE_CASES = {  # name -> (inputs, kernel, fp64 reference)
     "swiglu": (lambda: [torch.randn(3, 2100) * 2, torch.randn(3, 2100)], ops.swiglu, swiglu_reference),
     "linear": (lambda: [torch.randn(130, 70), torch.randn(200, 70) * 0.1, torch.randn(200)], ops.linear,
                linear_reference),
-    "cross_entropy": (lambda: [torch.randn(5, 5000) * 3, _targets(5, 5000)], ops.cross_entropy,
+    "cross_entropy": (lambda: [torch.randn(5, 5000) * 3, targets(5, 5000)], ops.cross_entropy,
                       cross_entropy_reference),
-    "fused_linear_cross_entropy": (lambda: [torch.randn(20, 32), torch.randn(5000, 32) * 0.3, _targets(20, 5000)],
+    "fused_linear_cross_entropy": (lambda: [torch.randn(20, 32), torch.randn(5000, 32) * 0.3, targets(20, 5000)],
                                    ops.fused_linear_cross_entropy, fused_linear_cross_entropy_reference),
     "rope": (lambda: [torch.randn(1, 2, 45, 64)], lambda x: ops.rope(x, COS, SIN),
              lambda x: rope_reference(x, COS.double(), SIN.double())),

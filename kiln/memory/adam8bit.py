@@ -13,12 +13,20 @@ are still representable instead of rounding to zero — which would turn m / sqr
 Encoding is a bucketize against the midpoints between codebook entries (round to nearest).
 
 The update dequantizes CHUNK elements at a time, so its fp32 temporaries stay bounded (≈16 bytes × CHUNK).
+
+`step(skipped=)` withholds the update on the device, with no host sync: every tensor it writes (parameter, codes,
+scales, fp32 moments, the step count, which lives on the device for this) is left bit for bit as it was when the
+0-dim flag is non-zero. Codes and scales are selected with torch.where(skip, old, new) written in place, since
+re-encoding decoded moments need not give back the same codes; the parameter and the fp32 moments use exact
+identities instead (x · 1.0 and x + (-0.0), as kiln.train.optim's MaskedAdam), so no temporary is added.
 """
 from __future__ import annotations
 
 import math
 
 import torch
+
+from kiln.train.optim import skip_flags, steps_to_param_devices
 
 BLOCK = 256  # elements sharing one fp32 scale
 MIN_8BIT = 4096  # smaller tensors keep fp32 moments
@@ -38,11 +46,12 @@ def dynamic_codebook(signed: bool) -> torch.Tensor:
 
 
 def state_bytes(numel: int) -> int:
-    """Bytes of this optimizer's state for one parameter tensor of `numel` elements."""
+    """Bytes of this optimizer's state for one parameter tensor of `numel` elements (4 of them the fp32 step count,
+    a device tensor as in torch's fused AdamW)."""
     if numel < MIN_8BIT:
-        return 8 * numel
+        return 8 * numel + 4
     blocks = math.ceil(numel / BLOCK)
-    return 2 * (blocks * BLOCK + 4 * blocks)  # two moments: codes (padded to whole blocks) + one scale per block
+    return 2 * (blocks * BLOCK + 4 * blocks) + 4  # two moments: codes (padded to whole blocks) + one scale per block
 
 
 class _Codebook:
@@ -83,6 +92,8 @@ class _Codebook:
 class AdamW8bit(torch.optim.Optimizer):
     """Decoupled-weight-decay Adam whose moments are stored in 8 bits (see the module docstring)."""
 
+    takes_skipped = True  # kiln.train.optim.optimizer_step passes the skip flag to step()
+
     def __init__(self, params, lr: float = 1e-3, betas=(0.9, 0.95), eps: float = 1e-8, weight_decay: float = 0.0):
         if lr <= 0 or eps <= 0 or weight_decay < 0 or not all(0.0 <= b < 1.0 for b in betas):
             raise ValueError("AdamW8bit: lr > 0, eps > 0, weight_decay ≥ 0 and betas in [0, 1) are required")
@@ -96,47 +107,54 @@ class AdamW8bit(torch.optim.Optimizer):
 
     def _init_state(self, p):
         n = p.numel()
+        step = torch.zeros((), dtype=torch.float32, device=p.device)
         if n < MIN_8BIT:
-            return {"step": 0.0, "exp_avg": torch.zeros(n, dtype=torch.float32, device=p.device),
+            return {"step": step, "exp_avg": torch.zeros(n, dtype=torch.float32, device=p.device),
                     "exp_avg_sq": torch.zeros(n, dtype=torch.float32, device=p.device)}
         blocks = math.ceil(n / BLOCK)
-        codes = torch.empty(blocks * BLOCK, dtype=torch.uint8, device=p.device)
-        signed, unsigned = self._books(p.device)
-        zero_m = int(torch.searchsorted(signed.values, torch.zeros(())))  # the code of 0.0
-        return {"step": 0.0, "m_codes": codes.fill_(zero_m), "m_scale": torch.zeros(blocks, device=p.device),
+        signed, _ = self._books(p.device)
+        codes = torch.full((blocks * BLOCK,), signed.zero, dtype=torch.uint8, device=p.device)  # the code of 0.0
+        return {"step": step, "m_codes": codes, "m_scale": torch.zeros(blocks, device=p.device),
                 "v_codes": torch.zeros_like(codes), "v_scale": torch.zeros(blocks, device=p.device)}
 
     @torch.no_grad()
-    def step(self, closure=None):
+    def step(self, closure=None, skipped: torch.Tensor | None = None):
+        """One update; withheld, exactly and on the device, when the 0-dim `skipped` is non-zero."""
         loss = None
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
         for group in self.param_groups:
             lr, (b1, b2), eps, wd = group["lr"], group["betas"], group["eps"], group["weight_decay"]
+            flags = {}  # device -> (skip, keep, β1 gate, β2 gate, decay gate), made once per group and device
             for p in group["params"]:
                 if p.grad is None:
                     continue
                 state = self.state[p]
                 if not state:
                     state.update(self._init_state(p))
-                state["step"] += 1.0
-                t = state["step"]
-                bc1, bc2 = 1 - b1**t, 1 - b2**t
+                if p.device not in flags:
+                    skip, keep = skip_flags(skipped, p.device)
+                    flags[p.device] = (skip, keep, *(torch.where(skip, 1.0, x) for x in (b1, b2, 1 - lr * wd)))
+                skip, keep, b1_gate, b2_gate, decay = flags[p.device]
+                t = state["step"].add_(keep)
+                bc1, bc2 = 1 - b1**t, 1 - b2**t  # 0 on a withheld first step: its NaN update is masked below
                 flat_p, flat_g = p.view(-1), p.grad.reshape(-1)
                 if "exp_avg" in state:
                     m, v = state["exp_avg"], state["exp_avg_sq"]
-                    g = flat_g.float()
-                    m.mul_(b1).add_(g, alpha=1 - b1)
-                    v.mul_(b2).addcmul_(g, g, value=1 - b2)
+                    g = flat_g.float().masked_fill(skip, -0.0)  # withheld: m·1 + (-0.0), v·1 + (+0.0), v ≥ +0
+                    m.mul_(b1_gate).add_(g, alpha=1 - b1)
+                    v.mul_(b2_gate).addcmul_(g, g, value=1 - b2)
+                    update = (m / bc1).div_((v / bc2).sqrt_().add_(eps)).mul_(-lr)
+                    update.masked_fill_(skip, -0.0)
                     pf = flat_p.float()
-                    pf.mul_(1 - lr * wd).addcdiv_(m / bc1, (v / bc2).sqrt_().add_(eps), value=-lr)
+                    pf.mul_(decay).add_(update)
                     flat_p.copy_(pf)
                     continue
-                self._update_quantized(flat_p, flat_g, state, lr, b1, b2, eps, wd, bc1, bc2)
+                self._update_quantized(flat_p, flat_g, state, skip, decay, lr, b1, b2, eps, bc1, bc2)
         return loss
 
-    def _update_quantized(self, flat_p, flat_g, state, lr, b1, b2, eps, wd, bc1, bc2):
+    def _update_quantized(self, flat_p, flat_g, state, skip, decay, lr, b1, b2, eps, bc1, bc2):
         signed, unsigned = self._books(flat_p.device)
         n = flat_p.numel()
         for start in range(0, n, CHUNK):
@@ -145,19 +163,34 @@ class AdamW8bit(torch.optim.Optimizer):
             padded = (b_end - b0) * BLOCK
             g = torch.zeros(padded, dtype=torch.float32, device=flat_p.device)
             g[: stop - start] = flat_g[start:stop]
-            g = g.view(-1, BLOCK)
-            m = signed.decode(state["m_codes"][b0 * BLOCK: b_end * BLOCK].view(-1, BLOCK), state["m_scale"][b0:b_end])
-            v = unsigned.decode(state["v_codes"][b0 * BLOCK: b_end * BLOCK].view(-1, BLOCK),
-                                state["v_scale"][b0:b_end])
+            # A withheld step's gradient may be inf/NaN; encoding a NaN moment would index outside the codebook.
+            g = g.masked_fill_(skip, 0.0).view(-1, BLOCK)
+            codes_at = slice(b0 * BLOCK, b_end * BLOCK)
+            m = signed.decode(state["m_codes"][codes_at].view(-1, BLOCK), state["m_scale"][b0:b_end])
+            v = unsigned.decode(state["v_codes"][codes_at].view(-1, BLOCK), state["v_scale"][b0:b_end])
             m.mul_(b1).add_(g, alpha=1 - b1)
             v.mul_(b2).addcmul_(g, g, value=1 - b2)
-            update = (m / bc1).div_((v / bc2).sqrt_().add_(eps)).view(-1)[: stop - start]
+            update = (m / bc1).div_((v / bc2).sqrt_().add_(eps)).view(-1)[: stop - start].mul_(-lr)
+            update.masked_fill_(skip, -0.0)
             pf = flat_p[start:stop].float()
-            pf.mul_(1 - lr * wd).add_(update, alpha=-lr)
+            pf.mul_(decay).add_(update)
             flat_p[start:stop].copy_(pf)
-            codes, scale = signed.encode(m)
-            state["m_codes"][b0 * BLOCK: b_end * BLOCK].copy_(codes.view(-1))
-            state["m_scale"][b0:b_end].copy_(scale)
-            codes, scale = unsigned.encode(v)
-            state["v_codes"][b0 * BLOCK: b_end * BLOCK].copy_(codes.view(-1))
-            state["v_scale"][b0:b_end].copy_(scale)
+            # where(skip, old, new) written over old: the state keeps its exact bits on a withheld step
+            for book, moment, key in ((signed, m, "m"), (unsigned, v, "v")):
+                codes, scale = book.encode(moment)
+                old_codes, old_scale = state[f"{key}_codes"][codes_at], state[f"{key}_scale"][b0:b_end]
+                torch.where(skip, old_codes, codes.view(-1), out=old_codes)
+                torch.where(skip, old_scale, scale, out=old_scale)
+
+    def load_state_dict(self, state_dict):
+        """As torch's, except that the state keeps its dtypes: torch casts every state tensor of a floating-point
+        parameter to the parameter's dtype, which turned the uint8 codes into fp32 (4x the state after a resume).
+        Tensors move to their parameter's device; a Python-float `step` (older checkpoints) becomes a tensor."""
+        saved = state_dict["state"]
+        super().load_state_dict({**state_dict, "state": {}})
+        by_index = {i: p for saved_group, group in zip(state_dict["param_groups"], self.param_groups)
+                    for i, p in zip(saved_group["params"], group["params"])}
+        for i, state in saved.items():
+            p = by_index[i]
+            self.state[p] = {k: v.to(p.device) if isinstance(v, torch.Tensor) else v for k, v in state.items()}
+        steps_to_param_devices(self)

@@ -10,6 +10,11 @@ mode "host-async": the update of step t runs on a host thread while step t+1's f
 device, and is copied into the parameters at the start of step t+2's update (ZeRO-Offload's one-step delayed
 parameter update): parameters are one update stale, in exchange the host update costs no device time. Call
 `flush()` (state_dict does) to apply the pending update.
+
+A withheld step (`step(skipped=)`, inf/NaN gradient or a held-back spike) is decided on the host without reading
+the device: the 0-dim flag is copied into pinned host memory right after the gradients, in the same stream order,
+so it is there when they are, and the inner optimizer skips on it (found_inf or its own `skipped`). The masters
+stay as they were, so copying them back leaves the parameters as they were too.
 """
 from __future__ import annotations
 
@@ -18,9 +23,13 @@ from dataclasses import replace
 
 import torch
 
+from kiln.train.optim import optimizer_step
+
 
 class HostOptimizer(torch.optim.Optimizer):
     """Looks like an optimizer over the device parameters; holds the real one (`inner`) over host masters."""
+
+    takes_skipped = True  # kiln.train.optim.optimizer_step passes the skip flag to step()
 
     def __init__(self, groups: list[dict], cfg, mode: str = "host"):
         if mode not in ("host", "host-async"):
@@ -43,6 +52,9 @@ class HostOptimizer(torch.optim.Optimizer):
                 self.pairs.append((p, m))
             host_groups.append({k: v for k, v in g.items() if k != "params"} | {"params": masters})
         self.inner = build_optimizer(host_groups, replace(cfg, offload="none"))
+        # this step's skip flag on the host: written behind the gradients, read by the host update
+        self._skipped = torch.zeros((), dtype=torch.float32,
+                                    pin_memory=any(p.device.type == "cuda" for p, _ in self.pairs))
         self._thread: threading.Thread | None = None
         self._pending = False  # an update finished on the host and not yet copied to the device
         self._error: BaseException | None = None
@@ -55,12 +67,16 @@ class HostOptimizer(torch.optim.Optimizer):
                 if key != "params" and key in inner:
                     inner[key] = value
 
-    def _grads_to_host(self):
+    def _grads_to_host(self, skipped):
         for p, m in self.pairs:
             if p.grad is None:
                 m.grad.zero_()
             else:
                 m.grad.copy_(p.grad, non_blocking=True)
+        if skipped is None:
+            self._skipped.zero_()
+        else:
+            self._skipped.copy_(skipped, non_blocking=True)  # pinned: no wait, and ready with the gradients
         done = None
         if any(p.device.type == "cuda" for p, _ in self.pairs):
             done = torch.cuda.Event()
@@ -82,7 +98,7 @@ class HostOptimizer(torch.optim.Optimizer):
             for event in wait_for:
                 if event is not None:
                     event.synchronize()
-            self.inner.step()
+            optimizer_step(self.inner, self._skipped)
         except BaseException as e:  # re-raised on the training thread
             self._error = e
 
@@ -95,21 +111,23 @@ class HostOptimizer(torch.optim.Optimizer):
             raise error
 
     @torch.no_grad()
-    def step(self, closure=None):
+    def step(self, closure=None, skipped: torch.Tensor | None = None):
+        """One update of the masters; withheld when the 0-dim `skipped` is non-zero, decided on the host after the
+        flag arrives with the gradients (the training thread never reads it)."""
         if closure is not None:
             raise ValueError("HostOptimizer.step does not take a closure")
         self._sync_hyperparameters()
         if self.mode == "host":
-            grads_ready = self._grads_to_host()
+            grads_ready = self._grads_to_host(skipped)
             if grads_ready is not None:
-                grads_ready.synchronize()
-            self.inner.step()
+                grads_ready.synchronize()  # mode "host" waits for the gradients by design; host-async does not
+            optimizer_step(self.inner, self._skipped)
             self._masters_to_device()
             return None
         # host-async: publish the previous update, then start this one on a host thread.
         self._join()
         copied = self._masters_to_device() if self._pending else None
-        grads_ready = self._grads_to_host()
+        grads_ready = self._grads_to_host(skipped)
         self._thread = threading.Thread(target=self._host_update, args=([copied, grads_ready],), daemon=True)
         self._thread.start()
         self._pending = True

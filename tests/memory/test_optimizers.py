@@ -8,7 +8,7 @@ from kiln.memory.adam8bit import BLOCK, MIN_8BIT, AdamW8bit, _Codebook, dynamic_
 from kiln.memory.host_optimizer import HostOptimizer
 from kiln.memory.measure import optimizer_state_tensors, tensor_bytes
 from kiln.models import build_model
-from kiln.train.optim import OptimConfig, build_optimizer, param_groups
+from kiln.train.optim import MaskedAdam, MaskedSGD, OptimConfig, build_optimizer, optimizer_step, param_groups
 
 from tests.memory.conftest import MODELS
 
@@ -45,7 +45,8 @@ def test_state_is_about_four_times_smaller():
     ref.step()
     got = tensor_bytes(optimizer_state_tensors(q))
     assert got == state_bytes(big.numel()) + state_bytes(small.numel())
-    assert state_bytes(small.numel()) == 8 * small.numel() and small.numel() < MIN_8BIT
+    # fp32 moments and the 4-byte step count, a device tensor so that a withheld step needs no host sync
+    assert state_bytes(small.numel()) == 8 * small.numel() + 4 and small.numel() < MIN_8BIT
     fp32 = sum(8 * p.numel() for p in (big, small))
     assert 3.9 < fp32 / got < 4.0
 
@@ -161,3 +162,152 @@ def test_host_async_is_one_update_behind():
     assert torch.equal(params[0], twin[0])
     state = host.state_dict()
     assert set(state) == {"inner", "masters", "mode"}
+
+
+def test_adamw8bit_load_keeps_uint8_codes_and_device_step():
+    """torch's load_state_dict casts a float parameter's state to its dtype: the codes came back as fp32 (4x)."""
+    p = torch.nn.Parameter(torch.randn(8192))
+    opt = AdamW8bit([p], lr=1e-3)
+    p.grad = torch.randn_like(p)
+    opt.step()
+    twin = AdamW8bit([torch.nn.Parameter(p.detach().clone())], lr=1e-3)
+    saved = copy.deepcopy(opt.state_dict())
+    saved["state"][0]["step"] = 1.0  # as checkpoints before the step count moved to the device held it
+    twin.load_state_dict(saved)
+    state = next(iter(twin.state.values()))
+    assert state["m_codes"].dtype == state["v_codes"].dtype == torch.uint8
+    assert state["step"].dtype == torch.float32 and state["step"].item() == 1.0
+    assert tensor_bytes(optimizer_state_tensors(twin)) == state_bytes(p.numel())
+
+
+# ---------------------------------------------------------------- withheld steps: exact, decided on the device
+
+# (optim.name, implementation, other OptimConfig fields): every optimizer build_optimizer makes
+SKIP_CASES = [(name, impl, {}) for name in ("adamw", "adam", "sgd") for impl in ("fused", "foreach", "loop")]
+SKIP_CASES += [("sgd", impl, extra) for impl in ("fused", "foreach", "loop")
+               for extra in ({"nesterov": True}, {"momentum": 0.0})]
+SKIP_CASES += [("adamw8bit", "auto", {})]
+
+
+def _skip_ids(case):
+    name, impl, extra = case
+    return "-".join([name, impl, *(f"{k}={v}" for k, v in extra.items())])
+
+
+def _tensors(obj):
+    """Every tensor in a (nested) state dict, in a fixed order."""
+    if isinstance(obj, torch.Tensor):
+        yield obj
+    elif isinstance(obj, dict):
+        for key in sorted(obj, key=str):
+            yield from _tensors(obj[key])
+    elif isinstance(obj, (list, tuple)):
+        for value in obj:
+            yield from _tensors(value)
+
+
+def _snapshot(optimizer, params):
+    """Parameters and every state tensor (HostOptimizer: inner state and masters, after a flush)."""
+    return [t.detach().clone() for t in _tensors([params, optimizer.state_dict()])]
+
+
+def _states(optimizer):
+    return list(getattr(optimizer, "inner", optimizer).state.values())
+
+
+def _assert_same_bits(got, want):
+    """Bit for bit: torch.equal would let -0.0 pass for +0.0, and fail NaN against itself."""
+    assert len(got) == len(want)
+    for i, (a, b) in enumerate(zip(got, want)):
+        assert (a.dtype, a.shape, a.device) == (b.dtype, b.shape, b.device), i
+        assert torch.equal(a.reshape(-1).view(torch.uint8), b.reshape(-1).view(torch.uint8)), i
+
+
+def _skip_rig(name, impl, extra, offload):
+    """A matrix of ≥ MIN_8BIT elements (AdamW8bit's 8-bit path) with weight decay, a vector without. Eight entries
+    of the matrix are -0.0 and never get a gradient: a withheld step must add exactly -0.0 to them, not +0.0."""
+    torch.manual_seed(0)
+    w, b = torch.randn(80, 64), torch.randn(100)
+    w[0, :8] = -0.0
+    params = [torch.nn.Parameter(w), torch.nn.Parameter(b)]
+    cfg = OptimConfig(name=name, implementation=impl, offload=offload, lr=1e-2, **extra)
+    groups = [{"params": params[:1], "weight_decay": 0.1}, {"params": params[1:], "weight_decay": 0.0}]
+    return build_optimizer(groups, cfg), params
+
+
+def _clean_grads(params, t):
+    g = torch.Generator().manual_seed(100 + t)
+    grads = [torch.randn(p.shape, generator=g) for p in params]
+    grads[0][0, :8] = 0.0
+    return grads
+
+
+def _bad_grads(params):
+    """What a withheld step sees: overflowed, NaN and huge gradients (a spike's are finite but never applied)."""
+    grads = [1e30 * torch.randn(p.shape) for p in params]
+    grads[0][1, :5] = float("inf")
+    grads[0][2, :5] = float("nan")
+    grads[1][:3] = -float("inf")
+    return grads
+
+
+@pytest.mark.parametrize("offload", ["none", "host", "host-async"])
+@pytest.mark.parametrize("skip_at", [0, 2], ids=["first-step", "third-step"])
+@pytest.mark.parametrize("case", SKIP_CASES, ids=_skip_ids)
+def test_withheld_step_is_exact(case, skip_at, offload):
+    """A withheld step leaves parameters and every state tensor bit for bit; the steps after it equal those of an
+    optimizer that never saw it (a reference that simply did not step)."""
+    name, impl, extra = case
+    opt, params = _skip_rig(name, impl, extra, offload)
+    ref, ref_params = _skip_rig(name, impl, extra, offload)
+    clean, withhold = torch.zeros(()), torch.ones(())
+    for t in range(4):
+        if t == skip_at:
+            before = _snapshot(opt, params)
+            for p, g in zip(params, _bad_grads(params)):
+                p.grad = g
+            optimizer_step(opt, withhold)
+            after = _snapshot(opt, params)
+            if t == 0:  # the state is made on the first step, withheld or not: as made, step counts 0
+                after, before = after[:len(params)], before[:len(params)]
+                steps = [s["step"] for s in _states(opt) if "step" in s]
+                assert all(float(s) == 0.0 for s in steps) and (steps or name == "sgd")
+            _assert_same_bits(after, before)
+            continue
+        for ps, o in ((params, opt), (ref_params, ref)):
+            for p, g in zip(ps, _clean_grads(ps, t)):
+                p.grad = g
+            optimizer_step(o, clean)
+    _assert_same_bits(_snapshot(opt, params), _snapshot(ref, ref_params))
+    assert params[0][0, :8].signbit().all()  # the -0.0 entries: still -0.0 (the test would see +0.0)
+
+
+@pytest.mark.parametrize("impl", ["foreach", "loop"])
+@pytest.mark.parametrize("name,extra", [("adamw", {}), ("adam", {}), ("sgd", {}), ("sgd", {"nesterov": True}),
+                                        ("sgd", {"momentum": 0.0})], ids=["adamw", "adam", "sgd", "nesterov", "plain"])
+def test_masked_optimizers_match_torch(name, extra, impl):
+    """kiln's foreach/loop Adam, AdamW and SGD against torch's, 8 steps in fp32, weight decay on one group."""
+    opt, params = _skip_rig(name, impl, extra, "none")
+    assert isinstance(opt, MaskedSGD if name == "sgd" else MaskedAdam)
+    _, ref_params = _skip_rig(name, impl, extra, "none")
+    groups = [{"params": ref_params[:1], "weight_decay": 0.1}, {"params": ref_params[1:], "weight_decay": 0.0}]
+    kw = dict(lr=1e-2, foreach=impl == "foreach")
+    if name == "sgd":
+        cfg = OptimConfig(**extra)
+        ref = torch.optim.SGD(groups, momentum=cfg.momentum, nesterov=cfg.nesterov, **kw)
+    else:
+        ref = (torch.optim.AdamW if name == "adamw" else torch.optim.Adam)(groups, betas=(0.9, 0.95), eps=1e-8, **kw)
+    for t in range(8):
+        for ps in (params, ref_params):
+            for p, g in zip(ps, _clean_grads(ps, t)):
+                p.grad = g
+        opt.step()
+        ref.step()
+        ours, torchs = [*params, *_tensors(opt.state_dict())], [*ref_params, *_tensors(ref.state_dict())]
+        for got, want in zip(ours, torchs, strict=True):  # the same state: step, exp_avg(_sq), momentum_buffer
+            # 1e-6 relative; near zero, 1e-6 of the tensor's largest entry (one rounding of a 1e-2 update moves
+            # an entry of 1e-3 by 1e-5 of itself)
+            scale = want.abs().max().item()
+            torch.testing.assert_close(got.to(want.device), want, rtol=1e-6, atol=1e-6 * scale)
+    moved = (params[0] - _skip_rig(name, impl, extra, "none")[1][0]).abs().max()
+    assert moved > 1e-3  # the comparison above is over parameters that did move

@@ -3,7 +3,7 @@ import pytest
 import torch
 
 from kiln.models import IGNORE_INDEX, build_model
-from kiln.train.optim import OptimConfig, build_optimizer
+from kiln.train.optim import OptimConfig, build_optimizer, param_groups
 from kiln.train.precision import LossScaler, MasterWeights, Precision, PrecisionConfig
 from kiln.train.trainer import accumulate_gradients, train_step
 from tests.conftest import small_model
@@ -82,7 +82,7 @@ def test_fp16_scale_grows_after_clean_steps():
 def test_nonfinite_gradient_is_never_applied_in_fp32():
     torch.manual_seed(0)
     model = build_model(small_model(vocab_size=64))
-    for impl in ("fused", "foreach"):  # fused skips on the device; foreach falls back to a host check
+    for impl in ("fused", "foreach"):  # torch's fused kernel skips via found_inf; kiln's foreach masks the update
         optimizer = build_optimizer(model, OptimConfig(implementation=impl))
         scaler = LossScaler(PrecisionConfig(), CPU, enabled=False)
         before = [p.detach().clone() for p in model.parameters()]
@@ -127,3 +127,73 @@ def test_bf16_master_weights_keep_small_updates():
     assert masters.masters[0].dtype == torch.float32
     assert not torch.equal(masters.masters[0], start)
     torch.testing.assert_close(model.embed.weight.float(), masters.masters[0].to(torch.bfloat16).float())
+
+
+def _bits(obj) -> list[torch.Tensor]:
+    """Every tensor in a (nested) state, as raw bytes in a fixed order: -0.0 differs from +0.0, NaN equals NaN."""
+    if isinstance(obj, torch.Tensor):
+        return [obj.detach().reshape(-1).clone().view(torch.uint8)]
+    if isinstance(obj, dict):
+        return [b for key in sorted(obj, key=str) for b in _bits(obj[key])]
+    if isinstance(obj, (list, tuple)):
+        return [b for value in obj for b in _bits(value)]
+    return []
+
+
+@pytest.fixture
+def one_thread():
+    """One intra-op thread: on a shared 2-core machine two threads per process spin against other processes and
+    these small steps slow down 10x and more."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def _step_rig(name, impl, offload, mode):
+    torch.manual_seed(0)
+    model = build_model(small_model(vocab_size=64)).to(torch.bfloat16 if mode == "bf16-master" else torch.float32)
+    cfg = OptimConfig(name=name, implementation=impl, offload=offload, lr=1e-2)
+    masters = MasterWeights(model) if mode == "bf16-master" and offload == "none" else None
+    groups = param_groups(model, cfg.weight_decay)
+    optimizer = build_optimizer(masters.groups(groups) if masters else groups, cfg)
+    scaler = LossScaler(PrecisionConfig(), CPU, enabled=False)
+    return model, optimizer, masters, scaler, cfg
+
+
+def _everything(model, optimizer, masters):
+    return _bits([dict(model.named_parameters()), optimizer.state_dict(), masters.state_dict() if masters else []])
+
+
+@pytest.mark.parametrize("mode", ["fp32", "bf16-master"])
+@pytest.mark.parametrize("name,impl,offload", [
+    ("adamw", "fused", "none"), ("adamw", "foreach", "none"), ("adam", "loop", "none"), ("sgd", "foreach", "none"),
+    ("adamw8bit", "auto", "none"), ("adamw", "fused", "host"), ("adamw", "foreach", "host-async"),
+    ("adamw8bit", "auto", "host-async"),
+])
+def test_withheld_train_step_is_exact(name, impl, offload, mode, one_thread):
+    """Through train_step: a step with a NaN gradient leaves the model, the masters and the optimizer state bit
+    for bit, and the run then matches one that never took it."""
+    run = _step_rig(name, impl, offload, mode)
+    ref = _step_rig(name, impl, offload, mode)
+    precision = Precision(mode, CPU)
+    x = torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(1))
+    batch = [(x, torch.roll(x, -1, 1))]
+
+    def step(rig):
+        model, optimizer, masters, scaler, cfg = rig
+        return train_step(model, batch, optimizer, precision, scaler, cfg, masters)
+
+    step(run), step(ref)
+    before = _everything(run[0], run[1], run[2])
+    _everything(ref[0], ref[1], ref[2])  # state_dict() flushes host-async: both runs alike, so their grads match
+    handle = run[0].blocks[0].mlp.fc.weight.register_hook(lambda g: g * float("nan"))
+    assert step(run).skipped.item() == 1.0
+    handle.remove()
+    after = _everything(run[0], run[1], run[2])
+    _everything(ref[0], ref[1], ref[2])
+    assert len(after) == len(before) and all(torch.equal(a, b) for a, b in zip(after, before))
+    for _ in range(2):
+        assert step(run).skipped.item() == step(ref).skipped.item() == 0.0
+    got, want = _everything(run[0], run[1], run[2]), _everything(ref[0], ref[1], ref[2])
+    assert len(got) == len(want) and all(torch.equal(a, b) for a, b in zip(got, want))

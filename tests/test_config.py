@@ -6,7 +6,7 @@ from kiln.config import ConfigError, describe, load_config, to_toml
 def test_defaults_and_contract_keys_exist():
     cfg = load_config()
     assert cfg.model.preset == "tiny"
-    assert cfg.train.max_steps > 0 and cfg.log.interval > 0
+    assert (cfg.train.max_steps > 0 or cfg.train.time_budget > 0) and cfg.log.interval > 0
     text = describe()
     for key in ("--model.preset", "--train.max_steps", "--log.interval", "--optim.lr", "--precision.mode"):
         assert key in text
@@ -44,7 +44,8 @@ def test_resolved_config_round_trips(tmp_path):
     ("--train.max_step=5", r"did you mean train\.max_steps\?"),
     ("--optim.lr=fast", r"optim\.lr='fast' is not a valid float"),
     ("--train.max_steps=1.5", r"train\.max_steps='1.5' is not a valid int"),
-    ("--train.max_steps=0", r"train\.max_steps must be ≥ 1"),
+    ("--train.max_steps=-1", r"train\.max_steps must be ≥ 0"),
+    ("--train.time_budget=0", r"train\.max_steps=0 sizes the run by train\.time_budget"),
     ("--optim.lr=-1", r"optim\.lr must be > 0"),
     ("--precision.mode=fp8", r"precision\.mode='fp8' is unknown"),
     ("--schedule.name=cosin", r"schedule\.name='cosin' is unknown"),

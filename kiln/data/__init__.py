@@ -59,7 +59,7 @@ class DataConfig:
     seq_len: int = 256  # tokens per training sequence; targets are the inputs shifted by one
     cache_dir: str = ""  # where token shards are cached; "" = $KILN_CACHE, else ~/.cache/kiln
     seed: int = 1337  # seed of the batch sampling order (independent of the model's seed)
-    prefetch: int = 2  # batches prepared ahead by a background thread; 0 = build each batch on demand
+    prefetch: int = 2  # batches prepared ahead by a background thread on an accelerator (CPU: on demand); 0 = off
 
     def validate(self) -> None:
         """Raise ValueError naming the field and the fix for the first bad value."""

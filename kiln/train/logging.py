@@ -4,11 +4,15 @@ from __future__ import annotations
 import json
 import math
 import sys
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+
+
+REFRESH_S = 0.5  # the live progress bar is redrawn at most this often
 
 
 @dataclass
@@ -32,7 +36,7 @@ def _clean(value):
 
 
 class MetricsLogger:
-    def __init__(self, cfg: LogConfig, run_dir: Path, total_steps: int, start_step: int = 0,
+    def __init__(self, cfg: LogConfig, run_dir: Path, total_steps: int | None, start_step: int = 0,
                  console: Console | None = None):
         self.cfg = cfg
         self.console = console or Console(file=sys.stdout)
@@ -48,10 +52,14 @@ class MetricsLogger:
             mode = "bar" if self.console.is_terminal else "lines"
         self.mode = mode
         self.progress = None
+        self._refreshed = 0.0
         if mode == "bar":
+            # Redrawn from the training thread at most every REFRESH_S: rich's default auto-refresh is a thread
+            # waking 10 times a second, and on a 2-core CPU every wake-up takes a core from the step's 2 threads.
             self.progress = Progress(
                 TextColumn("step"), MofNCompleteColumn(), BarColumn(), TextColumn("{task.fields[stats]}"),
                 TimeElapsedColumn(), TextColumn("ETA"), TimeRemainingColumn(), console=self.console,
+                auto_refresh=False,
             )
             self.task = self.progress.add_task("train", total=total_steps, completed=start_step, stats="")
             self.progress.start()
@@ -59,9 +67,21 @@ class MetricsLogger:
     def print(self, *args, **kw):
         self.console.print(*args, **kw)
 
+    def set_total(self, total_steps: int) -> None:
+        """The run's length, once known (a time-budgeted run measures its first steps to decide it)."""
+        if self.progress is not None:
+            self.progress.update(self.task, total=total_steps)
+
     def advance(self, step: int) -> None:
         if self.progress is not None:
             self.progress.update(self.task, completed=step)
+            self._refresh()
+
+    def _refresh(self, force: bool = False) -> None:
+        now = time.monotonic()
+        if force or now - self._refreshed >= REFRESH_S:
+            self.progress.refresh()
+            self._refreshed = now
 
     def log(self, record: dict) -> None:
         record = {k: _clean(v) for k, v in record.items() if v is not None}
@@ -75,6 +95,7 @@ class MetricsLogger:
         stats = self._summary(record)
         if self.progress is not None:
             self.progress.update(self.task, stats=stats)
+            self._refresh(force=True)
         elif self.mode == "lines" and stats:
             self.console.print(f"step {step} {stats}", highlight=False)
 

@@ -22,14 +22,15 @@ from kiln.numerics.spikes import StepGuard
 from kiln.perf import device_peak_flops, flops_per_token, mfu
 from kiln.train.checkpoint import Checkpointer, rng_state, set_rng_state
 from kiln.train.logging import MetricsLogger
-from kiln.train.optim import build_optimizer, clip_gradients, param_groups, supports_found_inf
+from kiln.train.optim import build_optimizer, clip_gradients, optimizer_step, param_groups
 from kiln.train.precision import LossScaler, MasterWeights, Precision, resolve_mode
 from kiln.train.schedule import lr_factor
 
 
 @dataclass
 class TrainConfig:
-    max_steps: int = 400  # optimizer steps to train for (each one is micro_batch_size·grad_accum_steps sequences)
+    max_steps: int = 0  # optimizer steps (each micro_batch_size·grad_accum_steps sequences); 0: fit time_budget
+    time_budget: float = 120.0  # max_steps=0: seconds of training steps, sized by the step time of steps 3-10
     micro_batch_size: int = 8  # sequences per forward/backward pass
     grad_accum_steps: int = 1  # micro-batches accumulated into one optimizer step
     eval_interval: int = 0  # steps between validation passes (0: only at the end)
@@ -43,12 +44,16 @@ class TrainConfig:
     sample_prompt: str = "def "  # prompt of the sample printed after training
 
     def validate(self):
-        for key in ("max_steps", "micro_batch_size", "grad_accum_steps", "eval_batches"):
+        for key in ("micro_batch_size", "grad_accum_steps", "eval_batches"):
             if getattr(self, key) < 1:
                 raise ValueError(f"train.{key} must be ≥ 1, got {getattr(self, key)}")
-        for key in ("eval_interval", "early_stop_patience", "sample_tokens", "early_stop_min_delta"):
+        for key in ("max_steps", "time_budget", "eval_interval", "early_stop_patience", "sample_tokens",
+                    "early_stop_min_delta"):
             if getattr(self, key) < 0:
                 raise ValueError(f"train.{key} must be ≥ 0, got {getattr(self, key)}")
+        if self.max_steps == 0 and self.time_budget == 0:
+            raise ValueError("train.max_steps=0 sizes the run by train.time_budget, which is 0 too; set "
+                             "--train.max_steps=N or --train.time_budget=SECONDS")
         if self.device != "auto" and not self.device.split(":")[0] in ("cpu", "cuda", "mps"):
             raise ValueError(f"train.device={self.device!r}; use auto, cpu, cuda or cuda:N")
 
@@ -108,11 +113,7 @@ def train_step(model, batches, optimizer, precision: Precision, scaler: LossScal
     skipped = nonfinite
     if guard is not None:  # records the step on the device; withholds a spike (spike_policy skip|rollback|stop)
         skipped = guard.check(total_loss, grad_norm, nonfinite, scaler.scale)
-    if supports_found_inf(optimizer):
-        optimizer.found_inf = skipped  # the fused kernel skips the update on the device
-        optimizer.step()
-    elif not skipped.item():
-        optimizer.step()
+    optimizer_step(optimizer, skipped)  # applied or withheld on the device: no host sync on any kiln optimizer
     scaler.update(nonfinite)  # only an overflow backs the loss scale off, not a withheld spike
     if masters is not None:
         masters.masters_to_model()
@@ -242,6 +243,159 @@ def generate_text(model: Transformer, tokenizer, prompt: str, max_new_tokens: in
     return tokenizer.decode(out[0].tolist())
 
 
+CALIBRATION_STEPS = 10  # train.max_steps=0: the step time is measured over steps 3..10 (1-2 warm the allocator up)
+
+
+def _synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+class TrainingLoop:
+    """The loop of `kiln train` over a built Run, advanced to a given step at a time.
+
+    `train` runs it to the end in one call; a benchmark runs it in blocks that alternate with another loop's, so
+    both see the same machine noise. Time spent outside `advance` is not counted in the logged tokens/s.
+
+    With train.max_steps=0 the run is sized by train.time_budget: steps 3..10 are timed, max_steps is set so that
+    the steps take the budget, printed, and saved in the run's config (so `--train.max_steps=N` repeats the run
+    bit for bit). Those first steps are inside the linear warm-up, whose lr does not depend on the horizon yet.
+    """
+
+    def __init__(self, run: Run, console: Console):
+        self.run, self.con = run, console
+        cfg, tc = run.cfg, run.cfg.train
+        self.budgeted = tc.max_steps == 0
+        sched = cfg.schedule
+        self._first = run.step  # a budgeted run resumed before it was sized measures from where it resumed
+        sized_at = self._first + CALIBRATION_STEPS
+        if self.budgeted and not sched.total_steps and sched.name != "constant" and sched.warmup_steps < sized_at:
+            raise ValueError(f"train.max_steps=0 measures steps {self._first + 1}-{sized_at} before it knows the "
+                             f"run's length, so the {sched.name} schedule needs schedule.warmup_steps ≥ {sized_at} "
+                             f"(got {sched.warmup_steps}); raise it, or set train.max_steps")
+        self.tokens_per_step = tc.micro_batch_size * tc.grad_accum_steps * cfg.data.seq_len
+        self.flops_per_token = flops_per_token(cfg.model, cfg.data.seq_len)
+        self.peak = device_peak_flops(run.device, run.precision.mode)
+        self.numerics = Numerics(cfg.numerics, cfg.faults, run, run.run_dir, cfg.log.interval)
+        self.logger = MetricsLogger(cfg.log, run.run_dir, tc.max_steps or None, run.step, console=console)
+        # While a budgeted run is measured, any horizon past the warm-up gives the same lr.
+        self.horizon = sched.total_steps or tc.max_steps or 1 << 30
+        self._clock: dict[int, float] = {}  # budgeted run: step -> when it ended (the first one, two after it)
+        self.skipped_total = torch.zeros((), device=run.device)
+        self.window_start, self.window_steps = time.perf_counter(), 0
+        self.stop_reason: str | None = None  # set when the run has ended
+        self.val_loss: float | None = None
+
+    def advance(self, until: int) -> str | None:
+        """Train up to step `until` (never past train.max_steps); returns why the run ended, or None."""
+        run, cfg, tc = self.run, self.run.cfg, self.run.cfg.train
+        numerics, logger = self.numerics, self.logger
+        self.window_start, self.window_steps = time.perf_counter(), 0
+        while self.stop_reason is None and run.step < min(until, self.max_steps):
+            if self.budgeted:
+                self._measure()
+            lr = cfg.optim.lr * lr_factor(cfg.schedule, run.step, self.horizon) * numerics.lr_factor(run.step)
+            for group in run.optimizer.param_groups:
+                group["lr"] = lr
+            batches = numerics.begin_step(run.step + 1, [run.loader.next() for _ in range(tc.grad_accum_steps)])
+            result = train_step(run.step_model, batches, run.optimizer, run.precision, run.scaler, cfg.optim,
+                                run.masters, numerics.guard)
+            self.skipped_total += result.skipped
+            run.step += 1
+            run.tokens_seen += self.tokens_per_step
+            self.window_steps += 1
+            logger.advance(run.step)
+            if self.budgeted and run.step == self._first + CALIBRATION_STEPS:
+                self._size_run()
+            tc = run.cfg.train
+            last = run.step == tc.max_steps
+            log_due = run.step % cfg.log.interval == 0 or last
+            eval_due = (tc.eval_interval and run.step % tc.eval_interval == 0) or last
+            checkpoint_due = cfg.checkpoint.interval and run.step % cfg.checkpoint.interval == 0 and not last
+            verdict = None
+            if log_due or eval_due or checkpoint_due:
+                # A sync point: numerics reads back the steps since the last one (spikes, NaN/Inf, loss scale)
+                # and, where needed, traces a non-finite step, rolls back to the last good state, or stops.
+                verdict = numerics.review(logger)
+                if verdict.rolled_back:
+                    self.window_start, self.window_steps = time.perf_counter(), 0
+                    continue
+            if log_due:
+                self._log(result, lr)
+            if verdict is not None and verdict.stop:
+                self.stop_reason = verdict.stop
+                break
+            if eval_due:
+                self._evaluate(last)
+            if checkpoint_due:
+                run.save_checkpoint()
+                self.window_start = time.perf_counter()
+        if self.stop_reason is None and run.step >= self.max_steps:
+            self.stop_reason = "max_steps"
+        return self.stop_reason
+
+    @property
+    def max_steps(self) -> int:
+        return self.run.cfg.train.max_steps or 1 << 62  # unknown until a budgeted run has measured its steps
+
+    def _measure(self) -> None:
+        """Budgeted run, before a step: note when the first step and the two after it ended (device idle)."""
+        if self.run.step in (self._first, self._first + 2):
+            _synchronize(self.run.device)
+            self._clock[self.run.step] = time.perf_counter()
+
+    def _size_run(self) -> None:
+        """Budgeted run, after step CALIBRATION_STEPS: fix max_steps from the measured step time."""
+        run, tc = self.run, self.run.cfg.train
+        _synchronize(run.device)
+        now = time.perf_counter()
+        step_time = (now - self._clock[self._first + 2]) / (CALIBRATION_STEPS - 2)
+        left = tc.time_budget - (now - self._clock[self._first])
+        floor = max(run.step, run.cfg.schedule.warmup_steps)  # a shorter run would change the warm-up
+        steps = max(floor, run.step + int(left / step_time))
+        run.cfg = replace(run.cfg, train=replace(tc, max_steps=steps))
+        self.budgeted = False
+        self.horizon = run.cfg.schedule.total_steps or steps
+        self.logger.set_total(steps)
+        (run.run_dir / "config.toml").write_text(to_toml(run.cfg))
+        self.logger.print(f"max_steps {steps:,}: train.time_budget {tc.time_budget:g} s at {step_time:.3f} s/step "
+                          f"(steps {self._first + 3}-{run.step} on this {run.device.type}); --train.max_steps={steps} "
+                          f"repeats this run exactly", highlight=False)
+
+    def _log(self, result: StepResult, lr: float) -> None:
+        run = self.run
+        # The one host-device transfer per log interval.
+        loss, grad_norm, skipped, scale = torch.stack([
+            result.loss.float(), result.grad_norm.float(), self.skipped_total.float(), run.scaler.scale.float()
+        ]).tolist()
+        elapsed = time.perf_counter() - self.window_start
+        tps = self.window_steps * self.tokens_per_step / elapsed
+        self.logger.log({
+            "step": run.step, "loss": loss, "lr": lr, "grad_norm": grad_norm,
+            "tokens_per_s": tps, "step_time_s": elapsed / self.window_steps, "tokens_seen": run.tokens_seen,
+            "peak_mem_bytes": peak_memory_bytes(run.device), "mfu": mfu(self.flops_per_token, tps, self.peak),
+            "skipped_steps": int(skipped), "loss_scale": scale if run.scaler.enabled else None,
+        })
+        self.window_start, self.window_steps = time.perf_counter(), 0
+
+    def _evaluate(self, last: bool) -> None:
+        run, tc = self.run, self.run.cfg.train
+        self.val_loss = run.evaluate()
+        self.logger.log({"step": run.step, "val_loss": self.val_loss, "val_ppl": math.exp(min(self.val_loss, 50))})
+        if self.val_loss < run.best_val - tc.early_stop_min_delta:
+            run.best_val, run.evals_since_best = self.val_loss, 0
+        else:
+            run.evals_since_best += 1
+        self.window_start = time.perf_counter()  # evaluation time is not training throughput
+        if tc.early_stop_patience and run.evals_since_best >= tc.early_stop_patience and not last:
+            self.stop_reason = f"early stop: no val improvement in {tc.early_stop_patience} evaluations"
+
+    def close(self) -> None:
+        self.numerics.close()
+        self.logger.close()
+        self.run.loader.close()
+
+
 def train(cfg: Config, run_dir: Path, resume: bool = False, console=None) -> dict:
     """Train (or resume) a run; returns a summary with the final validation loss."""
     run_dir = Path(run_dir)
@@ -263,76 +417,13 @@ def train(cfg: Config, run_dir: Path, resume: bool = False, console=None) -> dic
     con.print(f"model: {cfg.model.preset} ({cfg.model.arch}) {n_params / 1e6:.2f}M parameters | "
               f"device {run.device} | precision {run.precision.mode} | {tokens_per_step:,} tokens/step",
               highlight=False)
-    fpt = flops_per_token(cfg.model, cfg.data.seq_len)
-    peak = device_peak_flops(run.device, run.precision.mode)
-    numerics = Numerics(cfg.numerics, cfg.faults, run, run_dir, cfg.log.interval)
-    logger = MetricsLogger(cfg.log, run_dir, tc.max_steps, run.step, console=con)
-    horizon = cfg.schedule.total_steps or tc.max_steps
-    skipped_total = torch.zeros((), device=run.device)
-    window_start, window_steps = time.perf_counter(), 0
-    stop_reason = "max_steps"
-    val_loss = None
+    loop = TrainingLoop(run, con)
     try:
-        while run.step < tc.max_steps:
-            lr = cfg.optim.lr * lr_factor(cfg.schedule, run.step, horizon) * numerics.lr_factor(run.step)
-            for group in run.optimizer.param_groups:
-                group["lr"] = lr
-            batches = numerics.begin_step(run.step + 1, [run.loader.next() for _ in range(tc.grad_accum_steps)])
-            result = train_step(run.step_model, batches, run.optimizer, run.precision, run.scaler, cfg.optim,
-                                run.masters, numerics.guard)
-            skipped_total += result.skipped
-            run.step += 1
-            run.tokens_seen += tokens_per_step
-            window_steps += 1
-            logger.advance(run.step)
-            last = run.step == tc.max_steps
-            log_due = run.step % cfg.log.interval == 0 or last
-            eval_due = (tc.eval_interval and run.step % tc.eval_interval == 0) or last
-            checkpoint_due = cfg.checkpoint.interval and run.step % cfg.checkpoint.interval == 0 and not last
-            verdict = None
-            if log_due or eval_due or checkpoint_due:
-                # A sync point: numerics reads back the steps since the last one (spikes, NaN/Inf, loss scale)
-                # and, where needed, traces a non-finite step, rolls back to the last good state, or stops.
-                verdict = numerics.review(logger)
-                if verdict.rolled_back:
-                    window_start, window_steps = time.perf_counter(), 0
-                    continue
-            if log_due:
-                # The one host-device transfer per log interval.
-                loss, grad_norm, skipped, scale = torch.stack([
-                    result.loss.float(), result.grad_norm.float(), skipped_total.float(), run.scaler.scale.float()
-                ]).tolist()
-                elapsed = time.perf_counter() - window_start
-                tps = window_steps * tokens_per_step / elapsed
-                logger.log({
-                    "step": run.step, "loss": loss, "lr": lr, "grad_norm": grad_norm,
-                    "tokens_per_s": tps, "step_time_s": elapsed / window_steps, "tokens_seen": run.tokens_seen,
-                    "peak_mem_bytes": peak_memory_bytes(run.device), "mfu": mfu(fpt, tps, peak),
-                    "skipped_steps": int(skipped), "loss_scale": scale if run.scaler.enabled else None,
-                })
-                window_start, window_steps = time.perf_counter(), 0
-            if verdict is not None and verdict.stop:
-                stop_reason = verdict.stop
-                break
-            if eval_due:
-                val_loss = run.evaluate()
-                logger.log({"step": run.step, "val_loss": val_loss, "val_ppl": math.exp(min(val_loss, 50))})
-                if val_loss < run.best_val - tc.early_stop_min_delta:
-                    run.best_val, run.evals_since_best = val_loss, 0
-                else:
-                    run.evals_since_best += 1
-                window_start = time.perf_counter()  # evaluation time is not training throughput
-                if tc.early_stop_patience and run.evals_since_best >= tc.early_stop_patience and not last:
-                    stop_reason = f"early stop: no val improvement in {tc.early_stop_patience} evaluations"
-                    break
-            if checkpoint_due:
-                run.save_checkpoint()
-                window_start = time.perf_counter()
+        stop_reason = loop.advance(loop.max_steps)
         path = run.save_checkpoint()
     finally:
-        numerics.close()
-        logger.close()
-        run.loader.close()
+        loop.close()
+    val_loss = loop.val_loss
     shown_val = f"{val_loss:.4f}" if val_loss is not None else "n/a (stopped before an evaluation)"
     con.print(f"done at step {run.step} ({stop_reason}): val_loss {shown_val} | unigram baseline "
               f"{run.data.unigram_loss:.4f} | checkpoint {path}", highlight=False)

@@ -31,7 +31,7 @@ def loader_threads():
 
 @pytest.mark.parametrize("prefetch", [0, 2])
 def test_batches_are_contiguous_windows_with_shifted_targets(prefetch):
-    with TokenLoader(TOKENS, B, T, seed=0, prefetch=prefetch) as loader:
+    with TokenLoader(TOKENS, B, T, seed=0, prefetch=prefetch, threaded=True) as loader:
         for x, y in take(loader, 10):
             assert x.shape == y.shape == (B, T) and x.dtype == y.dtype == torch.int64
             assert x.is_contiguous() and y.is_contiguous()
@@ -57,12 +57,13 @@ def test_same_seed_same_batches_other_seed_differs():
 
 
 def test_prefetch_does_not_change_the_stream():
-    with TokenLoader(TOKENS, B, T, seed=1, prefetch=0) as a, TokenLoader(TOKENS, B, T, seed=1, prefetch=3) as b:
+    with (TokenLoader(TOKENS, B, T, seed=1, prefetch=0) as a,
+          TokenLoader(TOKENS, B, T, seed=1, prefetch=3, threaded=True) as b):
         assert_same(take(a, 8), take(b, 8))
 
 
 def test_resume_from_state_dict_is_exact_with_prefetch():
-    reference = TokenLoader(TOKENS, B, T, seed=7, prefetch=2)
+    reference = TokenLoader(TOKENS, B, T, seed=7, prefetch=2, threaded=True)
     take(reference, 5)
     time.sleep(0.05)  # let the prefetcher run ahead: its queued batches must not count as served
     state = reference.state_dict()
@@ -70,7 +71,7 @@ def test_resume_from_state_dict_is_exact_with_prefetch():
     expected = take(reference, 6)
     reference.close()
 
-    resumed = TokenLoader(TOKENS, B, T, seed=7, prefetch=2)
+    resumed = TokenLoader(TOKENS, B, T, seed=7, prefetch=2, threaded=True)
     take(resumed, 2)  # a fresh loader that already moved (and prefetched) elsewhere
     resumed.load_state_dict(state)
     assert_same(take(resumed, 6), expected)
@@ -107,7 +108,7 @@ def test_global_rng_streams_are_untouched():
     np.random.seed(0)
     random.seed(0)
     before = (torch.get_rng_state(), np.random.get_state()[1].copy(), random.getstate())
-    with TokenLoader(TOKENS, B, T, seed=5, prefetch=2) as loader:
+    with TokenLoader(TOKENS, B, T, seed=5, prefetch=2, threaded=True) as loader:
         take(loader, 5)
         loader.skip(3)
         take(loader, 2)
@@ -125,14 +126,25 @@ def test_too_few_tokens_is_a_clear_error():
     TokenLoader(np.arange(17), B, T, seed=0, prefetch=0).close()  # exactly seq_len + 1 is enough
 
 
+def test_a_cpu_device_loader_starts_no_thread_and_gives_the_same_stream():
+    # On a CPU device a producer thread would compete with the step's compute threads for the same cores.
+    with (TokenLoader(TOKENS, B, T, seed=3, device="cpu", prefetch=2) as inline,
+          TokenLoader(TOKENS, B, T, seed=3, device="cpu", prefetch=2, threaded=True) as threaded):
+        a, b = take(inline, 4), take(threaded, 4)
+        assert not inline.threaded and inline._thread is None
+        assert threaded._thread is not None
+    for (xa, ya), (xb, yb) in zip(a, b):
+        assert torch.equal(xa, xb) and torch.equal(ya, yb)
+
+
 def test_close_stops_the_thread_and_dropped_loaders_are_collected():
-    loader = TokenLoader(TOKENS, B, T, seed=0, prefetch=2)
+    loader = TokenLoader(TOKENS, B, T, seed=0, prefetch=2, threaded=True)
     loader.next()
     assert loader_threads()
     loader.close()
     loader.close()  # idempotent
     assert not loader_threads()
-    loader = TokenLoader(TOKENS, B, T, seed=0, prefetch=2)
+    loader = TokenLoader(TOKENS, B, T, seed=0, prefetch=2, threaded=True)
     del loader
     gc.collect()
     assert not loader_threads()

@@ -45,6 +45,10 @@ def run(args, overrides) -> int:
     job = job_for(cfg, device)
     b = estimate(job)
     out = b.to_json()
+    out["precision"] = job.precision
+    note = _precision_note(cfg.precision.mode, device)
+    if note:
+        out["precision_note"] = note
     measured = None
     if args.measure:
         from kiln.memory.measure import measure_step
@@ -79,6 +83,8 @@ def run(args, overrides) -> int:
         return 0
 
     print(title)
+    if note:
+        print(f"note: {note}")
     print(f"parameters: {b.param_count:,} | attention backend: {b.backend} | peak at: {b.peak_phase}")
     held = b.held()
     head = f"  {'component':<18}{'at peak':>12}{'full size':>12}" + (f"{'measured':>12}" if measured else "")
@@ -112,6 +118,15 @@ def run(args, overrides) -> int:
     for f in files:
         print(f"wrote {Path(f)}")
     return 0
+
+
+def _precision_note(mode: str, device) -> str | None:
+    """On this machine's CPU: why auto chose its precision, or that bf16/fp16 is emulated or slower here."""
+    import torch
+
+    from kiln.train.precision import precision_notice
+
+    return precision_notice(mode, torch.device("cpu")) if device.kind == "cpu" else None
 
 
 def _top(d: dict, n: int):

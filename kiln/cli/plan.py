@@ -51,12 +51,15 @@ def run(args, overrides) -> int:
     plan = search(cfg, device, memory, args.global_batch_tokens)
     if args.json:
         out = plan.to_json()
+        out["device_peak_flops"] = dict(device.peak_flops)
         if args.verify:
             out["verify"] = _verify(cfg, plan, args.verify, quiet=True)
         print(json.dumps(out, indent=2))
         return 0 if plan.best else 1
     print(f"{cfg.model.preset}: {plan.global_sequences} sequences × {plan.seq_len} tokens per step on {device.name}, "
           f"{fmt_bytes(plan.memory)}: {plan.considered} configurations considered, {len(plan.candidates)} fit")
+    if device.kind == "cpu":
+        print(_cpu_rates(device))
     if not plan.best:
         print(plan.shortfall())
         return 1
@@ -72,6 +75,16 @@ def run(args, overrides) -> int:
     if args.verify:
         _verify(cfg, plan, args.verify, quiet=False)
     return 0
+
+
+def _cpu_rates(device) -> str:
+    """The measured matmul rates the ranking rests on, and whether bf16 is native here."""
+    from kiln.train.precision import native_bf16
+
+    unit = native_bf16()
+    rates = ", ".join(f"{p} {r / 1e9:.3g}" + (f" ({unit or 'emulated'})" if p == "bf16" else "")
+                      for p, r in device.peak_flops.items())
+    return f"matmul GFLOP/s measured on this CPU: {rates}"
 
 
 def _verify(cfg, plan, k: int, quiet: bool) -> list[dict]:

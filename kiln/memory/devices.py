@@ -13,7 +13,7 @@ from dataclasses import dataclass, replace
 import torch
 
 from kiln.memory.estimate import GiB, Target
-from kiln.perf.flops import DEVICE_PEAKS, measured_cpu_peak, names_gpu
+from kiln.perf.flops import DEVICE_PEAKS, cpu_peak, names_gpu
 
 
 @dataclass(frozen=True)
@@ -82,7 +82,7 @@ def _meminfo_total() -> int:
 _cpu_cache: dict = {}
 
 
-def measured_bandwidth(n_bytes: int = 256 * 1024**2, seconds: float = 0.3) -> float:
+def measured_bandwidth(n_bytes: int = 256 * 1024**2, seconds: float = 0.2) -> float:
     """Best copy bandwidth (read + write bytes per second) of this CPU's memory."""
     a = torch.empty(n_bytes // 4, dtype=torch.float32).fill_(1.0)
     b = torch.empty_like(a)
@@ -96,14 +96,13 @@ def measured_bandwidth(n_bytes: int = 256 * 1024**2, seconds: float = 0.3) -> fl
 
 
 def cpu_device() -> Device:
-    """This machine's CPU, measured at run time (matmul FLOP/s, copy bandwidth, RAM); cached per process."""
+    """This machine's CPU, measured at run time (matmul FLOP/s per precision, copy bandwidth, RAM); cached per
+    process. fp32, bf16 and fp16 are all measured, emulated or not: every CPU runs them (`kiln train`
+    autocasts on CPU), and the planner ranks them by these rates (emulated bf16 ~1 GFLOP/s vs fp32 ~140)."""
     if "cpu" not in _cpu_cache:
         from kiln.memory.measure import rss_bytes
-        from kiln.train.precision import cpu_has_fast_bf16
 
-        peaks = {"fp32": measured_cpu_peak(torch.float32)}
-        if cpu_has_fast_bf16():
-            peaks["bf16"] = measured_cpu_peak(torch.bfloat16)
+        peaks = {p: cpu_peak(p) for p in ("fp32", "bf16", "fp16")}
         bw = measured_bandwidth()
         _cpu_cache["cpu"] = Device(name="cpu", memory=_meminfo_total(), peak_flops=peaks, bandwidth=bw,
                                    host_link=bw, host_bandwidth=bw, capability=0.0, context_bytes=rss_bytes(),

@@ -54,13 +54,15 @@ def resolved_model(cfg):
 
 
 def precision_for(mode: str, device) -> str:
-    """Concrete precision of `mode` on a Device from kiln.memory.devices (auto: bf16 where supported)."""
+    """Concrete precision of `mode` on a Device from kiln.memory.devices; auto by the rule `kiln train` uses
+    (kiln.train.precision.auto_mode), from the device's capability or its measured matmul rates."""
+    from kiln.train.precision import auto_mode
+
     if mode == "auto":
-        if device.kind == "cpu":
-            return "bf16" if "bf16" in device.peak_flops else "fp32"
-        return "bf16" if device.capability >= 8.0 else "fp32"
+        return auto_mode(device.kind, device.capability, device.peak_flops)[0]
     if not device.supports(mode):
-        raise ValueError(f"precision.mode={mode!r} does not run on {device.name}")
+        raise ValueError(f"precision.mode={mode!r} does not run on {device.name}; its table has "
+                         f"{', '.join(device.peak_flops)} (use one of those, or auto)")
     return mode
 
 

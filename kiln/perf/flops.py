@@ -38,21 +38,43 @@ def flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
 
 
 _cpu_peak_cache: dict[torch.dtype, float] = {}
+# The matmul dtype of each precision mode on a CPU (bf16-master multiplies bf16 weights; tf32 is CUDA-only).
+CPU_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "bf16-master": torch.bfloat16, "fp16": torch.float16}
 
 
-def measured_cpu_peak(dtype: torch.dtype = torch.float32, n: int = 1024, seconds: float = 0.3) -> float:
-    """Best matmul FLOP/s measured on this CPU (cached): the CPU's 'peak' for MFU."""
+def _matmul_seconds(a: torch.Tensor, b: torch.Tensor) -> float:
+    start = time.perf_counter()
+    a @ b
+    return time.perf_counter() - start
+
+
+def measured_cpu_peak(dtype: torch.dtype = torch.float32, seconds: float = 0.15, max_n: int = 1024,
+                      call_s: float = 0.1) -> float:
+    """Best square-matmul FLOP/s measured on this CPU (cached per dtype): the CPU's 'peak' for MFU and planning.
+
+    The size doubles from 256 up to max_n while the next size's product would take under call_s (8x the
+    time): n=1024 for fp32 and native bf16, while an emulated bf16 product (~1 GFLOP/s: 2 s at 1024³) stays at
+    256 (~20-30 ms), so one dtype costs about `seconds` + 0.1 s on any CPU.
+    """
     if dtype not in _cpu_peak_cache:
         gen = torch.Generator().manual_seed(0)  # never the global stream: training RNG stays untouched
-        a, b = (torch.randn(n, n, generator=gen).to(dtype) for _ in range(2))
-        a @ b  # warm-up: first call allocates and selects the kernel
-        best, start = 0.0, time.perf_counter()
+        n = 256
+        while True:
+            a, b = (torch.randn(n, n, generator=gen).to(dtype) for _ in range(2))
+            t = min(_matmul_seconds(a, b) for _ in range(2))  # the first call at a size also picks the kernel
+            if n >= max_n or 8 * t > call_s:
+                break
+            n *= 2
+        best, start = 2 * n**3 / t, time.perf_counter()
         while time.perf_counter() - start < seconds:
-            t = time.perf_counter()
-            a @ b
-            best = max(best, 2 * n**3 / (time.perf_counter() - t))
+            best = max(best, 2 * n**3 / _matmul_seconds(a, b))
         _cpu_peak_cache[dtype] = best
     return _cpu_peak_cache[dtype]
+
+
+def cpu_peak(precision: str) -> float:
+    """Measured matmul FLOP/s of this CPU in a precision mode's matmul dtype (fp32 for fp32, tf32 and auto)."""
+    return measured_cpu_peak(CPU_DTYPES.get(precision, torch.float32))
 
 
 def names_gpu(name: str, model: str) -> bool:
@@ -72,9 +94,8 @@ def peak_flops_for(name: str, precision: str) -> float | None:
 
 def device_peak_flops(device: torch.device, precision: str) -> float | None:
     """Peak FLOP/s for the concrete precision mode, or None when the device is unknown."""
-    if device.type == "cpu":
-        key = {"bf16-master": "bf16"}.get(precision, precision)
-        return measured_cpu_peak(torch.bfloat16 if key == "bf16" else torch.float32)
+    if device.type == "cpu":  # the measured rate of the dtype the matmuls run in, emulated or not
+        return cpu_peak(precision)
     if device.type == "cuda":
         return peak_flops_for(torch.cuda.get_device_name(device), precision)
     return None

@@ -23,7 +23,7 @@ from kiln.perf import device_peak_flops, flops_per_token, mfu
 from kiln.train.checkpoint import Checkpointer, rng_state, set_rng_state
 from kiln.train.logging import MetricsLogger
 from kiln.train.optim import build_optimizer, clip_gradients, optimizer_step, param_groups
-from kiln.train.precision import LossScaler, MasterWeights, Precision, resolve_mode
+from kiln.train.precision import LossScaler, MasterWeights, Precision, precision_notice, resolve_mode
 from kiln.train.schedule import lr_factor
 
 
@@ -417,6 +417,9 @@ def train(cfg: Config, run_dir: Path, resume: bool = False, console=None) -> dic
     con.print(f"model: {cfg.model.preset} ({cfg.model.arch}) {n_params / 1e6:.2f}M parameters | "
               f"device {run.device} | precision {run.precision.mode} | {tokens_per_step:,} tokens/step",
               highlight=False)
+    note = precision_notice(cfg.precision.mode, run.device)  # why auto chose it, or that bf16 is emulated here
+    if note:
+        con.print(note, highlight=False)
     loop = TrainingLoop(run, con)
     try:
         stop_reason = loop.advance(loop.max_steps)

@@ -3,7 +3,10 @@ import math
 import pytest
 import torch
 
-from kiln.train.precision import resolve_mode
+from kiln.memory.devices import cpu_device
+from kiln.memory.levers import precision_for
+from kiln.perf.flops import cpu_peak
+from kiln.train.precision import BF16_CPU_MIN_SPEEDUP, resolve_mode
 from kiln.train.trainer import train
 
 
@@ -19,10 +22,15 @@ def test_every_precision_mode_trains(small_config, tmp_path, mode):
 
 
 def test_auto_precision_resolution():
-    assert resolve_mode("fp32", torch.device("cpu")) == "fp32"
-    assert resolve_mode("auto", torch.device("cpu")) in ("bf16", "fp32")
+    """On this host: auto is bf16 exactly when bf16 matmuls measured ≥ 1.2x fp32's, for kiln train and the planner
+    alike (tests/train/test_precision_portable.py checks the rule on injected rates)."""
+    cpu = torch.device("cpu")
+    assert resolve_mode("fp32", cpu) == "fp32"
+    fp32, bf16 = cpu_peak("fp32"), cpu_peak("bf16")
+    assert resolve_mode("auto", cpu) == ("bf16" if bf16 >= BF16_CPU_MIN_SPEEDUP * fp32 else "fp32")
+    assert precision_for("auto", cpu_device()) == resolve_mode("auto", cpu)
     with pytest.raises(ValueError, match="tf32.*CUDA"):
-        resolve_mode("tf32", torch.device("cpu"))
+        resolve_mode("tf32", cpu)
 
 
 def test_early_stopping(small_config, tmp_path):

@@ -5,7 +5,7 @@ from kiln.config import ConfigError, describe, load_config, to_toml
 
 def test_defaults_and_contract_keys_exist():
     cfg = load_config()
-    assert cfg.model.preset == "tiny"
+    assert cfg.model.preset == "nano"
     assert (cfg.train.max_steps > 0 or cfg.train.time_budget > 0) and cfg.log.interval > 0
     text = describe()
     for key in ("--model.preset", "--train.max_steps", "--log.interval", "--optim.lr", "--precision.mode"):

@@ -11,7 +11,7 @@ from kiln.config import ConfigError, describe
 
 def add_parser(sub) -> None:
     p = sub.add_parser(
-        "train", help="train a model (default: the tiny GPT on the Python standard library)",
+        "train", help="train a model (default: the nano GPT on the Python standard library, 120 s of steps)",
         formatter_class=argparse.RawDescriptionHelpFormatter,
         description="Train a model. Every config key can be set in CONFIG.toml or overridden as --section.key=value.",
         epilog="config keys (default, description):\n" + describe(),

@@ -13,7 +13,7 @@ OFFLOAD_MODES = ("none", "host", "host-async")
 @dataclass
 class OptimConfig:
     name: str = "adamw"  # "adamw" | "adam" | "sgd" | "adamw8bit" (block-wise 8-bit moments, ~4x less state)
-    lr: float = 1e-3  # peak learning rate (the schedule scales it)
+    lr: float = 2e-3  # peak learning rate (the schedule scales it); the default job's, by sweep
     weight_decay: float = 0.1  # decoupled (adamw) or L2 (adam, sgd) decay on matmul weights only
     beta1: float = 0.9  # Adam first-moment decay
     beta2: float = 0.95  # Adam second-moment decay (0.95: LLM default, steadier than 0.999 on spikes)

@@ -21,7 +21,8 @@ from kiln.train.trainer import train
 
 
 def run(name: str, overrides: list[str], runs_dir: Path) -> dict:
-    cfg = load_config(None, ["--train.sample_tokens=0", "--log.progress=off", "--log.tensorboard=false"] + overrides)
+    cfg = load_config(None, ["--model.preset=tiny", "--optim.lr=1e-3", "--train.sample_tokens=0", "--log.progress=off",
+                             "--log.tensorboard=false"] + overrides)
     run_dir = runs_dir / name
     shutil.rmtree(run_dir, ignore_errors=True)
     start = time.perf_counter()

@@ -35,7 +35,7 @@ def main() -> None:
     if args.threads:
         torch.set_num_threads(args.threads)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    base = ["--train.device=" + device.type] + overrides
+    base = ["--model.preset=tiny", "--optim.lr=1e-3", "--train.device=" + device.type] + overrides  # docs: 6 x 384
     rigs, rows = {}, {}
     for policy in POLICIES:
         cfg = load_config(None, base + [f"--memory.recompute={policy}"])

@@ -45,7 +45,9 @@ class Bench:
     """One run of one variant, stepped from outside exactly as `train()` steps it."""
 
     def __init__(self, overrides: list[str], interval: int, root: Path, name: str):
-        cfg = load_config(None, ["--train.device=cpu", "--log.tensorboard=false", "--log.progress=off",
+        # The shape, length and lr of the default job when docs/numerics.md was measured.
+        cfg = load_config(None, ["--model.preset=tiny", "--train.max_steps=400", "--optim.lr=1e-3",
+                                 "--train.device=cpu", "--log.tensorboard=false", "--log.progress=off",
                                  f"--log.interval={interval}", f"--numerics.snapshot_interval={interval}",
                                  *overrides])
         self.interval = interval

@@ -99,7 +99,7 @@ def accumulate_gradients(model, batches, precision: Precision, scaler: LossScale
 
 def train_step(model, batches, optimizer, precision: Precision, scaler: LossScaler, optim_cfg,
                masters: MasterWeights | None = None, guard: StepGuard | None = None) -> StepResult:
-    """One optimizer step over a global batch of micro-batches; no host-device sync on fused optimizers."""
+    """One optimizer step over a global batch of micro-batches; no host-device sync with any kiln optimizer."""
     total_loss, n_valid = accumulate_gradients(model, batches, precision, scaler)
     if masters is not None:
         masters.grads_to_masters()

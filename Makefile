@@ -6,7 +6,7 @@ PIP := $(PY) -m pip
 # Pinned so pip picks the CPU wheel; an unpinned torch pulls several GB of CUDA wheels.
 TORCH_PIN ?= torch==2.13.0
 
-.PHONY: train test install install-test clean bench
+.PHONY: train test install install-test clean bench gpu-check
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -33,6 +33,13 @@ test: install-test
 
 bench: install
 	$(PY) benchmarks/throughput.py
+
+# On a machine with one CUDA GPU: tests, throughput vs a plain loop, estimator grid, kernels (docs/benchmarks.md).
+# No install step: it runs with the python3 that already holds a CUDA torch, triton and pytest (GPU machines are
+# often offline, and `make install` would pull the CPU wheel); `make gpu-check GPU_PYTHON=...` picks another.
+GPU_PYTHON ?= python3
+gpu-check:
+	PYTHONPATH=. $(GPU_PYTHON) benchmarks/gpu_suite.py --out gpu-results
 
 clean:
 	rm -rf $(VENV) runs build *.egg-info

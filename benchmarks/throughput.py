@@ -64,7 +64,7 @@ class PlainGPT(nn.Module):
                 nn.init.normal_(p, std=0.02)
 
     def forward(self, idx, targets):
-        x = self.tok(idx) + self.pos(torch.arange(idx.shape[1]))
+        x = self.tok(idx) + self.pos(torch.arange(idx.shape[1], device=idx.device))
         for block in self.blocks:
             x = block(x)
         logits = self.ln(x) @ self.tok.weight.T
@@ -72,12 +72,21 @@ class PlainGPT(nn.Module):
 
 
 class PlainLoop:
-    def __init__(self, tokens, lr: float, steps: int, schedule):
+    """The plain loop; the defaults are this file's CPU shape. benchmarks/gpu_suite.py passes a GPT-2 shape, a CUDA
+    device, bf16 autocast, fused AdamW and optionally torch.compile — what nanoGPT's train.py does on a GPU."""
+
+    def __init__(self, tokens, lr: float, steps: int, schedule, *, vocab: int = 256, shape: dict | None = None,
+                 device: str = "cpu", autocast: torch.dtype | None = None, fused: bool = False, compile: bool = False):
+        shape = shape or SHAPE
         torch.manual_seed(0)
-        self.model = PlainGPT(256, SHAPE["d_model"], SHAPE["n_head"], SHAPE["n_layer"], SHAPE["seq_len"])
+        self.device = torch.device(device)
+        self.model = PlainGPT(vocab, shape["d_model"], shape["n_head"], shape["n_layer"], shape["seq_len"])
+        self.model.to(self.device)
+        self.step_model = torch.compile(self.model) if compile else self.model
         self.opt = torch.optim.AdamW(self.model.parameters(), lr=lr, betas=(0.9, 0.95), weight_decay=0.1,
-                                     foreach=True)
-        self.loader = TokenLoader(tokens, SHAPE["batch"], SHAPE["seq_len"], seed=0, prefetch=0)
+                                     **({"fused": True} if fused else {"foreach": True}))
+        self.loader = TokenLoader(tokens, shape["batch"], shape["seq_len"], seed=0, prefetch=0)
+        self.autocast = autocast
         self.lr, self.steps, self.schedule, self.step = lr, steps, schedule, 0
 
     def advance(self, until: int) -> None:
@@ -85,7 +94,10 @@ class PlainLoop:
             for g in self.opt.param_groups:
                 g["lr"] = self.lr * lr_factor(self.schedule, self.step, self.steps)
             x, y = self.loader.next()
-            loss = self.model(x, y)
+            x, y = x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True)
+            with torch.autocast(self.device.type, dtype=self.autocast or torch.float32,
+                                enabled=self.autocast is not None):
+                loss = self.step_model(x, y)
             loss.backward()
             torch.nn.utils.clip_grad_norm_(self.model.parameters(), 1.0)
             self.opt.step()
@@ -93,9 +105,11 @@ class PlainLoop:
             self.step += 1
 
 
-def kiln_loop(precision: str, steps: int, run_dir: str) -> TrainingLoop:
+def kiln_loop(precision: str, steps: int, run_dir: str, overrides: list[str] | None = None) -> TrainingLoop:
     # One step more than is timed: the last step of a run evaluates and checkpoints, which the plain loop never does.
-    cfg = load_config(None, OVERRIDES + [f"--precision.mode={precision}", f"--train.max_steps={steps + 1}"])
+    # `overrides` replaces this file's CPU shape (benchmarks/gpu_suite.py passes a GPT-2 124M shape on CUDA).
+    base = OVERRIDES if overrides is None else overrides
+    cfg = load_config(None, base + [f"--precision.mode={precision}", f"--train.max_steps={steps + 1}"])
     console = Console(file=io.StringIO(), width=120)
     return TrainingLoop(Run(cfg, run_dir, log=lambda m: None), console)
 

@@ -26,7 +26,7 @@ import math
 
 import torch
 
-from kiln.train.optim import skip_flags, steps_to_param_devices
+from kiln.train.optim import run_closure, skip_flags, steps_to_param_devices
 
 BLOCK = 256  # elements sharing one fp32 scale
 MIN_8BIT = 4096  # smaller tensors keep fp32 moments
@@ -120,10 +120,7 @@ class AdamW8bit(torch.optim.Optimizer):
     @torch.no_grad()
     def step(self, closure=None, skipped: torch.Tensor | None = None):
         """One update; withheld, exactly and on the device, when the 0-dim `skipped` is non-zero."""
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
+        loss = run_closure(closure)
         for group in self.param_groups:
             lr, (b1, b2), eps, wd = group["lr"], group["betas"], group["eps"], group["weight_decay"]
             flags = {}  # device -> (skip, keep, β1 gate, β2 gate, decay gate), made once per group and device

@@ -157,6 +157,14 @@ def optimizer_step(optimizer: torch.optim.Optimizer, skipped: torch.Tensor) -> N
 # foreach AdamW and 1.4 for its fused one, which "auto" picks on CPU and CUDA alike.
 
 
+def run_closure(closure):
+    """The loss of optimizer.step's optional closure (re-evaluated with gradients on), or None."""
+    if closure is None:
+        return None
+    with torch.enable_grad():
+        return closure()
+
+
 def skip_flags(skipped: torch.Tensor | None, device) -> tuple[torch.Tensor, torch.Tensor]:
     """(skip, keep) on `device` for a step's 0-dim skip flag: skip a bool, keep 1.0 (apply) or 0.0 (withhold).
     None means apply."""
@@ -212,10 +220,7 @@ class MaskedAdam(torch.optim.Optimizer):
 
     @torch.no_grad()
     def step(self, closure=None, skipped: torch.Tensor | None = None):
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
+        loss = run_closure(closure)
         for group in self.param_groups:
             lr, (b1, b2), eps, wd = group["lr"], group["betas"], group["eps"], group["weight_decay"]
             for (device, _), params in _by_device_and_dtype(group["params"]).items():
@@ -290,10 +295,7 @@ class MaskedSGD(torch.optim.Optimizer):
 
     @torch.no_grad()
     def step(self, closure=None, skipped: torch.Tensor | None = None):
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
+        loss = run_closure(closure)
         for group in self.param_groups:
             for (device, _), params in _by_device_and_dtype(group["params"]).items():
                 skip, _ = skip_flags(skipped, device)

@@ -62,6 +62,7 @@ NUMERICS = {
     "bf16": Numerics(4, 4, 0, 4, 2, True),  # autocast: fp32 parameters and residual, bf16 matmuls
     "fp16": Numerics(4, 4, 0, 4, 2, True),
     "bf16-master": Numerics(2, 2, 4, 2, 2, False),  # bf16 parameters and activations, fp32 masters beside them
+    "fp64": Numerics(8, 8, 0, 8, 8, False),  # reference runs: everything in float64
 }
 
 

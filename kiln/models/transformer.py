@@ -19,6 +19,11 @@ from kiln.models.config import ModelConfig
 IGNORE_INDEX = -100
 
 
+def at_least_fp32(x: torch.Tensor) -> torch.Tensor:
+    """x in fp32, or as it is when it is wider already (fp64 reference runs)."""
+    return x if x.dtype == torch.float64 else x.float()
+
+
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float = 1e-6):
         super().__init__()
@@ -27,9 +32,9 @@ class RMSNorm(nn.Module):
 
     def forward(self, x):
         # Statistics in fp32 whatever the input dtype: bf16 sums of squares lose 3 digits at d=4096.
-        xf = x.float()
+        xf = at_least_fp32(x)
         y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return (y * self.weight.float()).type_as(x)
+        return (y * at_least_fp32(self.weight)).type_as(x)
 
 
 class SwiGLU(nn.Module):
@@ -68,7 +73,7 @@ class LMLoss(nn.Module):
     """
 
     def forward(self, h, weight, targets):  # h (N, C), weight (V, C), targets (N,)
-        logits = F.linear(h, weight).float()  # (N, V): loss and softmax statistics in fp32
+        logits = at_least_fp32(F.linear(h, weight))  # (N, V): loss and softmax statistics in fp32
         return F.cross_entropy(logits, targets, ignore_index=IGNORE_INDEX, reduction="sum")
 
 

@@ -39,7 +39,8 @@ def flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
 
 _cpu_peak_cache: dict[torch.dtype, float] = {}
 # The matmul dtype of each precision mode on a CPU (bf16-master multiplies bf16 weights; tf32 is CUDA-only).
-CPU_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "bf16-master": torch.bfloat16, "fp16": torch.float16}
+CPU_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "bf16-master": torch.bfloat16, "fp16": torch.float16,
+              "fp64": torch.float64}
 
 
 def _matmul_seconds(a: torch.Tensor, b: torch.Tensor) -> float:

@@ -8,12 +8,12 @@ from pathlib import Path
 
 import torch
 
-MODES = ("auto", "fp32", "tf32", "bf16", "fp16", "bf16-master")
+MODES = ("auto", "fp32", "tf32", "bf16", "fp16", "bf16-master", "fp64")
 
 
 @dataclass
 class PrecisionConfig:
-    mode: str = "auto"  # auto (bf16 where measured faster, else fp32) | fp32 | tf32 | bf16 | fp16 | bf16-master
+    mode: str = "auto"  # auto (bf16 where measured faster, else fp32) | fp32 | tf32 | bf16 | fp16 | bf16-master | fp64 (reference runs)
     init_scale: float = 65536.0  # fp16: initial loss scale
     growth_factor: float = 2.0  # fp16: scale multiplier after growth_interval clean steps
     backoff_factor: float = 0.5  # fp16: scale multiplier on an inf/NaN gradient (the step is skipped)
@@ -157,7 +157,7 @@ class Precision:
     def __init__(self, mode: str, device: torch.device):
         self.mode, self.device = mode, device
         self.autocast_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(mode)
-        self.param_dtype = torch.bfloat16 if mode == "bf16-master" else torch.float32
+        self.param_dtype = {"bf16-master": torch.bfloat16, "fp64": torch.float64}.get(mode, torch.float32)
         self.loss_scaling = mode == "fp16"
         if mode == "tf32":
             torch.backends.cuda.matmul.allow_tf32 = True

@@ -88,7 +88,7 @@ def accumulate_gradients(model, batches, precision: Precision, scaler: LossScale
     give the gradient of one batch k× larger even when they hold different numbers of valid tokens.
     """
     n_valid = sum((y != IGNORE_INDEX).sum() for _, y in batches).clamp(min=1)
-    total_loss = torch.zeros((), device=n_valid.device)
+    total_loss = torch.zeros((), device=n_valid.device, dtype=torch.float64)  # as wide as any precision's loss
     for x, y in batches:
         with precision.autocast():
             loss = model(x, y, reduction="sum") / n_valid
@@ -375,7 +375,7 @@ class TrainingLoop:
         run = self.run
         # The one host-device transfer per log interval.
         loss, grad_norm, skipped, scale = torch.stack([
-            result.loss.float(), result.grad_norm.float(), self.skipped_total.float(), run.scaler.scale.float()
+            result.loss.double(), result.grad_norm.double(), self.skipped_total.double(), run.scaler.scale.double()
         ]).tolist()
         elapsed = time.perf_counter() - self.window_start
         tps = self.window_steps * self.tokens_per_step / elapsed

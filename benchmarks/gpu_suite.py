@@ -199,9 +199,16 @@ def part_throughput(s: Suite, box: float, compile_: bool, steps: int, block: int
     flag = ["--train.compile=true"] if compile_ else []
     data_note = ("byte corpus (ids < 256) into a 50257-token model (padded 50304)" if vocab == 50257
                  else "byte corpus, byte vocabulary")
+    chunk = 4 * shape["seq_len"] // (1 if s.dry else 4)
+    lean = [f"--memory.chunked_loss={chunk}", "--memory.recompute=selective"]
+    variants = {"kiln triton kernels": (["--model.kernels=triton"], shape["batch"]),
+                f"kiln chunked_loss={chunk}": ([f"--memory.chunked_loss={chunk}"], shape["batch"]),
+                "kiln chunked+selective": (lean, shape["batch"]),  # the peak ≤ 0.5x plain target, equal batch
+                "kiln chunked+selective 2x batch": (lean, 2 * shape["batch"])}
     result = {"shape": shape, "vocab": vocab, "padded_vocab": padded, "data": data_note, "kiln_precision": precision,
               "plain_precision": "bf16 autocast, fp32 weights" if autocast else "fp32", "compile": compile_,
-              "steps": steps, "block": block}
+              "steps": steps, "block": block,
+              "variants_planned": list(variants)}  # the merge lists those a cut-off run never reached
     rate = matmul_rate(dev, s.dry)
     result["matmul"] = rate
     table = [["loop", "tokens/s", "ratio vs plain", "MFU (measured peak)", "peak MiB"]]
@@ -254,12 +261,6 @@ def part_throughput(s: Suite, box: float, compile_: bool, steps: int, block: int
         s.write("throughput", result, table + _rows(rows, rows["plain"]["tokens_per_s"]))
 
         # 3. kiln variants while the box lasts: each timed alone (steps after a warm-up block) and its peak.
-        chunk = 4 * shape["seq_len"] // (1 if s.dry else 4)
-        lean = [f"--memory.chunked_loss={chunk}", "--memory.recompute=selective"]
-        variants = {"kiln triton kernels": (["--model.kernels=triton"], shape["batch"]),
-                    f"kiln chunked_loss={chunk}": ([f"--memory.chunked_loss={chunk}"], shape["batch"]),
-                    "kiln chunked+selective": (lean, shape["batch"]),  # the peak ≤ 0.5x plain target, equal batch
-                    "kiln chunked+selective 2x batch": (lean, 2 * shape["batch"])}
         result["variants"] = {}
         for name, (extra, b) in variants.items():
             if "--model.kernels=triton" in extra and dev.type != "cuda":
@@ -382,7 +383,7 @@ def part_memory(s: Suite, box: float) -> None:
         errs = [abs(p["rel_error"]) for p in points if "rel_error" in p]
         s.write("memory", {"points": points, "max_abs_rel_error": max(errs) if errs else None,
                            "within_3pct": all(e <= 0.03 for e in errs) if errs else None,
-                           "steps_per_point": 3}, table)
+                           "steps_per_point": 3, "grid_planned": [[m, p, r] for m, _, p, r in grid]}, table)
 
 
 # ---------------------------------------------------------------- kernels

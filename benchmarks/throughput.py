@@ -24,7 +24,7 @@ from rich.console import Console
 
 from kiln.config import load_config
 from kiln.data import TokenLoader, prepare_data
-from kiln.train.precision import native_bf16
+from kiln.perf.hardware import native_bf16
 from kiln.train.schedule import lr_factor
 from kiln.train.trainer import Run, TrainingLoop
 

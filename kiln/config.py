@@ -7,7 +7,6 @@ resolved config back. Help text is each field's trailing `# comment` in its data
 from __future__ import annotations
 
 import dataclasses
-import difflib
 import inspect
 import re
 import tomllib
@@ -16,11 +15,7 @@ import typing
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 
-
-def closest(name: str, choices) -> str | None:
-    """The valid name nearest to a misspelt one (None when nothing is close)."""
-    match = difflib.get_close_matches(name, list(choices), n=1, cutoff=0.4)
-    return match[0] if match else None
+from kiln.util import closest
 
 
 class ConfigError(ValueError):

@@ -124,7 +124,7 @@ def _precision_note(mode: str, device) -> str | None:
     """On this machine's CPU: why auto chose its precision, or that bf16/fp16 is emulated or slower here."""
     import torch
 
-    from kiln.train.precision import precision_notice
+    from kiln.perf.hardware import precision_notice
 
     return precision_notice(mode, torch.device("cpu")) if device.kind == "cpu" else None
 

@@ -79,7 +79,7 @@ def run(args, overrides) -> int:
 
 def _cpu_rates(device) -> str:
     """The measured matmul rates the ranking rests on, and whether bf16 is native here."""
-    from kiln.train.precision import native_bf16
+    from kiln.perf.hardware import native_bf16
 
     unit = native_bf16()
     rates = ", ".join(f"{p} {r / 1e9:.3g}" + (f" ({unit or 'emulated'})" if p == "bf16" else "")

@@ -14,6 +14,7 @@ import torch
 
 from kiln.memory.estimate import GiB, Target
 from kiln.perf.flops import DEVICE_PEAKS, cpu_peak, names_gpu
+from kiln.util import closest
 
 
 @dataclass(frozen=True)
@@ -116,8 +117,6 @@ def get_device(name: str) -> Device:
         return cpu_device()
     key = ALIASES.get(name.lower(), name)
     if key not in DEVICES:
-        from kiln.config import closest
-
         hint = closest(name, list(DEVICES) + ["cpu"])
         raise ValueError(f"unknown device {name!r}" + (f"; did you mean {hint!r}?" if hint else "")
                          + f" Known: {', '.join(DEVICES)}, cpu")

@@ -44,6 +44,21 @@ def fmt_bytes(n: float) -> str:
 # ---------------------------------------------------------------- numerics of the precision modes
 
 
+# The state layout of kiln.train.adam8bit.AdamW8bit, which takes these constants from here.
+ADAM8BIT_BLOCK = 256  # elements sharing one fp32 scale
+ADAM8BIT_MIN = 4096  # smaller tensors keep fp32 moments
+ADAM8BIT_CHUNK = 1 << 20  # elements dequantized and updated at once (a multiple of ADAM8BIT_BLOCK)
+
+
+def adam8bit_state_bytes(numel: int) -> int:
+    """Bytes of this optimizer's state for one parameter tensor of `numel` elements (4 of them the fp32 step count,
+    a device tensor as in torch's fused AdamW)."""
+    if numel < ADAM8BIT_MIN:
+        return 8 * numel + 4
+    blocks = math.ceil(numel / ADAM8BIT_BLOCK)
+    return 2 * (blocks * ADAM8BIT_BLOCK + 4 * blocks) + 4  # two moments: codes (padded to whole blocks) + one scale per block
+
+
 @dataclass(frozen=True)
 class Numerics:
     """Bytes per element of each kind of tensor under one precision mode (kiln/train/precision.py)."""
@@ -203,9 +218,7 @@ def optimizer_state_bytes(numels: list[int], optimizer: str, momentum: float = 0
     if optimizer == "sgd":
         return sum(4 * n for n in numels) if momentum > 0 else 0
     if optimizer == "adamw8bit":
-        from kiln.memory.adam8bit import state_bytes
-
-        return sum(state_bytes(n) for n in numels)
+        return sum(adam8bit_state_bytes(n) for n in numels)
     raise ValueError(f"unknown optimizer {optimizer!r}")
 
 
@@ -531,9 +544,7 @@ def estimate(job: Job) -> Breakdown:
         state["optimizer_states"] = S
         step_tmp = 0
         if job.optimizer == "adamw8bit" and not host_opt:
-            from kiln.memory.adam8bit import CHUNK
-
-            step_tmp = min(max(n for _, n in numels), CHUNK) * 16
+            step_tmp = min(max(n for _, n in numels), ADAM8BIT_CHUNK) * 16
         snap("optimizer step", temporaries=step_tmp)
         return events
 

@@ -14,6 +14,7 @@ import torch
 from kiln.memory.estimate import Job, parse_bytes
 from kiln.memory.offload import apply_offload, parse_blocks
 from kiln.memory.recompute import POLICIES, apply_recompute, plan_for
+from kiln.util import closest
 
 
 @dataclass
@@ -28,8 +29,6 @@ class MemoryConfig:
 
     def validate(self):
         if self.recompute not in POLICIES:
-            from kiln.config import closest
-
             hint = closest(self.recompute, POLICIES)
             raise ValueError(f"memory.recompute={self.recompute!r} is unknown" + (f"; did you mean {hint!r}?" if hint
                                                                                    else "") + f" Use one of {POLICIES}")
@@ -56,7 +55,7 @@ def resolved_model(cfg):
 def precision_for(mode: str, device) -> str:
     """Concrete precision of `mode` on a Device from kiln.memory.devices; auto by the rule `kiln train` uses
     (kiln.train.precision.auto_mode), from the device's capability or its measured matmul rates."""
-    from kiln.train.precision import auto_mode
+    from kiln.perf.hardware import auto_mode
 
     if mode == "auto":
         return auto_mode(device.kind, device.capability, device.peak_flops)[0]
@@ -111,7 +110,7 @@ def runtime_target(torch_device):
 
 def apply_memory_config(model, cfg, torch_device) -> dict:
     """What `kiln train` calls on its built model: the `memory` section's levers; {} when none is on."""
-    from kiln.train.precision import resolve_mode
+    from kiln.perf.hardware import resolve_mode
 
     mem = cfg.memory
     if mem.recompute == "none" and not mem.chunked_loss and parse_blocks(mem.offload_blocks, 1 << 30) == frozenset():
@@ -143,7 +142,8 @@ def build_for_measure(cfg, device: torch.device) -> Rig:
     from kiln.memory.devices import local_device
     from kiln.models import build_model
     from kiln.train.optim import build_optimizer, param_groups
-    from kiln.train.precision import LossScaler, MasterWeights, Precision, resolve_mode
+    from kiln.perf.hardware import resolve_mode
+    from kiln.train.precision import LossScaler, MasterWeights, Precision
     from kiln.train.trainer import seed_everything
 
     seed_everything(cfg.train.seed)

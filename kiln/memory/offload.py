@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import torch
 
+from kiln.memory.recompute import Recomputed, swap_class
+
 
 class ActivationOffload:
     """The pack/unpack pair of torch.autograd.graph.saved_tensors_hooks; one per model, shared by its blocks."""
@@ -45,15 +47,14 @@ class ActivationOffload:
         return host.to(device, non_blocking=True)
 
 
-class _Offloaded:
-    """Replaces a block's forward: runs the original under the offload hooks."""
+class Offloaded:
+    """Mixed in before a block's own class (kiln.memory.recompute.swap_class): its forward runs under the hooks."""
 
-    def __init__(self, forward, hooks: ActivationOffload):
-        self.forward, self.hooks = forward, hooks
+    kiln_offload_hooks: ActivationOffload
 
-    def __call__(self, x, rope_cache=None):
-        with torch.autograd.graph.saved_tensors_hooks(self.hooks.pack, self.hooks.unpack):
-            return self.forward(x, rope_cache)
+    def forward(self, x, rope_cache=None):
+        with torch.autograd.graph.saved_tensors_hooks(self.kiln_offload_hooks.pack, self.kiln_offload_hooks.unpack):
+            return super().forward(x, rope_cache)
 
 
 def parse_blocks(spec: str, n_layer: int) -> frozenset[int]:
@@ -84,8 +85,9 @@ def apply_offload(model, blocks) -> ActivationOffload | None:
     hooks = ActivationOffload(model)
     for i in blocks:
         block = model.blocks[i]
-        if getattr(block, "kiln_recompute", "none") != "none":
+        if isinstance(block, Recomputed):
             continue
-        block.forward = _Offloaded(type(block).forward.__get__(block), hooks)
+        swap_class(block, Offloaded)
+        block.kiln_offload_hooks = hooks
         block.kiln_offload = True
     return hooks

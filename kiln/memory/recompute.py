@@ -1,14 +1,16 @@
 """Activation recomputation, applied to a built model from outside.
 
     apply_recompute(model, plan)      plan: one policy per block ("none" | "selective" | "full" | "seg")
-    plan_for(memory_cfg, job)         the per-block plan of a `memory` section (solves `budget`)
+    plan_for(policy, every, budget, job)  the per-block plan of a `memory` section (solves `budget`)
     remove_recompute(model)
 
-A recomputed block's `forward` is replaced on the instance (the class and the parameter names stay as they are,
-so checkpoints load either way). "full" checkpoints a segment: its first block runs every block of the segment
-under one torch.utils.checkpoint call and the others ("seg") pass their input through. "selective" keeps the
-outputs of the matmuls (aten.mm/addmm) and recomputes the rest of the block — norms, attention core, MLP
-activation — through torch.utils.checkpoint's selective checkpoint contexts.
+A recomputed block stays the same module: its class is swapped for a subclass whose forward runs under
+torch.utils.checkpoint (the way FSDP2's fully_shard swaps a module's class), so parameter names, state_dict keys
+and module hooks are untouched. "full" checkpoints a segment: its first block runs every block of the segment —
+calling each as a module, so their hooks fire — under one checkpoint; the later blocks of the segment ("seg")
+return their input when the model's own loop calls them. "selective" keeps the outputs of the matmuls
+(aten.mm/addmm) and recomputes the rest of the block — norms, attention core, MLP activation — through
+torch.utils.checkpoint's selective checkpoint contexts.
 """
 from __future__ import annotations
 
@@ -16,7 +18,10 @@ import contextlib
 from dataclasses import replace
 
 import torch
+import torch.nn as nn
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
+
+from kiln.memory.estimate import block_flops, fmt_bytes, parse_bytes, recompute_plan, saved_tensors
 
 POLICIES = ("none", "full", "every_k", "selective", "budget")
 _KEPT_MATMULS = {torch.ops.aten.mm.default, torch.ops.aten.addmm.default}
@@ -51,35 +56,53 @@ def _selective_contexts():
     return create_selective_checkpoint_contexts(_selective_policy)
 
 
-class _Segment:
-    """Replaces the forward of a segment's first block: runs forwards[0..] under one checkpoint."""
+class Recomputed:
+    """Mixed in before a block's own class. kiln_recompute: "full" | "selective" (opens a segment) | "seg"."""
 
-    def __init__(self, forwards, selective: bool):
-        self.forwards, self.selective = forwards, selective
+    kiln_recompute: str
+    kiln_segment: list  # the blocks after this one that its checkpoint runs ("full" over several blocks)
+    kiln_inside: bool  # "seg": being run by its segment's first block, not by the model's loop
 
-    def _run(self, x, rope_cache):
-        for forward in self.forwards:
-            x = forward(x, rope_cache)
+    def forward(self, x, rope_cache=None):
+        if self.kiln_recompute == "seg":
+            return super().forward(x, rope_cache) if self.kiln_inside else x  # the first block computed it
+        _kept(x)
+        extra = {"context_fn": _selective_contexts} if self.kiln_recompute == "selective" else {}
+        return checkpoint(self._run_segment, x, rope_cache, use_reentrant=False, **extra)
+
+    def _run_segment(self, x, rope_cache):
+        x = super().forward(x, rope_cache)
+        for block in self.kiln_segment:
+            block.kiln_inside = True
+            try:
+                x = block(x, rope_cache)  # a module call: its hooks fire, inside the checkpoint and in recompute
+            finally:
+                block.kiln_inside = False
         return x
 
-    def __call__(self, x, rope_cache=None):
-        _kept(x)
-        extra = {"context_fn": _selective_contexts} if self.selective else {}
-        return checkpoint(self._run, x, rope_cache, use_reentrant=False, **extra)
+
+_subclasses: dict[tuple[type, type], type] = {}
 
 
-def _pass_through(x, rope_cache=None):
-    return x  # computed by the segment's first block
+def swap_class(module: nn.Module, mixin: type) -> None:
+    """Make `module` an instance of (mixin, its class): same object, same parameters, new forward."""
+    cls = type(module)
+    key = (mixin, cls)
+    if key not in _subclasses:
+        _subclasses[key] = type(f"{mixin.__name__}{cls.__name__}", (mixin, cls), {"kiln_base": cls})
+    module.__class__ = _subclasses[key]
 
 
-def _original_forward(block):
-    return type(block).forward.__get__(block)
+def unswap_class(module: nn.Module, mixin: type) -> None:
+    if isinstance(module, mixin):
+        module.__class__ = module.kiln_base
 
 
 def remove_recompute(model) -> None:
     for block in model.blocks:
-        block.__dict__.pop("forward", None)
-        block.__dict__.pop("kiln_recompute", None)
+        unswap_class(block, Recomputed)
+        for name in ("kiln_recompute", "kiln_segment", "kiln_inside"):
+            block.__dict__.pop(name, None)
 
 
 def apply_recompute(model, plan) -> None:
@@ -87,6 +110,8 @@ def apply_recompute(model, plan) -> None:
     blocks = list(model.blocks)
     if len(plan) != len(blocks):
         raise ValueError(f"recompute plan has {len(plan)} entries for {len(blocks)} blocks")
+    if any(getattr(b, "kiln_offload", False) for b in blocks):
+        raise ValueError("apply recompute before activation offload (offload skips recomputed blocks)")
     remove_recompute(model)
     i = 0
     while i < len(blocks):
@@ -100,11 +125,11 @@ def apply_recompute(model, plan) -> None:
             while j < len(blocks) and plan[j] == "seg":
                 j += 1
         if policy != "none":
-            blocks[i].forward = _Segment([_original_forward(b) for b in blocks[i:j]], selective=policy == "selective")
-            for b in blocks[i + 1:j]:
-                b.forward = _pass_through
-        for b in blocks[i:j]:
-            b.kiln_recompute = policy if b is blocks[i] else "seg"
+            for k, block in enumerate(blocks[i:j]):
+                swap_class(block, Recomputed)
+                block.kiln_recompute = policy if k == 0 else "seg"
+                block.kiln_segment = blocks[i + 1:j] if k == 0 else []
+                block.kiln_inside = False
         i = j
 
 
@@ -118,8 +143,6 @@ def solve_budget(job, budget_bytes: int) -> tuple[str, ...]:
     the reverse in FLOPs); every split is tried. Blocks nearest the loss keep their activations (their backward
     runs first, so what they hold is freed first). Raises when even full recomputation does not fit.
     """
-    from kiln.memory.estimate import block_flops, saved_tensors
-
     L = job.model.n_layer
     sizes, costs = {}, {}
     mm, attn = block_flops(job.model, job.micro_batch, job.seq_len, job.backend != "math")
@@ -135,8 +158,6 @@ def solve_budget(job, budget_bytes: int) -> tuple[str, ...]:
             if size <= budget_bytes and (best is None or cost < best[0] or (cost == best[0] and size < best[1])):
                 best = (cost, size, n_full, n_sel)
     if best is None:
-        from kiln.memory.estimate import fmt_bytes
-
         raise ValueError(f"memory.recompute_budget={fmt_bytes(budget_bytes)} is below what full recomputation keeps "
                          f"({fmt_bytes(L * sizes['full'])}); raise the budget or lower the micro-batch")
     _, _, n_full, n_sel = best
@@ -145,8 +166,6 @@ def solve_budget(job, budget_bytes: int) -> tuple[str, ...]:
 
 def plan_for(policy: str, every: int, budget: str, job) -> tuple[str, ...]:
     """The per-block plan for a `memory` section's recompute keys and a Job (shapes, precision, backend)."""
-    from kiln.memory.estimate import parse_bytes, recompute_plan
-
     if policy not in POLICIES:
         raise ValueError(f"memory.recompute={policy!r} is unknown; use one of {POLICIES}")
     if policy == "budget":

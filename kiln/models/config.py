@@ -4,6 +4,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, fields, replace
 
+from kiln.util import closest
+
 ARCHS = ("gpt2", "llama")
 KERNELS = ("torch", "triton", "auto")
 
@@ -31,8 +33,6 @@ class ModelConfig:
     def resolve(self) -> "ModelConfig":
         """Fill every 0/None field from the preset; check the shape is buildable."""
         if self.preset not in PRESETS:
-            from kiln.config import closest
-
             raise ValueError(
                 f"model.preset={self.preset!r} is not a preset; did you mean {closest(self.preset, PRESETS)!r}? "
                 f"Presets: {', '.join(PRESETS)}"

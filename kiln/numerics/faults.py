@@ -12,6 +12,7 @@ import torch
 import torch.nn as nn
 
 from kiln.models import IGNORE_INDEX
+from kiln.util import closest
 
 _SPEC = re.compile(r"([A-Za-z_][\w.]*)@(\d+)(?:-(\d+))?")
 
@@ -53,8 +54,6 @@ def parse_spec(spec: str, key: str = "fault") -> tuple[str, int, int]:
 def _module(model: nn.Module, name: str, key: str) -> nn.Module:
     modules = dict(model.named_modules())
     if name not in modules:
-        from kiln.config import closest
-
         hint = closest(name, [n for n in modules if n])
         raise ValueError(f"{key}: the model has no module {name!r}" + (f"; did you mean {hint!r}?" if hint else ""))
     return modules[name]

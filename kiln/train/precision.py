@@ -1,10 +1,11 @@
-"""Numeric precision: mode resolution, autocast, dynamic loss scaling, fp32 master weights."""
+"""Numeric precision: the `precision` section, autocast, dynamic loss scaling, fp32 master weights.
+
+Which precision a device runs fast (precision.mode=auto) is hardware knowledge: kiln.perf.hardware.
+"""
 from __future__ import annotations
 
 import contextlib
-import os
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 
@@ -26,129 +27,6 @@ class PrecisionConfig:
             raise ValueError("precision: init_scale > 0, growth_factor > 1 and 0 < backoff_factor < 1 are required")
         if self.growth_interval < 1:
             raise ValueError(f"precision.growth_interval must be ≥ 1, got {self.growth_interval}")
-
-
-CPUINFO = Path("/proc/cpuinfo")  # where native_bf16() reads the CPU's flags (x86) or Features (aarch64)
-
-# oneDNN's CPU ISA ladder, as ONEDNN_MAX_CPU_ISA names it (dnnl_cpu_isa_t, low to high; AVX10_1 names are the
-# same levels). A cap below a level means oneDNN never emits that level's instructions, even where the CPU has them.
-_ONEDNN_ISA = {name: rank for rank, names in enumerate((
-    ("SSE41",), ("AVX",), ("AVX2",), ("AVX2_VNNI",), ("AVX2_VNNI_2",), ("AVX512_CORE",), ("AVX512_CORE_VNNI",),
-    ("AVX512_CORE_BF16",), ("AVX512_CORE_FP16", "AVX10_1_512"), ("AVX512_CORE_AMX", "AVX10_1_512_AMX"),
-    ("AVX512_CORE_AMX_FP16", "AVX10_1_512_AMX_FP16"))) for name in names}
-# What provides bf16 dot products in hardware: (cpuinfo flag, name, the oneDNN level that uses it), best first.
-_BF16_UNITS = (("amx_bf16", "AMX", "AVX512_CORE_AMX"), ("avx512_bf16", "AVX512-BF16", "AVX512_CORE_BF16"),
-               ("bf16", "Arm BF16", None))  # aarch64's Features: oneDNN's x86 cap does not apply
-
-# auto picks bf16 on a CPU only when its measured matmul rate beats fp32's by this much: autocast adds casts
-# and keeps norms, softmax and the loss in fp32, so a bf16 matmul barely faster than fp32 buys no step time.
-# Measured: AMX, bf16 matmul 4.4x fp32 -> step 2.1-2.3x faster (docs/benchmarks.md); a 2-core AVX512-BF16
-# Xeon without AMX, bf16 matmul 0.5x fp32 (167 vs 327 GFLOP/s) -> 1,800 tok/s in bf16 vs 2,900 in fp32.
-BF16_CPU_MIN_SPEEDUP = 1.2
-
-
-def _cpu_flags(flags: set[str] | str | None) -> set[str]:
-    """The flag set from a set, a flags/Features line, a whole /proc/cpuinfo text, or (None) this machine's."""
-    if flags is None:
-        try:
-            flags = CPUINFO.read_text()
-        except OSError:
-            return set()
-    if not isinstance(flags, str):
-        return set(flags)
-    found = set()
-    for line in flags.splitlines():
-        key, sep, value = line.partition(":")
-        if sep and key.strip() in ("flags", "Features"):
-            found.update(value.split())
-    return found if found or ":" in flags else set(flags.split())
-
-
-def native_bf16(flags: set[str] | str | None = None, isa_cap: str | None = None) -> str | None:
-    """What runs bf16 matmuls natively on this CPU ("AMX", "AVX512-BF16", "Arm BF16"), or None: emulated.
-
-    `flags`: a set of cpuinfo flags, a `flags`/`Features` line or a whole /proc/cpuinfo (default: this machine's).
-    `isa_cap`: oneDNN's ONEDNN_MAX_CPU_ISA (default: the environment's); a cap below the level an x86 unit needs
-    (e.g. AVX2 or AVX512_CORE) makes it not native, since oneDNN, which runs torch's bf16 matmuls, will not use it.
-    """
-    have = _cpu_flags(flags)
-    if isa_cap is None:
-        isa_cap = os.environ.get("ONEDNN_MAX_CPU_ISA") or os.environ.get("DNNL_MAX_CPU_ISA") or ""
-    cap = _ONEDNN_ISA.get(isa_cap.strip().upper())  # ALL, DEFAULT or a level this table does not know: no cap
-    for flag, name, level in _BF16_UNITS:
-        if flag in have and (level is None or cap is None or cap >= _ONEDNN_ISA[level]):
-            return name
-    return None
-
-
-def _gflops(rate: float) -> str:
-    return f"{rate / 1e9:.3g} GFLOP/s"
-
-
-def auto_mode(kind: str, capability: float = 0.0, rates: dict | None = None) -> tuple[str, str]:
-    """precision.mode=auto's one rule, for `kiln train` (resolve_mode) and the planner (precision_for): (mode, why).
-
-    CUDA: bf16 from compute capability 8.0 (Ampere) on, fp32 before. CPU: bf16 when the measured bf16 matmul rate
-    (`rates`: {"fp32": FLOP/s, "bf16": FLOP/s}) is at least BF16_CPU_MIN_SPEEDUP x fp32's, else fp32.
-    """
-    if kind == "cuda":
-        if capability >= 8.0:
-            return "bf16", f"compute capability {capability:g} runs bf16 on tensor cores"
-        return "fp32", f"compute capability {capability:g} < 8.0 has no bf16 tensor cores"
-    if kind == "cpu":
-        fp32, bf16 = rates["fp32"], rates.get("bf16", 0.0)
-        mode = "bf16" if bf16 >= BF16_CPU_MIN_SPEEDUP * fp32 else "fp32"
-        return mode, (f"bf16 matmul {_gflops(bf16)} vs fp32 {_gflops(fp32)} on this CPU (auto takes bf16 from "
-                      f"{BF16_CPU_MIN_SPEEDUP:g}x fp32's rate)")
-    return "fp32", f"kiln knows no faster precision on {kind}"
-
-
-def _cpu_rates(*precisions: str) -> dict[str, float]:
-    from kiln.perf.flops import cpu_peak
-
-    return {p: cpu_peak(p) for p in precisions}
-
-
-def resolve_mode(mode: str, device: torch.device) -> str:
-    """The concrete precision for `mode` on `device`; explicit modes the device cannot run are errors.
-
-    Every CPU runs bf16, bf16-master and fp16 (emulated where it lacks the instructions; see precision_notice).
-    """
-    if mode == "auto":
-        if device.type == "cuda":
-            major, minor = torch.cuda.get_device_capability(device)
-            return auto_mode("cuda", float(f"{major}.{minor}"))[0]
-        if device.type == "cpu":
-            return auto_mode("cpu", rates=_cpu_rates("fp32", "bf16"))[0]
-        return auto_mode(device.type)[0]
-    if mode == "tf32" and device.type != "cuda":
-        raise ValueError("precision.mode='tf32' needs a CUDA device; use fp32 or bf16 on CPU")
-    return mode
-
-
-def precision_notice(requested: str, device: torch.device) -> str | None:
-    """One line for the run's console about the precision on a CPU, or None: why auto chose what it did, or that
-    bf16/fp16 is emulated or slower than fp32 here. `kiln train` prints it once at start-up."""
-    if device.type != "cpu":
-        return None
-    mode = resolve_mode(requested, device)
-    if requested == "auto":
-        return f"precision auto → {mode}: {auto_mode('cpu', rates=_cpu_rates('fp32', 'bf16'))[1]}"
-    half = {"bf16": "bf16", "bf16-master": "bf16", "fp16": "fp16"}.get(mode)
-    if half is None:
-        return None
-    rates = _cpu_rates("fp32", half)
-    ratio = rates["fp32"] / rates[half]
-    speed = (f"{half} matmul {_gflops(rates[half])} vs fp32 {_gflops(rates['fp32'])}"
-             + (f", {ratio:.3g}x slower than fp32" if ratio > 1 else ""))
-    unit = native_bf16() if half == "bf16" else None
-    if half == "bf16" and unit is None:
-        return (f"precision {mode}: bf16 is emulated on this CPU (no AMX, AVX512-BF16 or Arm BF16 that oneDNN "
-                f"uses): {speed}" + ("; --precision.mode=fp32 trains faster here" if ratio > 1 else ""))
-    if ratio > 1:
-        native = f" runs natively ({unit}) but" if unit else ""
-        return f"precision {mode}: {half} on this CPU{native} is slower than fp32: {speed}"
-    return None
 
 
 class Precision:

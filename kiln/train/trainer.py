@@ -22,8 +22,10 @@ from kiln.numerics.spikes import StepGuard
 from kiln.perf import device_peak_flops, flops_per_token, mfu
 from kiln.train.checkpoint import Checkpointer, rng_state, set_rng_state
 from kiln.train.logging import MetricsLogger
-from kiln.train.optim import build_optimizer, clip_gradients, optimizer_step, param_groups
-from kiln.train.precision import LossScaler, MasterWeights, Precision, precision_notice, resolve_mode
+from kiln.train.masked import optimizer_step
+from kiln.train.optim import build_optimizer, clip_gradients, param_groups
+from kiln.perf.hardware import precision_notice, resolve_mode
+from kiln.train.precision import LossScaler, MasterWeights, Precision
 from kiln.train.schedule import lr_factor
 
 

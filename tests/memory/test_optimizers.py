@@ -4,11 +4,12 @@ import copy
 import pytest
 import torch
 
-from kiln.memory.adam8bit import BLOCK, MIN_8BIT, AdamW8bit, _Codebook, dynamic_codebook, state_bytes
-from kiln.memory.host_optimizer import HostOptimizer
+from kiln.train.adam8bit import BLOCK, MIN_8BIT, AdamW8bit, _Codebook, dynamic_codebook, state_bytes
+from kiln.train.host_optimizer import HostOptimizer
 from kiln.memory.measure import optimizer_state_tensors, tensor_bytes
 from kiln.models import build_model
-from kiln.train.optim import MaskedAdam, MaskedSGD, OptimConfig, build_optimizer, optimizer_step, param_groups
+from kiln.train.masked import MaskedAdam, MaskedSGD, optimizer_step
+from kiln.train.optim import OptimConfig, build_optimizer, param_groups
 
 from tests.memory.conftest import MODELS
 
@@ -144,7 +145,8 @@ def test_host_optimizer_matches_adamw_exactly():
 def test_host_async_is_one_update_behind():
     torch.manual_seed(0)
     params = [torch.nn.Parameter(torch.randn(128))]
-    host = HostOptimizer([{"params": params, "weight_decay": 0.0}], OptimConfig(lr=1e-2), "host-async")
+    host = build_optimizer([{"params": params, "weight_decay": 0.0}], OptimConfig(lr=1e-2, offload="host-async"))
+    assert isinstance(host, HostOptimizer)
     twin = [torch.nn.Parameter(params[0].detach().clone())]
     ref = torch.optim.AdamW(twin, lr=1e-2, betas=(0.9, 0.95), weight_decay=0.0, fused=True)  # OptimConfig's
     target = [torch.randn(128)]

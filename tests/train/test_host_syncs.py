@@ -12,7 +12,7 @@ import torch
 from torch.overrides import TorchFunctionMode
 
 from kiln.config import load_config
-from kiln.memory.host_optimizer import HostOptimizer
+from kiln.train.host_optimizer import HostOptimizer
 from kiln.memory.levers import build_for_measure
 from kiln.numerics.monitor import Numerics
 from kiln.train.trainer import train_step

@@ -6,7 +6,7 @@ import torch
 from kiln.memory.devices import cpu_device
 from kiln.memory.levers import precision_for
 from kiln.perf.flops import cpu_peak
-from kiln.train.precision import BF16_CPU_MIN_SPEEDUP, resolve_mode
+from kiln.perf.hardware import BF16_CPU_MIN_SPEEDUP, resolve_mode
 from kiln.train.trainer import train
 
 

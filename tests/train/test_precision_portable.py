@@ -8,9 +8,9 @@ import torch
 from kiln.cli.main import main
 from kiln.memory import devices
 from kiln.memory.levers import precision_for
-from kiln.perf import flops
-from kiln.train import precision
-from kiln.train.precision import MODES, auto_mode, native_bf16, precision_notice, resolve_mode
+from kiln.perf import flops, hardware
+from kiln.perf.hardware import auto_mode, native_bf16, precision_notice, resolve_mode
+from kiln.train.precision import MODES
 
 CPU = torch.device("cpu")
 
@@ -84,13 +84,13 @@ def test_native_bf16_from_flags(flags, cap, expected):
 def test_native_bf16_reads_cpuinfo_and_the_onednn_cap(tmp_path, monkeypatch):
     path = tmp_path / "cpuinfo"
     path.write_text(x86_cpuinfo(SAPPHIRE_RAPIDS))
-    monkeypatch.setattr(precision, "CPUINFO", path)
+    monkeypatch.setattr(hardware, "CPUINFO", path)
     monkeypatch.delenv("ONEDNN_MAX_CPU_ISA", raising=False)
     monkeypatch.delenv("DNNL_MAX_CPU_ISA", raising=False)
     assert native_bf16() == "AMX"
     monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", "AVX2")  # the AVX2-only emulation of docs/training.md
     assert native_bf16() is None
-    monkeypatch.setattr(precision, "CPUINFO", tmp_path / "missing")
+    monkeypatch.setattr(hardware, "CPUINFO", tmp_path / "missing")
     monkeypatch.delenv("ONEDNN_MAX_CPU_ISA")
     assert native_bf16() is None
 
@@ -123,7 +123,7 @@ def fake_cpu(monkeypatch, tmp_path):
     def make(cpuinfo: str, rates: dict[str, float]):
         path = tmp_path / "cpuinfo"
         path.write_text(cpuinfo)
-        monkeypatch.setattr(precision, "CPUINFO", path)
+        monkeypatch.setattr(hardware, "CPUINFO", path)
         monkeypatch.delenv("ONEDNN_MAX_CPU_ISA", raising=False)
         monkeypatch.delenv("DNNL_MAX_CPU_ISA", raising=False)
         monkeypatch.setattr(flops, "_cpu_peak_cache", {flops.CPU_DTYPES[p]: r for p, r in rates.items()})

@@ -26,11 +26,11 @@ import math
 
 import torch
 
-from kiln.train.optim import run_closure, skip_flags, steps_to_param_devices
-
-BLOCK = 256  # elements sharing one fp32 scale
-MIN_8BIT = 4096  # smaller tensors keep fp32 moments
-CHUNK = 1 << 20  # elements dequantized and updated at once (a multiple of BLOCK)
+from kiln.memory.estimate import ADAM8BIT_BLOCK as BLOCK
+from kiln.memory.estimate import ADAM8BIT_CHUNK as CHUNK
+from kiln.memory.estimate import ADAM8BIT_MIN as MIN_8BIT
+from kiln.memory.estimate import adam8bit_state_bytes as state_bytes
+from kiln.train.masked import run_closure, skip_flags, steps_to_param_devices
 
 
 def dynamic_codebook(signed: bool) -> torch.Tensor:
@@ -43,15 +43,6 @@ def dynamic_codebook(signed: bool) -> torch.Tensor:
     mags = sorted(mags)
     values = ([-m for m in reversed(mags)] if signed else []) + [0.0] + mags
     return torch.tensor(values, dtype=torch.float32)
-
-
-def state_bytes(numel: int) -> int:
-    """Bytes of this optimizer's state for one parameter tensor of `numel` elements (4 of them the fp32 step count,
-    a device tensor as in torch's fused AdamW)."""
-    if numel < MIN_8BIT:
-        return 8 * numel + 4
-    blocks = math.ceil(numel / BLOCK)
-    return 2 * (blocks * BLOCK + 4 * blocks) + 4  # two moments: codes (padded to whole blocks) + one scale per block
 
 
 class _Codebook:

@@ -19,11 +19,10 @@ stay as they were, so copying them back leaves the parameters as they were too.
 from __future__ import annotations
 
 import threading
-from dataclasses import replace
 
 import torch
 
-from kiln.train.optim import optimizer_step
+from kiln.train.masked import optimizer_step
 
 
 class HostOptimizer(torch.optim.Optimizer):
@@ -31,13 +30,13 @@ class HostOptimizer(torch.optim.Optimizer):
 
     takes_skipped = True  # kiln.train.optim.optimizer_step passes the skip flag to step()
 
-    def __init__(self, groups: list[dict], cfg, mode: str = "host"):
+    def __init__(self, groups: list[dict], lr: float, mode: str = "host", make_inner=None):
+        """make_inner(host_groups) builds the real optimizer over the host masters (kiln.train.optim does, from the
+        same `optim` section); the default is torch's AdamW."""
         if mode not in ("host", "host-async"):
             raise ValueError(f"optimizer offload mode {mode!r}; use 'host' or 'host-async'")
-        from kiln.train.optim import build_optimizer
-
         groups = [g for g in groups if g["params"]]
-        super().__init__(groups, dict(lr=cfg.lr))
+        super().__init__(groups, dict(lr=lr))
         self.mode = mode
         self.pairs: list[tuple[torch.Tensor, torch.Tensor]] = []
         host_groups = []
@@ -51,7 +50,7 @@ class HostOptimizer(torch.optim.Optimizer):
                 masters.append(m)
                 self.pairs.append((p, m))
             host_groups.append({k: v for k, v in g.items() if k != "params"} | {"params": masters})
-        self.inner = build_optimizer(host_groups, replace(cfg, offload="none"))
+        self.inner = (make_inner or (lambda g: torch.optim.AdamW(g, lr=lr)))(host_groups)
         # this step's skip flag on the host: written behind the gradients, read by the host update
         self._skipped = torch.zeros((), dtype=torch.float32,
                                     pin_memory=any(p.device.type == "cuda" for p, _ in self.pairs))

@@ -6,7 +6,7 @@ PIP := $(PY) -m pip
 # Pinned so pip picks the CPU wheel; an unpinned torch pulls several GB of CUDA wheels.
 TORCH_PIN ?= torch==2.13.0
 
-.PHONY: train test install install-test clean bench gpu-check
+.PHONY: train test install install-test clean bench gpu-check gpu-merge
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -40,6 +40,10 @@ bench: install
 GPU_PYTHON ?= python3
 gpu-check:
 	PYTHONPATH=. $(GPU_PYTHON) benchmarks/gpu_suite.py --out gpu-results
+
+# Then: gpu-results' tables into docs/benchmarks.md between its gpu-suite markers (refuses dry-run results).
+gpu-merge:
+	PYTHONPATH=. $(GPU_PYTHON) benchmarks/gpu_suite.py merge gpu-results
 
 clean:
 	rm -rf $(VENV) runs build *.egg-info

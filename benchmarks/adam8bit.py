@@ -17,7 +17,7 @@ import torch
 
 from kiln.config import load_config
 from kiln.memory.measure import optimizer_state_tensors, tensor_bytes
-from kiln.train.trainer import train
+from kiln.run.lm import train
 
 
 def run(name: str, overrides: list[str], runs_dir: Path) -> dict:
@@ -28,8 +28,8 @@ def run(name: str, overrides: list[str], runs_dir: Path) -> dict:
     start = time.perf_counter()
     summary = train(cfg, run_dir)
     seconds = time.perf_counter() - start
-    optimizer = summary["run"].optimizer
-    return {"optimizer": name, "steps": summary["step"], "val_loss": summary["val_loss"],
+    optimizer = summary.state.optimizer
+    return {"optimizer": name, "steps": summary.step, "val_loss": summary.val_loss,
             "state_bytes": tensor_bytes(optimizer_state_tensors(optimizer)), "seconds": seconds}
 
 
@@ -47,7 +47,7 @@ def main() -> None:
     rows = [run("adamw", steps, runs), run("adamw8bit", steps + ["--optim.name=adamw8bit"], runs)]
     ref, q = rows
     result = {"threads": torch.get_num_threads(), "rows": rows, "state_ratio": ref["state_bytes"] / q["state_bytes"],
-              "val_loss_rel_diff": q["val_loss"] / ref["val_loss"] - 1}
+              "val_loss_rel_diff": q.val_loss / ref.val_loss - 1}
     print(json.dumps(result, indent=2))
 
 

@@ -20,7 +20,7 @@ import time
 from rich.console import Console
 
 from kiln.config import load_config
-from kiln.train.trainer import train
+from kiln.run.lm import train
 
 COMMON = ["--precision.mode=fp32", "--train.sample_tokens=0", "--log.tensorboard=false", "--log.interval=50",
           "--train.max_steps=0"]
@@ -59,8 +59,8 @@ def run(name: str, overrides: list[str], budget: float) -> dict:
         records = [json.loads(line) for line in open(f"{run_dir}/metrics.jsonl")]
     wall = time.perf_counter() - start
     rates = sorted(r["tokens_per_s"] for r in records if "tokens_per_s" in r)
-    return {"name": name, "overrides": overrides, "budget_s": budget, "val_loss": summary["val_loss"],
-            "wall_s": round(wall, 1), "tokens_per_s": round(rates[len(rates) // 2]), "steps": summary["step"]}
+    return {"name": name, "overrides": overrides, "budget_s": budget, "val_loss": summary.val_loss,
+            "wall_s": round(wall, 1), "tokens_per_s": round(rates[len(rates) // 2]), "steps": summary.step}
 
 
 def main():

@@ -4,7 +4,7 @@ Written for a fresh machine with one H100/H200, no network and a ~25 min window.
 writing OUT/<part>.json and OUT/<part>.md the moment it ends (a run cut off later keeps what was done):
 
   tests       pytest -m gpu tests in a subprocess: junit XML, passed/failed/skipped counts, failures' names
-  throughput  kiln's TrainingLoop vs benchmarks/throughput.py's plain loop at GPT-2 124M (seq 1024, bf16 autocast,
+  throughput  kiln's Trainer vs benchmarks/throughput.py's plain loop at GPT-2 124M (seq 1024, bf16 autocast,
               SDPA, fused AdamW, same batch), alternating blocks in one process: tokens/s, ratio, MFU against the
               *measured* bf16 matmul rate, peak memory of each at equal batch; then kiln variants (Triton kernels,
               chunked loss, selective recompute at a larger batch) while the part's box lasts
@@ -14,6 +14,11 @@ writing OUT/<part>.json and OUT/<part>.md the moment it ends (a run cut off late
 
     .venv/bin/python benchmarks/gpu_suite.py --out gpu-results [--budget-min 20] [--compile] [--parts tests,memory]
     .venv/bin/python benchmarks/gpu_suite.py --out /tmp/r --dry-run   # same code paths, toy sizes, CPU, < 60 s
+    .venv/bin/python benchmarks/gpu_suite.py merge gpu-results [--doc docs/benchmarks.md]
+
+`merge` renders every part's JSON as a table (stamp, numbers, which targets were reached) and writes them into the
+doc between its gpu-suite marker comments, leaving the rest of the file byte for byte; a part missing or cut off by
+its time box is a row saying so. It refuses dry-run results unless given --allow-dry-run (for tests).
 
 Data: kiln's offline byte corpus; at vocabulary 50257 the token ids are bytes (< 256) fed to a 50257-row (padded
 50304) embedding and head, so the compute is GPT-2's even though the ids are not. The JSON says so.
@@ -26,6 +31,7 @@ import gc
 import json
 import math
 import os
+import re
 import subprocess
 import sys
 import tempfile
@@ -186,7 +192,7 @@ def part_throughput(s: Suite, box: float, compile_: bool, steps: int, block: int
     from throughput import PlainLoop, kiln_loop
     from kiln.config import load_config
     from kiln.data import prepare_data
-    from kiln.train.trainer import TrainingLoop
+    from kiln.train.loop import Trainer
 
     t_end = time.monotonic() + box
     dev = s.device
@@ -201,7 +207,7 @@ def part_throughput(s: Suite, box: float, compile_: bool, steps: int, block: int
                  else "byte corpus, byte vocabulary")
     chunk = 4 * shape["seq_len"] // (1 if s.dry else 4)
     lean = [f"--memory.chunked_loss={chunk}", "--memory.recompute=selective"]
-    variants = {"kiln triton kernels": (["--model.kernels=triton"], shape["batch"]),
+    variants = {"kiln triton kernels": (["--train.kernels=triton"], shape["batch"]),
                 f"kiln chunked_loss={chunk}": ([f"--memory.chunked_loss={chunk}"], shape["batch"]),
                 "kiln chunked+selective": (lean, shape["batch"]),  # the peak ≤ 0.5x plain target, equal batch
                 "kiln chunked+selective 2x batch": (lean, 2 * shape["batch"])}
@@ -229,7 +235,7 @@ def part_throughput(s: Suite, box: float, compile_: bool, steps: int, block: int
         # 1. tokens/s: plain and kiln alternate in blocks so machine noise hits both alike; the first rotation is
         # warm-up (allocator, cuBLAS heuristics, compile).
         loops = {"plain": make("plain", [], shape["batch"]), "kiln": make("kiln", [], shape["batch"])}
-        fpt = loops["kiln"].flops_per_token
+        fpt = loops["kiln"].flops_per_unit
         times = {name: 0.0 for name in loops}
         for start in range(0, steps, block):
             end = min(start + block, steps)
@@ -242,7 +248,7 @@ def part_throughput(s: Suite, box: float, compile_: bool, steps: int, block: int
                     times[name] += time.perf_counter() - t
         tokens = (steps - block) * shape["batch"] * shape["seq_len"]
         for loop in loops.values():
-            if isinstance(loop, TrainingLoop):
+            if isinstance(loop, Trainer):
                 loop.close()
         del loop  # the for-loops' variable would keep the last model and optimizer resident through the peaks below
         loops.clear()
@@ -263,7 +269,7 @@ def part_throughput(s: Suite, box: float, compile_: bool, steps: int, block: int
         # 3. kiln variants while the box lasts: each timed alone (steps after a warm-up block) and its peak.
         result["variants"] = {}
         for name, (extra, b) in variants.items():
-            if "--model.kernels=triton" in extra and dev.type != "cuda":
+            if "--train.kernels=triton" in extra and dev.type != "cuda":
                 result["variants"][name] = {"skipped": "Triton kernels need CUDA"}
                 continue
             if time.monotonic() > t_end or s.left() < 60 and not s.dry:
@@ -343,7 +349,7 @@ def part_memory(s: Suite, box: float) -> None:
     from kiln.memory.devices import local_device
     from kiln.memory.estimate import estimate, peak_allocated
     from kiln.memory.levers import job_for
-    from kiln.memory.measure import measure_step
+    from kiln.run.measure import measure_step
 
     t_end = time.monotonic() + box
     if s.dry:
@@ -405,8 +411,273 @@ def part_kernels(s: Suite, box: float) -> None:
 PARTS = {"tests": part_tests, "throughput": part_throughput, "memory": part_memory, "kernels": part_kernels}
 
 
+# ---------------------------------------------------------------- merge into docs/benchmarks.md
+BEGIN, END = "<!-- gpu-suite:begin -->", "<!-- gpu-suite:end -->"
+DOC = ROOT / "docs" / "benchmarks.md"
+NOT_REACHED = "not run (the suite stopped before it)"
+
+
+class MergeError(Exception):
+    """A results folder or document the merge cannot use; the merge command prints it as one `error:` line."""
+
+
+def merge(results: Path, doc: Path, allow_dry_run: bool = False) -> str:
+    """Renders RESULTS's <part>.json files and writes them into DOC between the gpu-suite markers; returns the block.
+
+    Dry-run results are refused unless allowed: toy CPU numbers must never land in the docs by accident.
+    """
+    parts = load_parts(results)
+    dry = [f"{name}.json" for name, data in parts.items() if data is not None and not from_gpu(data)]
+    if dry and not allow_dry_run:
+        raise MergeError(f"{', '.join(dry)} in {results} come from a dry run (CPU, toy sizes), not a GPU; their "
+                         f"numbers must not land in {doc.name}. Run `make gpu-check` on a CUDA machine and merge "
+                         "its gpu-results (--allow-dry-run is for tests)")
+    if not doc.is_file():
+        raise MergeError(f"{doc} not found")
+    body = render(parts, finished=(results / "summary.json").exists())
+    text = doc.read_bytes().decode("utf-8")  # bytes, not read_text: universal newlines would rewrite any \r\n
+    merged = put_between_markers(text, body, doc)
+    if merged != text:
+        doc.write_bytes(merged.encode("utf-8"))
+    return body
+
+
+def load_parts(results: Path) -> dict[str, dict | None]:
+    """Each part's JSON, None where its file is missing; at least one must exist."""
+    if not results.is_dir():
+        raise MergeError(f"{results} is not a folder; `make gpu-check` writes gpu-results/")
+    parts = {}
+    for name in PARTS:
+        path = results / f"{name}.json"
+        try:
+            parts[name] = json.loads(path.read_text()) if path.exists() else None
+        except json.JSONDecodeError as e:
+            raise MergeError(f"{path} is not valid JSON ({e})") from None
+    if not any(parts.values()):
+        raise MergeError(f"{results} holds none of {', '.join(f'{p}.json' for p in PARTS)}; "
+                         "`make gpu-check` writes them")
+    return parts
+
+
+def from_gpu(data: dict) -> bool:
+    return data.get("dry_run") is False and str(data.get("env", {}).get("device", "")).startswith("cuda")
+
+
+def put_between_markers(text: str, body: str, doc: Path) -> str:
+    """TEXT with BODY between the markers and every byte outside them as it was. Missing markers are added, with
+    BODY, at the end of the "## GPU suite" section, or at the end of the file if it has no such section."""
+    n_begin, n_end = text.count(BEGIN), text.count(END)
+    if n_begin == n_end == 0:
+        block = f"{BEGIN}\n{body}{END}"
+        section = re.search(r"^## GPU suite\b", text, re.M)
+        after = re.compile(r"^## ", re.M).search(text, section.end()) if section else None
+        at = after.start() if after else len(text)
+        head = text[:at]
+        gap = "" if not head or head.endswith("\n\n") else "\n" if head.endswith("\n") else "\n\n"
+        return head + gap + block + ("\n\n" if after else "\n") + text[at:]
+    begin, end = text.find(BEGIN), text.find(END)
+    if n_begin != 1 or n_end != 1 or end < begin:
+        raise MergeError(f"{doc} must hold one {BEGIN} followed by one {END}; it holds {n_begin} and {n_end}"
+                         + (", in the wrong order" if n_begin == n_end == 1 else ""))
+    return text[:begin + len(BEGIN)] + "\n" + body + text[end:]
+
+
+def render(parts: dict[str, dict | None], finished: bool) -> str:
+    """Markdown for the marker block: per part a heading, its stamp, a table and the targets it decides."""
+    lines = ["Measured by `make gpu-check` (`benchmarks/gpu_suite.py --out gpu-results`) and written here from its "
+             "JSON files by `make gpu-merge`; the next merge replaces everything between these markers."]
+    if not finished:
+        lines += ["", "**The run did not finish** (no summary.json): the part it was in when stopped may be "
+                      "incomplete or missing."]
+    for name, (title, render_part) in RENDERERS.items():
+        data = parts[name]
+        header, rows, notes, targets = render_part(data or {})  # a missing part's targets say "not measured"
+        if data is None:
+            rows, notes = [[f"not run (no {name}.json)"]], []
+        elif isinstance(data.get("skipped"), str):  # main() found the overall budget spent before the part began
+            rows, notes = [[f"not run ({data['skipped']})"]], []
+        elif data.get("error"):
+            rows.append([f"error: {data['error'].strip().splitlines()[-1]}"])
+        lines += ["", f"### {title}", ""]
+        if data is not None:
+            lines += [stamp_line(data), ""]
+        lines += md_table(header, rows)
+        if notes:
+            lines += [""] + notes
+        if targets:
+            lines += ["", "Targets:"] + targets
+    return "\n".join(lines) + "\n"
+
+
+def stamp_line(data: dict) -> str:
+    env = data.get("env", {})
+    try:
+        when = datetime.datetime.fromisoformat(env["date"]).astimezone(datetime.timezone.utc)
+        date = when.strftime("%Y-%m-%d %H:%M UTC")
+    except (KeyError, TypeError, ValueError):
+        date = str(env.get("date", "date unknown"))
+    stamp = (f"{date}, {env.get('gpu', '?')}, driver {env.get('driver', '?')}, CUDA {env.get('cuda', '?')}, "
+             f"torch {env.get('torch', '?')}, triton {env.get('triton', '?')}")
+    return stamp + (", **DRY RUN (CPU, toy sizes)**" if not from_gpu(data) else "") + "."
+
+
+def md_table(header: list[str], rows: list[list]) -> list[str]:
+    """A markdown table; short rows (a status sentence in the first cell) are padded with empty cells."""
+    def cell(c) -> str:
+        return str(c).replace("|", "\\|").replace("\n", " ")
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    return lines + ["| " + " | ".join(cell(c) for c in row + [""] * (len(header) - len(row))) + " |" for row in rows]
+
+
+def target(label: str, value, reached, shown) -> str:
+    """One target line: reached or not, with the measured number either way; "not measured" without one."""
+    if value is None:
+        return f"- {label}: not measured"
+    return f"- {label}: {'**reached**' if reached(value) else '**not reached**'} ({shown(value)})"
+
+
+def times(x: float) -> str:
+    return f"{x:.3f}×"
+
+
+def mib(n: int | None) -> str:
+    return f"{n / 2**20:,.0f}" if n else "n/a (CPU)"
+
+
+def render_tests(data: dict) -> tuple[list, list, list, list]:
+    header = ["tests", "passed", "failed", "errors", "skipped", "seconds"]
+    seconds = data.get("seconds") or 0
+    rows = []
+    if data.get("timed_out"):
+        rows.append([f"cut off by its time box after {seconds:.0f} s (pytest killed, no junit XML)"])
+    if "tests" in data and (data["tests"] or not data.get("timed_out")):
+        rows.append([data.get(k, "") for k in header[:-1]] + [f"{seconds:.0f}"])
+    rows += [[f"FAILED `{name}`"] for name in data.get("failures", [])]
+    command = " ".join(a for a in str(data.get("command", "")).split() if not a.startswith("--junitxml"))
+    notes = [f"Command: `python {command}` (junit XML beside the JSON)."] if command else []
+    return header, rows, notes, []
+
+
+def render_throughput(data: dict) -> tuple[list, list, list, list]:
+    header = ["loop", "batch", "tokens/s", "vs plain", "MFU", "peak MiB", "peak vs plain"]
+    loops, variants = data.get("loops", {}), data.get("variants", {})
+    plain = loops.get("plain", {})
+    rows = []
+    for name, r in {**loops, **variants}.items():
+        if "tokens_per_s" not in r:
+            rows.append([name, f"error: {r['error']}" if "error" in r else f"not run ({r.get('skipped')})"])
+            continue
+        base, peak, plain_peak = plain.get("tokens_per_s"), r.get("peak_bytes"), plain.get("peak_bytes")
+        rows.append([name, r.get("batch", ""), f"{r['tokens_per_s']:,.0f}",
+                     times(r["tokens_per_s"] / base) if base else "", f"{r['mfu']:.2%}", mib(peak),
+                     times(peak / plain_peak) if peak and plain_peak else "n/a (CPU)" if peak is None else ""])
+    rows += [[name, NOT_REACHED] for name in data.get("variants_planned", []) if name not in variants]
+    notes = []
+    if "shape" in data and "matmul" in data:
+        sh, mm = data["shape"], data["matmul"]
+        notes.append(
+            f"{sh['n_layer']} layers × {sh['d_model']}, {sh['n_head']} heads, seq {sh['seq_len']}, vocabulary "
+            f"{data['vocab']} (padded {data['padded_vocab']}); kiln {data['kiln_precision']}, plain "
+            f"{data['plain_precision']}; compile {'on' if data.get('compile') else 'off'}; {data['steps']} steps per "
+            f"loop in alternating blocks of {data['block']}, the first block warm-up. MFU against "
+            f"{mm['n']}² {mm['dtype'].removeprefix('torch.')} matmuls measured on the spot, "
+            f"{mm['flops_per_s'] / 1e12:,.1f} TFLOP/s. Variants are timed alone. Data: {data['data']}.")
+    lean = variants.get("kiln chunked+selective", {})
+    targets = [target("kiln ≥ 1.3× the plain loop's tokens/s", data.get("ratio_kiln_over_plain"),
+                      lambda x: x >= 1.3, times),
+               target("kiln MFU ≥ 50% of the measured matmul rate", loops.get("kiln", {}).get("mfu"),
+                      lambda x: x >= 0.5, lambda x: f"{x:.2%}"),
+               target("peak ≤ 0.5× the plain loop's with chunked loss + selective recompute, equal batch",
+                      lean.get("peak_vs_plain"), lambda x: x <= 0.5, times)]
+    return header, rows, notes, targets
+
+
+def render_memory(data: dict) -> tuple[list, list, list, list]:
+    header = ["model", "precision", "recompute", "predicted MiB", "measured MiB", "error"]
+    points = data.get("points", [])
+    rows = []
+    for p in points:
+        key = [p["model"], p["precision"], p["recompute"]]
+        if "rel_error" in p:
+            err = f"{p['rel_error']:+.2%}"
+            rows.append(key + [_cell(p["predicted_bytes"] / 2**20), _cell(p["measured_bytes"] / 2**20),
+                               f"**{err}**" if abs(p["rel_error"]) > 0.03 else err])
+        else:
+            rows.append(key + [f"error: {p['error']}" if "error" in p else f"not run ({p.get('skipped')})"])
+    done = [(p["model"], p["precision"], p["recompute"]) for p in points]
+    rows += [list(g) + [NOT_REACHED] for g in data.get("grid_planned", []) if tuple(g) not in done]
+    measured = [p for p in points if "rel_error" in p]
+    missing = len(rows) - len(measured)
+    notes = [f"Predicted: `kiln.memory.estimate`'s step peak; measured: the step peak of "
+             f"`kiln.memory.measure.measure_step` (`torch.cuda.max_memory_allocated`), "
+             f"{data.get('steps_per_point', 3)} steps per point, the last one's peak."] if points else []
+    label = "estimator within 3% of the measured peak on every grid point"
+    if measured:
+        worst = max(measured, key=lambda p: abs(p["rel_error"]))
+        shown = (f"max |error| {abs(worst['rel_error']):.2%} at {worst['model']} {worst['precision']} "
+                 f"{worst['recompute']}" + (f"; {missing} of {len(rows)} points not measured" if missing else ""))
+        status = ("**not reached**" if abs(worst["rel_error"]) > 0.03 else
+                  "not measured on every point" if missing else "**reached**")
+        targets = [f"- {label}: {status} ({shown})"]
+    else:
+        targets = [f"- {label}: not measured"]
+    return header, rows, notes, targets
+
+
+def render_kernels(data: dict) -> tuple[list, list, list, list]:
+    from kernels import HEADER  # benchmarks/kernels.py prints its rows without the header; use its own
+
+    header = [c.strip() for c in HEADER.splitlines()[0].strip().strip("|").split("|")]
+    output = str(data.get("output", ""))
+    rows = [[c.strip() for c in line.strip().strip("|").split("|")]
+            for line in output.splitlines() if line.startswith("| ") and line.rstrip().endswith("|")]
+    if data.get("timed_out"):
+        rows.append([f"cut off by its time box after {data.get('seconds') or 0:.0f} s"])
+    elif data.get("returncode") not in (0, None):
+        last = [line for line in output.splitlines() if line.strip()][-1:] or ["no output"]
+        rows.append([f"failed (exit {data['returncode']}): {last[0].strip()}"])
+    elif data and not rows:
+        rows.append(["no rows in benchmarks/kernels.py's output"])
+    copy = [line.strip() + "; " for line in output.splitlines() if line.startswith("device-to-device copy:")]
+    notes = [f"Command: `python {data['command']}` (one or two shapes per op); {''.join(copy[:1])}the full sweep "
+             "and the kernel targets: the Kernels section."] if "command" in data else []
+    return header, rows, notes, []
+
+
+RENDERERS = {"tests": ("GPU tests (`pytest -m gpu`)", render_tests),
+             "throughput": ("Throughput: kiln vs the plain loop", render_throughput),
+             "memory": ("Memory estimator vs the measured peak", render_memory),
+             "kernels": ("Kernels (`benchmarks/kernels.py --quick`)", render_kernels)}
+assert list(RENDERERS) == list(PARTS), "every part the suite runs has a merge renderer"
+
+
+def merge_main(argv: list[str]) -> int:
+    ap = argparse.ArgumentParser(prog="gpu_suite.py merge",
+                                 description="Write a GPU run's <part>.json files, as tables, into docs/benchmarks.md "
+                                             "between the gpu-suite marker comments; the rest of the file is kept.")
+    ap.add_argument("results", type=Path, help="the run's --out folder, e.g. gpu-results")
+    ap.add_argument("--doc", type=Path, default=DOC, help="the markdown file to write into (docs/benchmarks.md)")
+    ap.add_argument("--allow-dry-run", action="store_true",
+                    help="accept --dry-run results (CPU, toy sizes); for tests, never for the real docs")
+    args = ap.parse_args(argv)
+    try:
+        merge(args.results, args.doc, args.allow_dry_run)
+    except MergeError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    missing = [p for p in PARTS if not (args.results / f"{p}.json").exists()]
+    print(f"[gpu_suite] wrote {args.results}'s tables into {args.doc} between the gpu-suite markers"
+          + (f"; not run: {', '.join(missing)}" if missing else ""))
+    return 0
+
+
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] == ["merge"]:
+        return merge_main(argv[1:])
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0],
+                                 epilog="`gpu_suite.py merge RESULTS_DIR [--doc docs/benchmarks.md]` then writes a "
+                                        "run's tables into the docs (merge --help).")
     ap.add_argument("--out", default="gpu-results", help="folder for <part>.json and <part>.md")
     ap.add_argument("--budget-min", type=float, default=20.0, help="overall wall-clock budget in minutes")
     ap.add_argument("--parts", default=",".join(PARTS), help=f"comma-separated subset of {','.join(PARTS)}")

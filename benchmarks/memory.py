@@ -19,9 +19,11 @@ import torch
 from kiln.config import load_config
 from kiln.memory.devices import local_device
 from kiln.memory.estimate import estimate, peak_allocated
-from kiln.memory.levers import build_for_measure, job_for
-from kiln.memory.measure import measure_saved, measure_step
-from kiln.train.trainer import train_step
+from kiln.memory.levers import job_for
+from kiln.memory.measure import measure_saved
+from kiln.run.lm import build_lm
+from kiln.run.measure import measure_step
+from kiln.train.step import train_step
 
 POLICIES = ("none", "selective", "every_k", "full")
 
@@ -39,9 +41,9 @@ def main() -> None:
     rigs, rows = {}, {}
     for policy in POLICIES:
         cfg = load_config(None, base + [f"--memory.recompute={policy}"])
-        rigs[policy] = (cfg, build_for_measure(cfg, device))
+        rigs[policy] = (cfg, build_lm(cfg, device=device, with_data=False).state)
         pred = estimate(job_for(cfg, local_device(device)))
-        B, T, V = cfg.train.micro_batch_size, cfg.data.seq_len, rigs[policy][1].model_cfg.vocab_size
+        B, T, V = cfg.train.micro_batch_size, cfg.data.seq_len, rigs[policy][1].model.cfg.vocab_size
         x, y = (torch.randint(0, V, (B, T), device=device) for _ in range(2))
         saved = measure_saved(rigs[policy][1].model, x, y, rigs[policy][1].precision)
         peak = measure_step(cfg, device, steps=2)
@@ -52,14 +54,14 @@ def main() -> None:
     for _ in range(args.rounds):
         for policy in POLICIES:
             cfg, rig = rigs[policy]
-            B, T, V = cfg.train.micro_batch_size, cfg.data.seq_len, rig.model_cfg.vocab_size
+            B, T, V = cfg.train.micro_batch_size, cfg.data.seq_len, rig.model.cfg.vocab_size
             for step in range(args.steps + 1):
                 xy = torch.randint(0, V, (B, T + 1), generator=gen).to(device)
                 if device.type == "cuda":
                     torch.cuda.synchronize()
                 t0 = time.perf_counter()
-                train_step(rig.step_model, [(xy[:, :-1], xy[:, 1:])], rig.optimizer, rig.precision, rig.scaler,
-                           cfg.optim, rig.masters)
+                train_step(rig.step_model, [(xy[:, :-1], xy[:, 1:])], rig.objective, rig.optimizer, rig.precision,
+                           rig.scaler, cfg.optim, rig.masters)
                 if device.type == "cuda":
                     torch.cuda.synchronize()
                 if step:  # the first step of each block warms caches

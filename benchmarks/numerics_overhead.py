@@ -29,10 +29,10 @@ from pathlib import Path
 import torch
 
 from kiln.config import load_config
-from kiln.numerics.monitor import Numerics
+from kiln.run.lm import build_lm
 from kiln.train.logging import MetricsLogger
 from kiln.train.schedule import lr_factor
-from kiln.train.trainer import Run, train_step
+from kiln.train.step import train_step
 
 VARIANTS = {
     "off": ["--numerics.trace=false", "--numerics.spike_policy=off"],
@@ -51,27 +51,29 @@ class Bench:
                                  f"--log.interval={interval}", f"--numerics.snapshot_interval={interval}",
                                  *overrides])
         self.interval = interval
-        self.run = Run(cfg, root / name, log=lambda msg: None)
+        lm = build_lm(cfg, root / name, log=lambda msg: None)
+        self.cfg, self.run = lm.cfg, lm.state
         self.logger = MetricsLogger(cfg.log, root / name, 10**9)
-        self.numerics = Numerics(cfg.numerics, cfg.faults, self.run, root / name, interval)
+        self.numerics = lm.trainer(root / name).numerics  # as kiln train builds it; this class steps it itself
+        self.numerics.start()
         self.result = None
 
     def step(self) -> float:
         """One training step, plus the sync point when one is due; returns the wall time."""
-        run, numerics, cfg = self.run, self.numerics, self.run.cfg
+        run, numerics, cfg = self.run, self.numerics, self.cfg
         start = time.perf_counter()
         lr = cfg.optim.lr * lr_factor(cfg.schedule, run.step, cfg.train.max_steps) * numerics.lr_factor(run.step)
         for group in run.optimizer.param_groups:
             group["lr"] = lr
         batches = numerics.begin_step(run.step + 1, [run.loader.next() for _ in range(cfg.train.grad_accum_steps)])
-        self.result = train_step(run.step_model, batches, run.optimizer, run.precision, run.scaler, cfg.optim,
-                                 run.masters, numerics.guard)
+        self.result = train_step(run.step_model, batches, run.objective, run.optimizer, run.precision, run.scaler,
+                                 cfg.optim, run.masters, numerics.guard)
         run.step += 1
         if run.step % self.interval == 0:
             verdict = numerics.review(self.logger)
             assert not verdict.rolled_back and not verdict.stop, "a clean benchmark run must not trip numerics"
             self.logger.log({"step": run.step, "loss": self.result.loss.item(),
-                             "grad_norm": self.result.grad_norm.item()})
+                             "grad_norm": self.result.grad_norm.item()}, kind="train")
         return time.perf_counter() - start
 
     def close(self) -> None:
@@ -119,9 +121,10 @@ def main() -> None:
     names = args.variants.split(",")
     with tempfile.TemporaryDirectory(prefix="kiln-numerics-bench-") as tmp:
         benches = {n: Bench([*overrides, *VARIANTS[n]], args.interval, Path(tmp), n) for n in names}
-        first = benches[names[0]].run
-        print(f"{first.cfg.model.preset}: precision {first.precision.mode}, batch {first.cfg.train.micro_batch_size}"
-              f"×{first.cfg.data.seq_len}, sync every {args.interval} steps, {args.steps} steps per variant, "
+        first = benches[names[0]]
+        print(f"{first.cfg.model.preset}: precision {first.run.precision.mode}, batch "
+              f"{first.cfg.train.micro_batch_size}×{first.cfg.data.seq_len}, sync every {args.interval} steps, "
+              f"{args.steps} steps per variant, "
               f"variants {names}, alternating step by step")
         times = {n: [] for n in names}
         for i in range(args.warmup + args.steps):

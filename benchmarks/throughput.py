@@ -1,7 +1,7 @@
 """kiln's training loop vs a plain nanoGPT-style fp32 loop of the same shape, alternating in one process.
 
 Shape: 6 layers, 6 heads, width 384, seq 256, batch 8, byte vocabulary. kiln runs its real loop
-(kiln.train.trainer.TrainingLoop with its defaults: metrics every 10 steps, TensorBoard, the numerics guard, the
+(kiln.train.loop.Trainer, built by kiln.run.lm.build_lm, with its defaults: metrics every 10 steps, TensorBoard, the numerics guard, the
 loader) in fp32 and, on a CPU with native bf16, in bf16 autocast. The plain loop is what a user writes first: fp32,
 nn.Linear with biases, SDPA, tied embeddings, torch.optim.AdamW (foreach), clipping, no prefetch thread, no
 logging. Blocks of `--block` steps rotate plain → kiln fp32 → kiln bf16, so machine noise hits all alike; the
@@ -26,7 +26,8 @@ from kiln.config import load_config
 from kiln.data import TokenLoader, prepare_data
 from kiln.perf.hardware import native_bf16
 from kiln.train.schedule import lr_factor
-from kiln.train.trainer import Run, TrainingLoop
+from kiln.run.lm import build_lm
+from kiln.train.loop import Trainer
 
 SHAPE = dict(n_layer=6, n_head=6, d_model=384, seq_len=256, batch=8)
 OVERRIDES = [f"--model.n_layer={SHAPE['n_layer']}", f"--model.n_head={SHAPE['n_head']}",
@@ -105,13 +106,13 @@ class PlainLoop:
             self.step += 1
 
 
-def kiln_loop(precision: str, steps: int, run_dir: str, overrides: list[str] | None = None) -> TrainingLoop:
+def kiln_loop(precision: str, steps: int, run_dir: str, overrides: list[str] | None = None) -> Trainer:
     # One step more than is timed: the last step of a run evaluates and checkpoints, which the plain loop never does.
     # `overrides` replaces this file's CPU shape (benchmarks/gpu_suite.py passes a GPT-2 124M shape on CUDA).
     base = OVERRIDES if overrides is None else overrides
     cfg = load_config(None, base + [f"--precision.mode={precision}", f"--train.max_steps={steps + 1}"])
     console = Console(file=io.StringIO(), width=120)
-    return TrainingLoop(Run(cfg, run_dir, log=lambda m: None), console)
+    return build_lm(cfg, run_dir, log=lambda m: None).trainer(run_dir, console)
 
 
 def cpu_name() -> str:
@@ -136,7 +137,7 @@ def main():
         loops = {"kiln fp32": kiln_loop("fp32", args.steps, f"{tmp}/fp32")}
         if unit and not args.no_bf16:
             loops["kiln bf16"] = kiln_loop("bf16", args.steps, f"{tmp}/bf16")
-        cfg = loops["kiln fp32"].run.cfg
+        cfg = loops["kiln fp32"].cfg
         data = prepare_data(cfg.data, log=lambda m: None)
         loops = {"plain fp32": PlainLoop(data.train, cfg.optim.lr, args.steps + 1, cfg.schedule)} | loops
 
@@ -149,7 +150,7 @@ def main():
                 if start > 0:  # the first rotation is warm-up
                     times[name] += time.perf_counter() - t
         for loop in loops.values():
-            if isinstance(loop, TrainingLoop):
+            if isinstance(loop, Trainer):
                 loop.close()
 
     timed_steps = args.steps - min(args.block, args.steps)

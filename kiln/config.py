@@ -6,6 +6,7 @@ resolved config back. Help text is each field's trailing `# comment` in its data
 """
 from __future__ import annotations
 
+import copy
 import dataclasses
 import inspect
 import re
@@ -15,6 +16,18 @@ import typing
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 
+from kiln.data import DataConfig
+from kiln.memory.levers import MemoryConfig
+from kiln.memory.offload import parse_blocks
+from kiln.memory.planner import PlanConfig
+from kiln.models import ModelConfig
+from kiln.numerics import FaultsConfig, NumericsConfig
+from kiln.train.checkpoint import CheckpointConfig
+from kiln.train.logging import LogConfig
+from kiln.train.loop import TrainConfig
+from kiln.train.optim import OptimConfig
+from kiln.train.precision import PrecisionConfig
+from kiln.train.schedule import ScheduleConfig
 from kiln.util import closest
 
 
@@ -22,69 +35,56 @@ class ConfigError(ValueError):
     pass
 
 
-def _sections():
-    # Imported here so that `kiln.config` stays importable from every component without cycles.
-    from kiln.train.checkpoint import CheckpointConfig
-    from kiln.data import DataConfig
-    from kiln.models import ModelConfig
-    from kiln.train.logging import LogConfig
-    from kiln.train.optim import OptimConfig
-    from kiln.train.precision import PrecisionConfig
-    from kiln.train.schedule import ScheduleConfig
-    from kiln.train.trainer import TrainConfig
-    from kiln.numerics import FaultsConfig, NumericsConfig
-    from kiln.memory.levers import MemoryConfig
-    from kiln.memory.planner import PlanConfig
+SECTIONS: dict[str, type] = {
+    "model": ModelConfig,
+    "data": DataConfig,
+    "optim": OptimConfig,
+    "schedule": ScheduleConfig,
+    "train": TrainConfig,
+    "precision": PrecisionConfig,
+    "checkpoint": CheckpointConfig,
+    "log": LogConfig,
+    "numerics": NumericsConfig,
+    "faults": FaultsConfig,
+    "memory": MemoryConfig,
+    "plan": PlanConfig,
+}
+# Keys that moved, so an old config.toml or command line gets told where to.
+MOVED = {"model.kernels": "train.kernels"}
 
-    return {
-        "model": ModelConfig,
-        "data": DataConfig,
-        "optim": OptimConfig,
-        "schedule": ScheduleConfig,
-        "train": TrainConfig,
-        "precision": PrecisionConfig,
-        "checkpoint": CheckpointConfig,
-        "log": LogConfig,
-        "numerics": NumericsConfig,
-        "faults": FaultsConfig,
-        "memory": MemoryConfig,
-        "plan": PlanConfig,
-    }
+
+def _sections() -> dict[str, type]:
+    return SECTIONS
 
 
 def section_types() -> dict[str, type]:
-    return _sections()
+    return SECTIONS
 
 
-def make_config(**sections):
+def make_config(**sections) -> "Config":
     """A Config instance; sections not given take their defaults."""
-    return Config(**{name: sections.get(name) or cls() for name, cls in _sections().items()})
+    return Config(**{name: sections[name] for name in SECTIONS if sections.get(name) is not None})
 
 
 @dataclass
 class Config:
     """The whole run's configuration. Components receive only their own section."""
 
-    model: typing.Any = None
-    data: typing.Any = None
-    optim: typing.Any = None
-    schedule: typing.Any = None
-    train: typing.Any = None
-    precision: typing.Any = None
-    checkpoint: typing.Any = None
-    log: typing.Any = None
-    numerics: typing.Any = None
-    faults: typing.Any = None
-    memory: typing.Any = None
-    plan: typing.Any = None
-
-    def __post_init__(self):
-        for name, cls in _sections().items():
-            if getattr(self, name) is None:
-                setattr(self, name, cls())
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    schedule: ScheduleConfig = field(default_factory=ScheduleConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    precision: PrecisionConfig = field(default_factory=PrecisionConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    log: LogConfig = field(default_factory=LogConfig)
+    numerics: NumericsConfig = field(default_factory=NumericsConfig)
+    faults: FaultsConfig = field(default_factory=FaultsConfig)
+    memory: MemoryConfig = field(default_factory=MemoryConfig)
+    plan: PlanConfig = field(default_factory=PlanConfig)
 
     def to_dict(self) -> dict:
-        return {name: dataclasses.asdict(getattr(self, name)) for name in _sections()}
+        return {name: dataclasses.asdict(getattr(self, name)) for name in SECTIONS}
 
 
 # ---------------------------------------------------------------- values and types
@@ -162,6 +162,9 @@ def _set(cfg: Config, section: str, key: str, value, origin: str) -> None:
         )
     cls = sections[section]
     names = [f.name for f in fields(cls)]
+    if f"{section}.{key}" in MOVED:
+        raise ConfigError(f"{section}.{key} ({origin}) is now {MOVED[f'{section}.{key}']}: a model's shape knows "
+                          f"nothing of how it is run; rename the key")
     if key not in names:
         hint = closest(key, names)
         raise ConfigError(
@@ -203,15 +206,49 @@ def load_config(path: str | Path | None = None, overrides: typing.Iterable[str] 
 
 
 def validate(cfg: Config) -> None:
-    for name in _sections():
-        check = getattr(getattr(cfg, name), "validate", None)
-        if check is not None:
-            try:
+    """Every section's own checks, then the rules that involve two sections (each message names the fix)."""
+    try:
+        for name in SECTIONS:
+            check = getattr(getattr(cfg, name), "validate", None)
+            if check is not None:
                 check()
-            except ConfigError:
-                raise
-            except ValueError as e:
-                raise ConfigError(str(e)) from None
+        _cross_checks(cfg)
+    except ConfigError:
+        raise
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+
+
+def _cross_checks(cfg: Config) -> None:
+    model = cfg.model.resolve()
+    if cfg.data.seq_len > model.max_seq_len:
+        raise ConfigError(f"data.seq_len={cfg.data.seq_len} exceeds model.max_seq_len={model.max_seq_len}; lower "
+                          f"data.seq_len or raise model.max_seq_len")
+    if cfg.train.kernels == "triton" and model.dropout > 0:
+        raise ConfigError(f"train.kernels=triton runs attention in FlashAttention, which has no dropout, and "
+                          f"model.dropout={model.dropout}; set --model.dropout=0, or --train.kernels=auto (keeps "
+                          f"torch attention when there is dropout)")
+    if cfg.train.kernels == "triton" and cfg.memory.chunked_loss:
+        raise ConfigError("train.kernels=triton already fuses the LM head and cross-entropy (the logits never exist "
+                          "at once); memory.chunked_loss would replace it: drop --memory.chunked_loss, or use "
+                          "--train.kernels=torch")
+    if cfg.faults.any and cfg.train.compile:
+        raise ConfigError("faults.* hook the eager model's modules, which torch.compile bypasses; set "
+                          "--train.compile=false to inject faults")
+    parse_blocks(cfg.memory.offload_blocks, model.n_layer)
+    if cfg.plan.memory and cfg.plan.global_batch_tokens % cfg.data.seq_len:
+        raise ConfigError(f"plan.global_batch_tokens={cfg.plan.global_batch_tokens} is not a multiple of "
+                          f"data.seq_len={cfg.data.seq_len}")
+
+
+def apply_overrides(cfg: Config, overrides: dict[str, object]) -> Config:
+    """A copy of cfg with {"section.key": value} set through the same coercion and checks as the command line."""
+    out = copy.deepcopy(cfg)
+    for key, value in overrides.items():
+        section, _, name = key.partition(".")
+        _set(out, section, name, value, "override")
+    validate(out)
+    return out
 
 
 # ---------------------------------------------------------------- writing and help

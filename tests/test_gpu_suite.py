@@ -6,6 +6,8 @@ predicted and measured values in the same file), not for their size.
 """
 import json
 import math
+import re
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -93,7 +95,7 @@ def test_memory_part_numbers_match_an_independent_measurement(results):
     from kiln.memory.devices import local_device
     from kiln.memory.estimate import estimate, peak_allocated
     from kiln.memory.levers import job_for
-    from kiln.memory.measure import measure_step
+    from kiln.run.measure import measure_step
 
     point = load(results, "memory")["points"][0]
     cfg = load_config(None, [f"--model.n_layer={TOY['n_layer']}", f"--model.n_head={TOY['n_head']}",
@@ -133,3 +135,194 @@ def test_gpu_configs_resolve_to_the_shapes_they_name():
             for recompute in ("none", "full", "selective"):
                 load_config(None, args + ["--data.tokenizer=bpe", "--data.vocab_size=50257", "--train.device=cuda",
                                           f"--precision.mode={precision}", f"--memory.recompute={recompute}"])
+
+
+# ---------------------------------------------------------------- merge into docs/benchmarks.md
+BEGIN, END = "<!-- gpu-suite:begin -->", "<!-- gpu-suite:end -->"
+# CRLF lines and trailing spaces on both sides: the text outside the markers must come back byte for byte.
+SAMPLE_DOC = ("# Benchmarks\r\n\r\nA CRLF paragraph with trailing spaces   \r\n\n"
+              "## GPU suite (`benchmarks/gpu_suite.py`)\n\nHow to run it.\n\n"
+              f"{BEGIN}\nNot yet measured on a GPU.\n{END}\n\n"
+              "## Kernels\n\n| op | shape |\n|---|---|\n| all | not yet measured |  \r\n\r\n")
+
+
+def gpu_suite():
+    if str(ROOT / "benchmarks") not in sys.path:
+        sys.path.insert(0, str(ROOT / "benchmarks"))
+    import gpu_suite
+    return gpu_suite
+
+
+def merge_into(doc: Path, results: Path, *extra: str) -> int:
+    return gpu_suite().main(["merge", str(results), "--doc", str(doc), *extra])
+
+
+def merged(tmp_path: Path, results: Path, text: str = SAMPLE_DOC, *extra: str) -> str:
+    doc = tmp_path / "benchmarks.md"
+    doc.write_bytes(text.encode())
+    assert merge_into(doc, results, "--allow-dry-run", *extra) == 0
+    return doc.read_bytes().decode()
+
+
+def between(text: str) -> str:
+    return text[text.index(BEGIN) + len(BEGIN):text.index(END)]
+
+
+def table(body: str, title: str) -> list[list[str]]:
+    """The data rows of the table under the `### {title}...` heading, as cell strings."""
+    lines = body[body.index(f"### {title}"):].splitlines()[1:]
+    start = next(i for i, line in enumerate(lines) if line.startswith("|"))
+    rows = []
+    for line in lines[start + 2:]:  # past the header and the |---| line
+        if not line.startswith("|"):
+            break
+        rows.append([c.strip().replace("\\|", "|") for c in re.split(r"(?<!\\)\|", line.strip()[1:-1])])
+    return rows
+
+
+def as_gpu_run(src: Path, dst: Path) -> dict:
+    """A copy of the dry run's results that says it came from an H100, for the paths a CPU cannot produce."""
+    shutil.copytree(src, dst)
+    parts = {}
+    for part in ("tests", "throughput", "memory", "kernels"):
+        data = json.loads((dst / f"{part}.json").read_text())
+        data["dry_run"] = False
+        data["env"].update(device="cuda", gpu="NVIDIA H100 80GB HBM3", driver="550.54.15", cuda="12.4")
+        parts[part] = data
+    return parts
+
+
+def save(dst: Path, parts: dict) -> None:
+    for part, data in parts.items():
+        (dst / f"{part}.json").write_text(json.dumps(data))
+
+
+def test_merge_tables_hold_the_json_numbers(results, tmp_path):
+    body = between(merged(tmp_path, results))
+    tests, tp, mem = load(results, "tests"), load(results, "throughput"), load(results, "memory")
+    assert body.count("### ") == 4
+    assert body.count(f"torch {tests['env']['torch']}, triton {tests['env']['triton']}, **DRY RUN") == 4
+
+    assert table(body, "GPU tests") == [[str(tests[k]) for k in ("tests", "passed", "failed", "errors", "skipped")]
+                                        + [f"{tests['seconds']:.0f}"]]
+
+    rows = {r[0]: r for r in table(body, "Throughput")}
+    plain_tps = tp["loops"]["plain"]["tokens_per_s"]
+    for name in ("plain", "kiln"):
+        r = tp["loops"][name]
+        assert rows[name] == [name, str(r["batch"]), f"{r['tokens_per_s']:,.0f}",
+                              f"{r['tokens_per_s'] / plain_tps:.3f}×", f"{r['mfu']:.2%}", "n/a (CPU)", "n/a (CPU)"]
+    assert rows["kiln triton kernels"][1] == "not run (Triton kernels need CUDA)"
+    assert len(rows) == 2 + len(tp["variants_planned"])
+    ratio, mfu = tp["ratio_kiln_over_plain"], tp["loops"]["kiln"]["mfu"]
+    assert (f"- kiln ≥ 1.3× the plain loop's tokens/s: {'**reached**' if ratio >= 1.3 else '**not reached**'} "
+            f"({ratio:.3f}×)") in body
+    assert f"- kiln MFU ≥ 50% of the measured matmul rate: **not reached** ({mfu:.2%})" in body  # toy: ~5%
+    assert ("- peak ≤ 0.5× the plain loop's with chunked loss + selective recompute, equal batch: "
+            "not measured") in body  # no CUDA peak on CPU
+
+    rows = table(body, "Memory")
+    assert [r[:3] for r in rows] == [[p["model"], p["precision"], p["recompute"]] for p in mem["points"]]
+    for p, r in zip(mem["points"], rows):
+        assert float(r[3]) == pytest.approx(p["predicted_bytes"] / 2**20, abs=5e-4)
+        assert float(r[4]) == pytest.approx(p["measured_bytes"] / 2**20, abs=5e-4)
+        assert r[5] == f"{p['rel_error']:+.2%}"
+    assert f"**reached** (max |error| {mem['max_abs_rel_error']:.2%} at toy fp32" in body  # toy errors < 1%
+
+    (row,) = table(body, "Kernels")
+    assert row[0].startswith("failed (exit 1): benchmarks/kernels.py needs a CUDA GPU")
+
+
+def test_merge_keeps_the_rest_of_the_file_and_is_idempotent(results, tmp_path):
+    text = merged(tmp_path, results)
+    b, e = SAMPLE_DOC.index(BEGIN) + len(BEGIN), SAMPLE_DOC.index(END)
+    assert text[:b] == SAMPLE_DOC[:b] and text.endswith(SAMPLE_DOC[e:])
+    assert "Not yet measured" not in between(text) and "| plain |" in between(text)
+    doc = tmp_path / "benchmarks.md"
+    assert merge_into(doc, results, "--allow-dry-run") == 0
+    assert doc.read_bytes().decode() == text
+
+
+def test_merge_refuses_dry_run_results(results, tmp_path):
+    doc = tmp_path / "benchmarks.md"
+    doc.write_bytes(SAMPLE_DOC.encode())
+    proc = subprocess.run([sys.executable, "benchmarks/gpu_suite.py", "merge", str(results), "--doc", str(doc)],
+                          cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 1 and proc.stderr.startswith("error: ") and "dry run" in proc.stderr
+    assert "Traceback" not in proc.stderr
+    assert doc.read_bytes() == SAMPLE_DOC.encode()
+
+
+def test_missing_part_is_a_not_run_row(results, tmp_path):
+    partial = tmp_path / "partial"
+    shutil.copytree(results, partial)
+    (partial / "memory.json").unlink()
+    body = between(merged(tmp_path, partial))
+    assert table(body, "Memory") == [["not run (no memory.json)", "", "", "", "", ""]]
+    assert "- estimator within 3% of the measured peak on every grid point: not measured" in body
+    assert table(body, "GPU tests")[0][0] == str(load(results, "tests")["tests"])  # the others still render
+    assert "did not finish" not in body  # summary.json is there: the run ended
+
+
+def test_gpu_results_merge_without_flag_and_cut_off_parts_are_rows(results, tmp_path):
+    run = tmp_path / "run"
+    parts = as_gpu_run(results, run)
+    (run / "summary.json").unlink()  # the window closed before the suite's end
+    parts["tests"].update(timed_out=True, returncode=None, seconds=420.3, junit=None,
+                          tests=0, passed=0, failed=0, errors=0, skipped=0)
+    tp = parts["throughput"]
+    tp["loops"]["plain"]["peak_bytes"], tp["loops"]["kiln"]["peak_bytes"] = 1000 * 2**20, 800 * 2**20
+    lean = tp["variants"]["kiln chunked+selective"]
+    lean.update(peak_bytes=400 * 2**20, peak_vs_plain=0.4)
+    tp["variants"]["kiln chunked_loss=128"] = {"skipped": "time box spent"}
+    del tp["variants"]["kiln chunked+selective 2x batch"]
+    mem = parts["memory"]
+    mem["points"][0]["rel_error"] = 0.05
+    cut = mem["points"].pop()
+    parts["kernels"].update(timed_out=True, returncode=None, seconds=240.0,
+                            output="device-to-device copy: 2900 GB/s\n| rms_norm | 4096x768 | 0.05 | 0.20 | 0.10 "
+                                   "| 4.00x | 6 | 30 | 12 | 81% of copy bandwidth |\n")
+    save(run, parts)
+
+    doc = tmp_path / "benchmarks.md"
+    doc.write_bytes(SAMPLE_DOC.encode())
+    assert merge_into(doc, run) == 0  # no --allow-dry-run: these say CUDA
+    body = between(doc.read_bytes().decode())
+    assert "DRY RUN" not in body and body.count("NVIDIA H100 80GB HBM3, driver 550.54.15, CUDA 12.4,") == 4
+    assert "**The run did not finish**" in body
+    assert table(body, "GPU tests") == [["cut off by its time box after 420 s (pytest killed, no junit XML)"]
+                                        + [""] * 5]
+    rows = {r[0]: r for r in table(body, "Throughput")}
+    assert rows["kiln"][5:] == ["800", "0.800×"] and rows["kiln chunked+selective"][5:] == ["400", "0.400×"]
+    assert rows["kiln chunked_loss=128"][1] == "not run (time box spent)"
+    assert rows["kiln chunked+selective 2x batch"][1] == "not run (the suite stopped before it)"
+    assert ("- peak ≤ 0.5× the plain loop's with chunked loss + selective recompute, equal batch: **reached** "
+            "(0.400×)") in body
+    rows = table(body, "Memory")
+    assert rows[0][5] == "**+5.00%**"
+    assert rows[-1] == [cut["model"], cut["precision"], cut["recompute"], "not run (the suite stopped before it)",
+                        "", ""]
+    assert "on every grid point: **not reached** (max |error| 5.00% at toy fp32 none; 1 of 2 points" in body
+    assert table(body, "Kernels") == [
+        ["rms_norm", "4096x768", "0.05", "0.20", "0.10", "4.00x", "6", "30", "12", "81% of copy bandwidth"],
+        ["cut off by its time box after 240 s"] + [""] * 9]
+    assert "device-to-device copy: 2900 GB/s" in body
+
+
+def test_missing_markers_are_added_and_broken_ones_refused(results, tmp_path, capsys):
+    bare = SAMPLE_DOC.replace(f"{BEGIN}\nNot yet measured on a GPU.\n{END}\n\n", "")
+    text = merged(tmp_path, results, bare)
+    head, tail = bare.split("## Kernels")
+    assert text.startswith(head + BEGIN) and text.endswith(f"{END}\n\n## Kernels{tail}")  # end of the GPU section
+    assert merged(tmp_path, results, text) == text
+
+    other = "# Notes\n\nNo GPU section here, no final newline."
+    text = merged(tmp_path, results, other)
+    assert text.startswith(other + "\n\n" + BEGIN) and text.endswith(END + "\n")
+
+    doc = tmp_path / "benchmarks.md"
+    for broken in (SAMPLE_DOC + BEGIN, SAMPLE_DOC.replace(BEGIN, "@@").replace(END, BEGIN).replace("@@", END)):
+        doc.write_bytes(broken.encode())
+        assert merge_into(doc, results, "--allow-dry-run") == 1
+        assert capsys.readouterr().err.startswith(f"error: {doc} must hold one {BEGIN} followed by one {END}")
+        assert doc.read_bytes() == broken.encode()

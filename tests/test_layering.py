@@ -20,7 +20,7 @@ LAYERS = [  # bottom to top; a package imports only from packages in lower layer
     ("memory", "numerics"),
     ("train",),
     ("config",),
-    ("job",),
+    ("run",),
     ("cli",),
 ]
 

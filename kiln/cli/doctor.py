@@ -6,11 +6,10 @@ import json
 import sys
 
 from kiln.cli.common import add_config_arguments, config_from
+from kiln.run.doctor import CHECKS, FAIL, PASS, run_checks
 
 
 def add_parser(sub) -> None:
-    from kiln.numerics.doctor import CHECKS
-
     p = sub.add_parser(
         "doctor", help="check a configuration before training (loss at init, overfitting, gradients, data ...)",
         formatter_class=argparse.RawDescriptionHelpFormatter,
@@ -23,8 +22,6 @@ def add_parser(sub) -> None:
 
 
 def run(args, overrides) -> int:
-    from kiln.numerics.doctor import FAIL, PASS, run_checks
-
     cfg = config_from(args, overrides)
     out = sys.stderr if args.json else sys.stdout
     checks = run_checks(cfg, log=lambda msg: print(msg, file=out))

@@ -4,7 +4,15 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import torch
+
 from kiln.cli.common import add_config_arguments, config_from
+from kiln.memory.devices import get_device, local_device
+from kiln.memory.estimate import COMPONENTS, estimate, fmt_bytes, peak_allocated
+from kiln.memory.levers import job_for
+from kiln.memory.plots import breakdown_bar, timeline
+from kiln.perf.hardware import precision_notice
+from kiln.run.measure import measure_step
 
 
 def add_parser(sub) -> None:
@@ -24,22 +32,12 @@ def add_parser(sub) -> None:
 
 
 def _device(name: str):
-    import torch
-
-    from kiln.memory.devices import get_device, local_device
-
     if name:
         return get_device(name)
     return local_device(torch.device("cuda" if torch.cuda.is_available() else "cpu"))
 
 
 def run(args, overrides) -> int:
-    import torch
-
-    from kiln.memory.estimate import COMPONENTS, estimate, fmt_bytes, peak_allocated
-    from kiln.memory.levers import job_for
-    from kiln.memory.plots import breakdown_bar, timeline
-
     cfg = config_from(args, overrides)
     device = _device(args.device)
     job = job_for(cfg, device)
@@ -51,8 +49,6 @@ def run(args, overrides) -> int:
         out["precision_note"] = note
     measured = None
     if args.measure:
-        from kiln.memory.measure import measure_step
-
         here = torch.device("cuda" if torch.cuda.is_available() else "cpu")
         if args.device and device.kind != here.type:
             print(f"note: measuring on this machine's {here.type}, predicting for {device.name}")
@@ -122,10 +118,6 @@ def run(args, overrides) -> int:
 
 def _precision_note(mode: str, device) -> str | None:
     """On this machine's CPU: why auto chose its precision, or that bf16/fp16 is emulated or slower here."""
-    import torch
-
-    from kiln.perf.hardware import precision_notice
-
     return precision_notice(mode, torch.device("cpu")) if device.kind == "cpu" else None
 
 

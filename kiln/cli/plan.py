@@ -4,8 +4,15 @@ from __future__ import annotations
 
 import json
 
+import torch
+
 from kiln.cli.common import add_config_arguments, config_from
-from kiln.config import ConfigError
+from kiln.cli.memory import _device
+from kiln.config import ConfigError, apply_overrides
+from kiln.memory.estimate import GiB, fmt_bytes, parse_bytes, peak_allocated
+from kiln.memory.planner import search
+from kiln.perf.hardware import native_bf16
+from kiln.run.measure import measure_step
 
 
 def add_parser(sub) -> None:
@@ -25,8 +32,6 @@ def add_parser(sub) -> None:
 
 
 def _row(i, c) -> str:
-    from kiln.memory.estimate import GiB
-
     o, comp = c.overrides, c.breakdown.components
     state = sum(comp[k] for k in ("parameters", "gradients", "master_weights", "optimizer_states"))
     optim = o["optim.name"] + ("+host" if o["optim.offload"] != "none" else "")
@@ -38,10 +43,6 @@ def _row(i, c) -> str:
 
 
 def run(args, overrides) -> int:
-    from kiln.cli.memory import _device
-    from kiln.memory.estimate import fmt_bytes, parse_bytes
-    from kiln.memory.planner import search
-
     cfg = config_from(args, overrides)
     device = _device(args.device)
     try:
@@ -79,8 +80,6 @@ def run(args, overrides) -> int:
 
 def _cpu_rates(device) -> str:
     """The measured matmul rates the ranking rests on, and whether bf16 is native here."""
-    from kiln.perf.hardware import native_bf16
-
     unit = native_bf16()
     rates = ", ".join(f"{p} {r / 1e9:.3g}" + (f" ({unit or 'emulated'})" if p == "bf16" else "")
                       for p, r in device.peak_flops.items())
@@ -89,19 +88,13 @@ def _cpu_rates(device) -> str:
 
 def _verify(cfg, plan, k: int, quiet: bool) -> list[dict]:
     """Train a few steps of the top k candidates on this machine: predicted vs measured peak and step time."""
-    import torch
-
-    from kiln.memory.estimate import fmt_bytes, peak_allocated
-    from kiln.memory.measure import measure_step
-    from kiln.memory.planner import with_overrides
-
     here = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     rows = []
     if not quiet:
         what = "max_memory_allocated" if here.type == "cuda" else "live tensor bytes"
         print(f"verify on {here.type} (3 steps each; peak = {what}):")
     for i, c in enumerate(plan.candidates[:k], 1):
-        trial = with_overrides(cfg, c.overrides)
+        trial = apply_overrides(cfg, c.overrides)
         m = measure_step(trial, here, steps=3)
         pred = peak_allocated(c.breakdown)
         row = {"rank": i, "overrides": c.overrides, "predicted_peak_bytes": pred, "measured_peak_bytes": m.peak_bytes,

@@ -4,6 +4,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from kiln.config import ConfigError
+from kiln.run.sample import sample_from_run
 
 
 def add_parser(sub) -> None:
@@ -18,8 +19,6 @@ def add_parser(sub) -> None:
 
 
 def run(args, overrides) -> int:
-    from kiln.sample import sample_from_run
-
     if overrides:
         raise ConfigError(f"unrecognized arguments: {' '.join(overrides)}")
     if args.max_new_tokens < 0 or args.top_k < 0:

@@ -7,6 +7,7 @@ from pathlib import Path
 
 from kiln.cli.common import add_config_arguments, config_from
 from kiln.config import ConfigError, describe
+from kiln.run.lm import train
 
 
 def add_parser(sub) -> None:
@@ -22,8 +23,6 @@ def add_parser(sub) -> None:
 
 
 def run(args, overrides) -> int:
-    from kiln.train.trainer import train
-
     if args.resume:
         if args.config:
             raise ConfigError("--resume reads the run's own config.toml; pass overrides, not a CONFIG file")

@@ -80,19 +80,27 @@ SWAPS: dict[type, Callable[[nn.Module], nn.Module | None]] = {
 }
 
 
-def apply_kernels(model: nn.Module, kernels: str = "triton", device: torch.device | str | None = None) -> list[str]:
+def apply_kernels(model: nn.Module, kernels: str = "triton", device: torch.device | str | None = None,
+                  skip: tuple[type, ...] = ()) -> list[str]:
     """Swap `model`'s submodules for kernel modules when `kernels` resolves to "triton"; returns the swapped names.
 
-    device defaults to where the model's parameters are.
+    device defaults to where the model's parameters are; module types in `skip` are left alone (kiln's model
+    pipeline chooses the loss itself). Attention with dropout is refused here, not at the first forward:
+    FlashAttention has no dropout.
     """
     if device is None:
         device = next(model.parameters()).device
     if resolve_kernels(kernels, device) == "torch":
         return []
+    dropout = [n for n, m in model.named_modules() if type(m) is SDPA and m.dropout > 0]
+    if dropout:
+        raise ValueError(f"kernels='triton' replaces attention with FlashAttention, which has no dropout, but "
+                         f"{dropout[0]} has dropout {model.get_submodule(dropout[0]).dropout}; set model.dropout=0 "
+                         f"or use kernels='torch'")
     swapped = []
     for parent_name, parent in list(model.named_modules()):
         for name, child in list(parent.named_children()):
-            make = SWAPS.get(type(child))
+            make = SWAPS.get(type(child)) if not isinstance(child, skip) else None
             new = make(child) if make is not None else None
             if new is not None:
                 new.train(child.training)

@@ -13,6 +13,7 @@ from dataclasses import dataclass, replace
 import torch
 
 from kiln.memory.estimate import GiB, Target
+from kiln.memory.measure import rss_bytes
 from kiln.perf.flops import DEVICE_PEAKS, cpu_peak, names_gpu
 from kiln.util import closest
 
@@ -101,8 +102,6 @@ def cpu_device() -> Device:
     process. fp32, bf16 and fp16 are all measured, emulated or not: every CPU runs them (`kiln train`
     autocasts on CPU), and the planner ranks them by these rates (emulated bf16 ~1 GFLOP/s vs fp32 ~140)."""
     if "cpu" not in _cpu_cache:
-        from kiln.memory.measure import rss_bytes
-
         peaks = {p: cpu_peak(p) for p in ("fp32", "bf16", "fp16")}
         bw = measured_bandwidth()
         _cpu_cache["cpu"] = Device(name="cpu", memory=_meminfo_total(), peak_flops=peaks, bandwidth=bw,

@@ -1,9 +1,9 @@
-"""The `memory` config section and what it turns on, applied to a built model from outside.
+"""The `memory` config section, and the estimator's Job for a configuration.
 
-    MemoryConfig                         recompute, offload, chunked loss keys
-    job_for(cfg, device)                 the estimator's Job for a whole Config on a Device
-    apply_levers(model, cfg.memory, job) recompute + activation offload + chunked loss on a built model
-    apply_memory_config(model, cfg, dev)  the same from a Config, as kiln train calls it
+    MemoryConfig                          recompute, offload, chunked loss keys
+    job_for(cfg, device)                  the estimator's Job for a whole Config on a Device (kiln.memory.devices)
+    runtime_job(cfg, model_cfg, mode, d)  the Job of the step this process trains: its recompute plan is what
+                                          kiln's model pipeline (kiln.train.pipeline) applies
 """
 from __future__ import annotations
 
@@ -11,9 +11,10 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from kiln.memory.estimate import Job, parse_bytes
-from kiln.memory.offload import apply_offload, parse_blocks
-from kiln.memory.recompute import POLICIES, apply_recompute, plan_for
+from kiln.memory.estimate import Job, Target, parse_bytes
+from kiln.memory.offload import parse_blocks
+from kiln.memory.recompute import POLICIES, plan_for
+from kiln.perf.hardware import auto_mode
 from kiln.util import closest
 
 
@@ -55,8 +56,6 @@ def resolved_model(cfg):
 def precision_for(mode: str, device) -> str:
     """Concrete precision of `mode` on a Device from kiln.memory.devices; auto by the rule `kiln train` uses
     (kiln.train.precision.auto_mode), from the device's capability or its measured matmul rates."""
-    from kiln.perf.hardware import auto_mode
-
     if mode == "auto":
         return auto_mode(device.kind, device.capability, device.peak_flops)[0]
     if not device.supports(mode):
@@ -79,82 +78,19 @@ def job_for(cfg, device, recompute_plan: tuple[str, ...] | None = None) -> Job:
     return replace(job, recompute=tuple(recompute_plan))
 
 
-def apply_levers(model, mem: MemoryConfig, job: Job) -> dict:
-    """Recompute plan, activation offload and chunked loss on a built model; returns what was applied."""
-    from kiln.memory.chunked_loss import ChunkedLMLoss
-
-    applied = {}
-    if any(p != "none" for p in job.recompute):
-        apply_recompute(model, job.recompute)
-        applied["recompute"] = mem.recompute
-    if job.offload:
-        device = next(model.parameters()).device
-        if device.type == "cuda":
-            apply_offload(model, job.offload)
-            applied["offload_blocks"] = sorted(job.offload)
-    if mem.chunked_loss:
-        model.loss = ChunkedLMLoss(mem.chunked_loss)
-        applied["chunked_loss"] = mem.chunked_loss
-    return applied
-
-
 def runtime_target(torch_device):
     """The estimator's Target for the device this process trains on, without measuring anything."""
-    from kiln.memory.estimate import Target
-
     if torch_device.type == "cuda":
         major, minor = torch.cuda.get_device_capability(torch_device)
         return Target("cuda", float(f"{major}.{minor}"))
     return Target(torch_device.type)
 
 
-def apply_memory_config(model, cfg, torch_device) -> dict:
-    """What `kiln train` calls on its built model: the `memory` section's levers; {} when none is on."""
-    from kiln.perf.hardware import resolve_mode
-
+def runtime_job(cfg, model_cfg, precision: str, torch_device) -> Job:
+    """The Job of the step this process is about to train (concrete precision, this device, no measuring), with
+    the `memory` section's per-block recompute plan solved: what kiln's model pipeline applies."""
     mem = cfg.memory
-    if mem.recompute == "none" and not mem.chunked_loss and parse_blocks(mem.offload_blocks, 1 << 30) == frozenset():
-        return {}
-    model_cfg = model.cfg
     job = Job(model=model_cfg, micro_batch=cfg.train.micro_batch_size, seq_len=cfg.data.seq_len,
-              grad_accum=cfg.train.grad_accum_steps, precision=resolve_mode(cfg.precision.mode, torch_device),
-              target=runtime_target(torch_device), offload=parse_blocks(mem.offload_blocks, model_cfg.n_layer),
-              chunked_loss=mem.chunked_loss)
-    job = replace(job, recompute=plan_for(mem.recompute, mem.recompute_every, mem.recompute_budget, job))
-    return apply_levers(model, mem, job)
-
-
-@dataclass
-class Rig:
-    """A model and optimizer built as `kiln train` builds them, without data: for measurement and verification."""
-
-    model_cfg: object
-    model: torch.nn.Module
-    step_model: torch.nn.Module
-    precision: object
-    masters: object
-    optimizer: object
-    scaler: object
-    job: Job
-
-
-def build_for_measure(cfg, device: torch.device) -> Rig:
-    from kiln.memory.devices import local_device
-    from kiln.models import build_model
-    from kiln.train.optim import build_optimizer, param_groups
-    from kiln.perf.hardware import resolve_mode
-    from kiln.train.precision import LossScaler, MasterWeights, Precision
-    from kiln.train.trainer import seed_everything
-
-    seed_everything(cfg.train.seed)
-    job = job_for(cfg, local_device(device))
-    precision = Precision(resolve_mode(cfg.precision.mode, device), device)
-    model = build_model(job.model, device).to(precision.param_dtype)
-    apply_levers(model, cfg.memory, job)
-    step_model = torch.compile(model) if cfg.train.compile else model
-    groups = param_groups(model, cfg.optim.weight_decay)
-    keep_masters = precision.mode == "bf16-master" and cfg.optim.offload == "none"  # as Run does
-    masters = MasterWeights(model) if keep_masters else None
-    optimizer = build_optimizer(masters.groups(groups) if masters else groups, cfg.optim)
-    scaler = LossScaler(cfg.precision, device, enabled=precision.loss_scaling)
-    return Rig(job.model, model, step_model, precision, masters, optimizer, scaler, job)
+              grad_accum=cfg.train.grad_accum_steps, precision=precision, target=runtime_target(torch_device),
+              offload=parse_blocks(mem.offload_blocks, model_cfg.n_layer), chunked_loss=mem.chunked_loss)
+    return replace(job, recompute=plan_for(mem.recompute, mem.recompute_every, mem.recompute_budget, job))

@@ -1,7 +1,8 @@
 """The planner: the fastest configuration predicted to fit in a memory budget.
 
-    search(cfg, device, memory, global_batch_tokens) -> Plan
-    apply_plan(cfg, device) -> cfg with the best candidate's overrides (the `--plan.memory` hook of kiln train)
+    search(cfg, device, memory, global_batch_tokens) -> Plan (candidates: a typed Choice each, best first)
+
+`kiln train --plan.memory` applies the best Choice through the config's checks (kiln.run.lm.plan_memory).
 
 It enumerates precision × micro-batch (with accumulation keeping the global batch) × recompute policy × activation
 offload × 8-bit AdamW × optimizer-state offload × chunked loss, keeps what kiln.memory.estimate predicts to fit,
@@ -10,12 +11,14 @@ whichever is slower; recomputed forward FLOPs, host copies and the host optimize
 """
 from __future__ import annotations
 
-import copy
+import itertools
 import math
 from dataclasses import dataclass, field, replace
 
+from kiln.memory.devices import get_device
 from kiln.memory.estimate import (Breakdown, Job, block_matmul_numel, estimate, fmt_bytes, parameter_numels,
-                                  parse_bytes, saved_tensors)
+                                  parse_bytes, recompute_plan, saved_tensors)
+from kiln.memory.levers import job_for
 from kiln.memory.recompute import solve_budget
 
 MATMUL_EFFICIENCY = 0.6  # share of peak FLOP/s large matmuls reach (GPU: 55-70% is typical for bf16 GEMMs)
@@ -41,8 +44,6 @@ class PlanConfig:
         if self.global_batch_tokens < 0:
             raise ValueError(f"plan.global_batch_tokens must be ≥ 0, got {self.global_batch_tokens}")
         if self.device and self.device.lower() != "cpu":
-            from kiln.memory.devices import get_device
-
             get_device(self.device)
 
 
@@ -110,9 +111,55 @@ def step_time(job: Job, device) -> dict[str, float]:
 # ---------------------------------------------------------------- search
 
 
+@dataclass(frozen=True)
+class Choice:
+    """One point of the search: the keys the planner sets, typed. Applied to a Config as overrides, through the
+    same coercion and checks as the command line (kiln.config.apply_overrides)."""
+
+    precision: str
+    micro_batch_size: int
+    grad_accum_steps: int
+    recompute: str = "none"
+    recompute_every: int = 2
+    recompute_budget: str = ""
+    offload_blocks: str = "none"
+    optimizer: str = "adamw"
+    optim_offload: str = "none"
+    chunked_loss: int = 0
+
+    def overrides(self) -> dict[str, object]:
+        return {"precision.mode": self.precision, "train.micro_batch_size": self.micro_batch_size,
+                "train.grad_accum_steps": self.grad_accum_steps, "memory.recompute": self.recompute,
+                "memory.recompute_every": self.recompute_every, "memory.recompute_budget": self.recompute_budget,
+                "memory.offload_blocks": self.offload_blocks, "optim.name": self.optimizer,
+                "optim.offload": self.optim_offload, "memory.chunked_loss": self.chunked_loss}
+
+    def on(self, cfg):
+        """cfg with this choice in its sections, for the estimator (kiln.config.apply_overrides validates)."""
+        return replace(cfg, precision=replace(cfg.precision, mode=self.precision),
+                       train=replace(cfg.train, micro_batch_size=self.micro_batch_size,
+                                     grad_accum_steps=self.grad_accum_steps),
+                       memory=replace(cfg.memory, recompute=self.recompute, recompute_every=self.recompute_every,
+                                      recompute_budget=self.recompute_budget, offload_blocks=self.offload_blocks,
+                                      chunked_loss=self.chunked_loss),
+                       optim=replace(cfg.optim, name=self.optimizer, offload=self.optim_offload))
+
+    def describe(self) -> str:
+        parts = [self.precision, f"mb {self.micro_batch_size}×{self.grad_accum_steps}", f"recompute {self.recompute}"]
+        if self.offload_blocks != "none":
+            parts.append(f"offload {self.offload_blocks}")
+        if self.optimizer != "adamw":
+            parts.append(self.optimizer)
+        if self.optim_offload != "none":
+            parts.append(f"optimizer on {self.optim_offload}")
+        if self.chunked_loss:
+            parts.append(f"chunked loss {self.chunked_loss}")
+        return ", ".join(parts)
+
+
 @dataclass
 class Candidate:
-    overrides: dict  # "section.key" -> value, applied on top of the given config
+    choice: Choice
     breakdown: Breakdown
     times: dict[str, float]
     fits: bool
@@ -125,8 +172,12 @@ class Candidate:
     def step_s(self) -> float:
         return self.times["total"]
 
+    @property
+    def overrides(self) -> dict[str, object]:
+        return self.choice.overrides()
+
     def to_json(self) -> dict:
-        return {"overrides": dict(self.overrides), "total_bytes": self.total_bytes, "predicted_step_s": self.step_s,
+        return {"overrides": self.overrides, "total_bytes": self.total_bytes, "predicted_step_s": self.step_s,
                 "fits": self.fits, "components": dict(self.breakdown.components),
                 "host": dict(self.breakdown.host), "time": dict(self.times)}
 
@@ -153,7 +204,7 @@ class Plan:
         state = sum(comp[k] for k in ("parameters", "gradients", "master_weights", "optimizer_states"))
         over = s.total_bytes - self.memory
         return (f"nothing fits in {fmt_bytes(self.memory)} on {self.device.name}: the smallest configuration found "
-                f"({_describe(s.overrides)}) needs {fmt_bytes(s.total_bytes)}, {fmt_bytes(over)} more than "
+                f"({s.choice.describe()}) needs {fmt_bytes(s.total_bytes)}, {fmt_bytes(over)} more than "
                 f"available; of it, model state on the device is {fmt_bytes(state)}, activations and logits "
                 f"{fmt_bytes(comp['activations'] + comp['logits'])}, device overhead "
                 f"{fmt_bytes(comp['device_overhead'])}")
@@ -164,20 +215,6 @@ class Plan:
                 "best": self.best.to_json() if self.best else None,
                 "candidates": [c.to_json() for c in self.candidates],
                 "shortfall": None if self.best else self.shortfall()}
-
-
-def _describe(o: dict) -> str:
-    parts = [o["precision.mode"], f"mb {o['train.micro_batch_size']}×{o['train.grad_accum_steps']}",
-             f"recompute {o['memory.recompute']}"]
-    if o["memory.offload_blocks"] != "none":
-        parts.append(f"offload {o['memory.offload_blocks']}")
-    if o["optim.name"] != "adamw":
-        parts.append(o["optim.name"])
-    if o["optim.offload"] != "none":
-        parts.append(f"optimizer on {o['optim.offload']}")
-    if o["memory.chunked_loss"]:
-        parts.append(f"chunked loss {o['memory.chunked_loss']}")
-    return ", ".join(parts)
 
 
 def chunk_for(vocab: int, tokens: int = 0) -> int:
@@ -204,8 +241,6 @@ def _divisors(n: int) -> list[int]:
 
 
 def search(cfg, device, memory: int | None = None, global_batch_tokens: int = 0) -> Plan:
-    from kiln.memory.levers import job_for
-
     memory = memory or device.memory
     T = cfg.data.seq_len
     tokens = global_batch_tokens or cfg.train.micro_batch_size * cfg.train.grad_accum_steps * T
@@ -216,28 +251,17 @@ def search(cfg, device, memory: int | None = None, global_batch_tokens: int = 0)
     L = base.model.n_layer
     optimizers = [cfg.optim.name] + (["adamw8bit"] if cfg.optim.name in ("adamw", "adam") else [])
     opt_offloads = ["none", "host"] if device.kind == "cuda" else ["none"]
-    fitting, everything = [], []
-    considered = 0
-    for precision in _precisions(device):
-        for mb in _divisors(G):
-            for policy in ("none", "selective", "every_k", "full", "budget"):
-                for offload in (["none", "all"] if device.kind == "cuda" and policy == "none" else ["none"]):
-                    for optimizer in optimizers:
-                        for opt_off in opt_offloads:
-                            for ch in (0, chunk_for(base.model.padded_vocab, mb * T)):
-                                o = {"precision.mode": precision, "train.micro_batch_size": mb,
-                                     "train.grad_accum_steps": G // mb, "memory.recompute": policy,
-                                     "memory.recompute_every": 2, "memory.recompute_budget": "",
-                                     "memory.offload_blocks": offload, "optim.name": optimizer,
-                                     "optim.offload": opt_off, "memory.chunked_loss": ch}
-                                cand = _evaluate(cfg, device, o, memory, L)
-                                considered += 1
-                                if cand is None:
-                                    continue
-                                everything.append(cand)
-                                if cand.fits:
-                                    fitting.append(cand)
-    fitting.sort(key=lambda c: (c.step_s, c.total_bytes))
+    choices = [
+        Choice(precision, mb, G // mb, policy, offload_blocks=offload, optimizer=optimizer, optim_offload=opt_off,
+               chunked_loss=chunk)
+        for precision, mb, policy, optimizer, opt_off in itertools.product(
+            _precisions(device), _divisors(G), ("none", "selective", "every_k", "full", "budget"), optimizers,
+            opt_offloads)
+        for offload in (["none", "all"] if device.kind == "cuda" and policy == "none" else ["none"])
+        for chunk in (0, chunk_for(base.model.padded_vocab, mb * T))
+    ]
+    everything = [c for c in (_evaluate(cfg, device, choice, memory, L) for choice in choices) if c is not None]
+    fitting = sorted((c for c in everything if c.fits), key=lambda c: (c.step_s, c.total_bytes))
     # Identical predictions (e.g. a budget plan that came out as 'none') are listed once.
     unique, seen = [], set()
     for c in fitting:
@@ -247,37 +271,22 @@ def search(cfg, device, memory: int | None = None, global_batch_tokens: int = 0)
             unique.append(c)
     smallest = min(everything, key=lambda c: c.total_bytes)
     return Plan(device=device, memory=memory, global_sequences=G, seq_len=T, candidates=unique,
-                smallest=smallest, considered=considered)
+                smallest=smallest, considered=len(choices))
 
 
-def with_overrides(cfg, overrides: dict):
-    """A copy of cfg with {'section.key': value} set."""
-    out = copy.deepcopy(cfg)
-    for key, value in overrides.items():
-        section, name = key.split(".")
-        setattr(getattr(out, section), name, value)
-    return out
-
-
-def _evaluate(cfg, device, o: dict, memory: int, L: int) -> Candidate | None:
-    from kiln.memory.levers import job_for
-
-    trial = with_overrides(cfg, {k: v for k, v in o.items() if k != "memory.recompute"} | {"memory.recompute": "none"})
-    job = job_for(trial, device, recompute_plan=("none",) * L)
-    policy = o["memory.recompute"]
-    if policy == "budget":
+def _evaluate(cfg, device, choice: Choice, memory: int, L: int) -> Candidate | None:
+    job = job_for(choice.on(cfg), device, recompute_plan=("none",) * L)
+    if choice.recompute == "budget":
         plan = _fill_budget(job, device, memory)
         if plan is None:
             return None
         plan, budget = plan
-        o = {**o, "memory.recompute_budget": str(budget)}
+        choice = replace(choice, recompute_budget=str(budget))
     else:
-        from kiln.memory.estimate import recompute_plan
-
-        plan = recompute_plan(policy, L, o["memory.recompute_every"])
+        plan = recompute_plan(choice.recompute, L, choice.recompute_every)
     job = replace(job, recompute=plan)
     b = estimate(job)
-    return Candidate(o, b, step_time(job, device), b.total_bytes <= memory)
+    return Candidate(choice, b, step_time(job, device), b.total_bytes <= memory)
 
 
 def _fill_budget(job: Job, device, memory: int):
@@ -300,20 +309,3 @@ def _fill_budget(job: Job, device, memory: int):
     if len(set(plan)) == 1:
         return None
     return plan, int(budget)
-
-
-def apply_plan(cfg, torch_device, log=print):
-    """kiln train's `--plan.memory` hook: cfg with the planner's best overrides, or an error saying what is
-    missing. The plan is made for plan.device, or the device training runs on."""
-    from kiln.memory.devices import get_device, local_device
-
-    device = get_device(cfg.plan.device) if cfg.plan.device else local_device(torch_device)
-    plan = search(cfg, device, parse_bytes(cfg.plan.memory), cfg.plan.global_batch_tokens)
-    if plan.best is None:
-        raise ValueError(plan.shortfall())
-    best = plan.best
-    log(f"plan: {_describe(best.overrides)} | predicted peak {fmt_bytes(best.total_bytes)} of "
-        f"{fmt_bytes(plan.memory)} on {device.name}, {best.step_s:.3g} s/step ({plan.considered} configurations "
-        f"considered, {len(plan.candidates)} fit)")
-    overrides = dict(best.overrides)
-    return with_overrides(cfg, overrides)

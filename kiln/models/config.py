@@ -7,7 +7,6 @@ from dataclasses import dataclass, fields, replace
 from kiln.util import closest
 
 ARCHS = ("gpt2", "llama")
-KERNELS = ("torch", "triton", "auto")
 
 
 @dataclass
@@ -28,7 +27,6 @@ class ModelConfig:
     dropout: float = 0.0  # dropout on attention probabilities and residual branches
     norm_eps: float = 0.0  # epsilon of LayerNorm / RMSNorm
     rope_theta: float = 0.0  # RoPE base frequency (llama)
-    kernels: str = "torch"  # "torch" | "triton" | "auto" (Triton on CUDA compute capability ≥ 8.0 when importable)
 
     def resolve(self) -> "ModelConfig":
         """Fill every 0/None field from the preset; check the shape is buildable."""
@@ -59,8 +57,6 @@ class ModelConfig:
     def check(self) -> None:
         if self.arch not in ARCHS:
             raise ValueError(f"model.arch={self.arch!r} is unknown; use one of {ARCHS}")
-        if self.kernels not in KERNELS:
-            raise ValueError(f"model.kernels={self.kernels!r} is unknown; use one of {KERNELS}")
         for name in ("n_layer", "n_head", "n_kv_head", "d_model", "d_ff", "max_seq_len"):
             if getattr(self, name) < 1:
                 raise ValueError(f"model.{name} must be ≥ 1, got {getattr(self, name)}")

@@ -69,7 +69,13 @@ def _poison(t: torch.Tensor, value: float) -> torch.Tensor:
 class FaultInjector:
     """Arms the configured faults on a built (uncompiled) model; `begin_step` tells it which step runs next."""
 
-    def __init__(self, cfg: FaultsConfig, model: nn.Module, vocab_size: int):
+    def __init__(self, cfg: FaultsConfig, model: nn.Module, vocab_size: int | None):
+        """vocab_size: the data's token ids (kiln's language-model batches); None for other models, which then
+        take the module faults only."""
+        if vocab_size is None and (cfg.spike or cfg.unshifted_labels):
+            raise ValueError("faults.spike and faults.unshifted_labels rewrite language-model targets (token ids); "
+                             "this model trains on other data: use the module faults (nan_forward, inf_backward, "
+                             "frozen_module, skip_zero_grad)")
         self.cfg, self.model, self.vocab_size = cfg, model, vocab_size
         self.step = 0
         self.spiked = False  # the spike batch is served once: a rollback that replays step `spike` gets clean data

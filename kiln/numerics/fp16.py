@@ -85,6 +85,14 @@ class ScaleHistory:
         self.backoff_steps = [s for s in self.backoff_steps if s > step - self.horizon]
         return record
 
+    def state_dict(self) -> dict:
+        return {"last_scale": self.last_scale, "backoff_steps": list(self.backoff_steps),
+                "changes": [list(c) for c in self.changes], "advised": self.advised}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.last_scale, self.backoff_steps = state["last_scale"], list(state["backoff_steps"])
+        self.changes, self.advised = [tuple(c) for c in state["changes"]], state["advised"]
+
     def advice(self, step: int, mean_underflow: float | None = None) -> str | None:
         """Once per run: the scale keeps collapsing, so say what to change."""
         if self.advised or len(self.backoff_steps) < self.advice_backoffs:

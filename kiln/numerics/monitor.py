@@ -1,18 +1,22 @@
 """What the training loop calls: a per-step guard on the device, and a review at each sync point on the host.
 
-    numerics = Numerics(cfg.numerics, cfg.faults, run, run_dir)
+    numerics = Numerics(cfg.numerics, cfg.faults, handles, run_dir, log_interval)
     loop:  lr *= numerics.lr_factor(step)
            batches = numerics.begin_step(step, batches)          # faults; remember the batches for a replay
            train_step(..., guard=numerics.guard)                  # judge + withhold on the device, no sync
            at a sync point: verdict = numerics.review(logger)     # one transfer: events, trace, rollback, stop
 
 The review is the only place the host decides: tracing a non-finite step, rolling back, stopping.
+The monitor sees the training state through `Handles` only: the model, the step's parts, the loader position,
+and snapshot/restore of the whole state; never the state object or the config. What it keeps across steps (spike
+history, an lr cut in force, rollbacks so far) is its state_dict, saved in every checkpoint.
 """
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable
 
 import torch
 
@@ -44,29 +48,50 @@ def clone_state(obj):
     return obj
 
 
+@dataclass
+class Handles:
+    """The parts of the training state the monitor may touch."""
+
+    model: torch.nn.Module  # the eager model: faults and the trace hook its modules
+    precision: object  # kiln.train.precision.Precision: the replay's autocast
+    scaler: object  # kiln.train.precision.LossScaler
+    masters: object  # kiln.train.precision.MasterWeights or None (fp16 telemetry names the masters)
+    objective: object  # kiln.train.objective: the replay's loss and normalisation
+    device: torch.device
+    step: Callable[[], int]  # steps done so far
+    loader_position: Callable[[], int]  # batches served so far
+    skip_batches: Callable[[int], None]  # advance the loader past batches without reading them
+    snapshot: Callable[[], dict]  # the whole training state, to roll back to
+    restore: Callable[[dict], None]
+    load_checkpoint: Callable[[], tuple[dict, str] | None]  # the latest checkpoint's state and its path, or None
+    vocab_size: int | None = None  # token ids of the data (language models): the data faults need it
+    compiled: bool = False  # the step runs a torch.compile'd model: faults cannot hook it
+
+
 class Numerics:
-    def __init__(self, cfg: NumericsConfig, faults: FaultsConfig, run, run_dir: Path, log_interval: int):
-        self.cfg, self.run, self.run_dir = cfg, run, Path(run_dir)
-        self.loss_scaling = run.scaler.enabled
+    def __init__(self, cfg: NumericsConfig, faults: FaultsConfig, handles: Handles, run_dir: Path,
+                 log_interval: int):
+        self.cfg, self.h, self.run_dir = cfg, handles, Path(run_dir)
+        self.loss_scaling = handles.scaler.enabled
         self.faults = None
         if faults.any:
-            if run.cfg.train.compile:
+            if handles.compiled:
                 raise ValueError("faults.* hook the eager model; set --train.compile=false to inject faults")
-            self.faults = FaultInjector(faults, run.model, run.data.tokenizer.vocab_size)
+            self.faults = FaultInjector(faults, handles.model, handles.vocab_size)
         telemetry = None
         if self.loss_scaling and cfg.fp16_telemetry_interval:
-            names = {id(p): n for n, p in run.model.named_parameters()}
-            if run.masters is not None:
-                names |= {id(m): names[id(p)] for p, m in run.masters.pairs}
+            names = {id(p): n for n, p in handles.model.named_parameters()}
+            if handles.masters is not None:
+                names |= {id(m): names[id(p)] for p, m in handles.masters.pairs}
             telemetry = Fp16Telemetry(cfg.fp16_telemetry_interval, names)
         self.scales = ScaleHistory(cfg.fp16_advice_backoffs) if self.loss_scaling else None
         self.guard = None
         if cfg.trace or cfg.spike_policy != "off" or telemetry is not None:
             self.guard = StepGuard(cfg.spike_window, cfg.spike_min_history, cfg.spike_threshold, cfg.spike_rel_floor,
-                                   cfg.withholds_spikes, log_interval + 1, run.device,
+                                   cfg.withholds_spikes, log_interval + 1, handles.device,
                                    detect=cfg.spike_policy != "off", grad_norm_threshold=cfg.spike_grad_norm_threshold)
             self.guard.telemetry = telemetry
-        self.reviewed = run.step  # steps up to here have been read back and judged
+        self.reviewed = handles.step()  # steps up to here have been read back and judged
         self._keep_batches = cfg.trace or cfg.spike_policy == "rollback"
         self._batches: dict[int, list] = {}  # step -> its micro-batches, since the last review (trace replay)
         self._positions: dict[int, int] = {}  # step -> loader position after its batches (rollback's data skip)
@@ -75,8 +100,34 @@ class Numerics:
         self.rollbacks = 0
         self._lr_until = -1
         self.snapshot, self.snapshot_history, self.snapshot_step = None, None, None
-        if cfg.spike_policy == "rollback" and cfg.rollback_from == "memory":
+
+    def start(self) -> None:
+        """Called once the state is built or resumed, before the first step: takes the first memory snapshot."""
+        self.reviewed = self.h.step()
+        if self.cfg.spike_policy == "rollback" and self.cfg.rollback_from == "memory":
             self._take_snapshot()
+
+    # -- what a checkpoint keeps -----------------------------------------------------------------------------
+
+    def state_dict(self) -> dict:
+        """Spike history, the lr cut in force, rollbacks and streaks: resume judges and trains as if never stopped.
+        The memory snapshot itself is not saved (a resumed run takes a fresh one at its first step)."""
+        state = {"lr_until": self._lr_until, "rollbacks": self.rollbacks, "nonfinite_streak": self.nonfinite_streak,
+                 "traced": self.traced, "snapshot_step": self.snapshot_step}
+        if self.guard is not None:
+            history, pos = self.guard.history_state()
+            state["spike_history"], state["spike_history_pos"] = history.cpu(), pos
+        if self.scales is not None:
+            state["scales"] = self.scales.state_dict()
+        return state
+
+    def load_state_dict(self, state: dict) -> None:
+        self._lr_until, self.rollbacks = state["lr_until"], state["rollbacks"]
+        self.nonfinite_streak, self.traced = state["nonfinite_streak"], state["traced"]
+        if self.guard is not None and "spike_history" in state:
+            self.guard.load_history_state((state["spike_history"].to(self.h.device), state["spike_history_pos"]))
+        if self.scales is not None and "scales" in state:
+            self.scales.load_state_dict(state["scales"])
 
     # -- every step (host side, no sync) -----------------------------------------------------------------
 
@@ -93,26 +144,26 @@ class Numerics:
             self.guard.step = step
         if self._keep_batches:
             self._batches[step] = batches
-            self._positions[step] = self.run.loader.batches_served
+            self._positions[step] = self.h.loader_position()
         return batches
 
     # -- at sync points ------------------------------------------------------------------------------------
 
     def review(self, logger) -> Verdict:
         """Read the steps since the last review; log events; trace, roll back or stop when needed."""
-        run, cfg = self.run, self.cfg
+        cfg, now = self.cfg, self.h.step()
         if self.guard is None:
-            self.reviewed = run.step
+            self.reviewed = now
             return Verdict()
         # The one host-device transfer of the review: the step records and the loss scale now in effect.
-        flat = torch.cat([self.guard.ring.flatten(), run.scaler.scale.double().view(1)]).cpu()
+        flat = torch.cat([self.guard.ring.flatten(), self.h.scaler.scale.double().view(1)]).cpu()
         rows, scale_now = flat[:-1].view(self.guard.ring.shape), flat[-1].item()
-        steps = range(self.reviewed + 1, run.step + 1)
+        steps = range(self.reviewed + 1, now + 1)
         events, spikes, first_bad, stop = self._scan(steps, rows, logger)
         if self.scales is not None:
             events += self._fp16_events(steps, rows, scale_now, logger)
         for e in sorted(events, key=lambda e: e["step"]):
-            logger.log(json_safe(e))
+            logger.log(json_safe(e), kind="numerics")
 
         if first_bad is not None and cfg.trace and not self.traced and first_bad in self._batches:
             self._trace(first_bad, rows[self.guard.slot(first_bad)].tolist(), logger)
@@ -120,11 +171,11 @@ class Numerics:
         if spikes and stop is None:
             verdict = self._act_on_spikes(spikes, rows, logger)
         if verdict.stop:
-            logger.log({"step": run.step, "event": "stop", "reason": verdict.stop})
+            logger.log({"step": now, "event": "stop", "reason": verdict.stop}, kind="numerics")
         if not verdict.rolled_back:
-            self.reviewed = run.step
+            self.reviewed = now
             clean = not spikes and first_bad is None
-            due = self.snapshot_step is None or run.step - self.snapshot_step >= cfg.snapshot_interval
+            due = self.snapshot_step is None or now - self.snapshot_step >= cfg.snapshot_interval
             if clean and due and cfg.spike_policy == "rollback" and cfg.rollback_from == "memory":
                 self._take_snapshot()
         self._batches.clear()
@@ -162,7 +213,7 @@ class Numerics:
         for step in steps:
             r = rows[self.guard.slot(step)].tolist()
             events.append(self.scales.observe(step, r[SCALE], bool(r[OVERFLOW])))
-        events.append(self.scales.observe(self.run.step + 1, scale_now, False))  # the scale the next step gets
+        events.append(self.scales.observe(self.h.step() + 1, scale_now, False))  # the scale the next step gets
         events = [e for e in events if e is not None]
         mean_underflow = None
         telemetry = self.guard.telemetry
@@ -170,9 +221,9 @@ class Numerics:
             grads = telemetry.collect({s: rows[self.guard.slot(s)][SCALE].item() for s in steps})
             events += grads
             mean_underflow = grads[-1]["mean_underflow"]
-        advice = self.scales.advice(self.run.step, mean_underflow)
+        advice = self.scales.advice(self.h.step(), mean_underflow)
         if advice:
-            events.append({"step": self.run.step, "event": "fp16_advice", "message": advice})
+            events.append({"step": self.h.step(), "event": "fp16_advice", "message": advice})
             logger.print(f"numerics: {advice}", highlight=False)
         return events
 
@@ -213,59 +264,62 @@ class Numerics:
 
     def _trace(self, step: int, r: list, logger) -> None:
         self.traced = True  # one report per run: the first incident is the informative one
-        run = self.run
+        h = self.h
         armed = self.faults.step if self.faults is not None else None
         if self.faults is not None:
             self.faults.step = step
         try:
-            report = trace_nonfinite(run.model, self._batches[step], run.precision, run.scaler, step,
+            report = trace_nonfinite(h.model, self._batches[step], h.objective, h.precision, h.scaler, step,
                                      {"loss": r[LOSS], "grad_norm": r[GRAD_NORM]}, self.run_dir)
         finally:
             if self.faults is not None:
                 self.faults.step = armed
         logger.log({"step": step, "event": "nonfinite_trace", "module": report["module"], "op": report["op"],
-                    "phase": report["phase"], "report": str(self.run_dir / "nonfinite_report.json")})
+                    "phase": report["phase"], "report": str(self.run_dir / "nonfinite_report.json")}, kind="numerics")
         logger.print(f"numerics: {describe(report)}\n  report: {self.run_dir / 'nonfinite_report.json'}",
                      highlight=False)
 
     def _take_snapshot(self) -> None:
         # The spike history belongs to the state: after a rollback, steps are judged against the statistics of
         # the restored weights, not of the later ones (early-training grad norms would all look like spikes).
-        self.snapshot = clone_state(self.run.state_dict())
+        self.snapshot = clone_state(self.h.snapshot())
         self.snapshot_history = self.guard.history_state() if self.guard is not None else None
-        self.snapshot_step = self.run.step
+        self.snapshot_step = self.h.step()
 
     def _rollback(self, spike_step: int, logger) -> bool:
-        run, cfg = self.run, self.cfg
+        h, cfg = self.h, self.cfg
         if cfg.rollback_from == "memory":
             state, source = (None, "") if self.snapshot is None else (clone_state(self.snapshot), "memory snapshot")
         else:
-            path = run.checkpointer.latest()
-            state = None if path is None else run.checkpointer.load(map_location=run.device)
-            source = f"checkpoint {path}"
+            loaded = h.load_checkpoint()
+            state, source = (None, "") if loaded is None else (loaded[0], f"checkpoint {loaded[1]}")
         if state is None:
-            logger.log({"step": spike_step, "event": "rollback_unavailable", "source": cfg.rollback_from})
+            logger.log({"step": spike_step, "event": "rollback_unavailable", "source": cfg.rollback_from},
+                       kind="numerics")
             logger.print(f"numerics: no {cfg.rollback_from} state to roll back to; the spike's update was withheld "
                          f"and training goes on", highlight=False)
             return False
         resume_at = self._positions[spike_step]  # loader position just past the spike's batches
-        run.load_state_dict(state)
+        # The restored state carries this monitor's state of back then; the count and the trace are of the run.
+        rollbacks, traced = self.rollbacks, self.traced
+        h.restore(state)
+        self.rollbacks, self.traced = rollbacks + 1, traced
         self.guard.load_history_state(self.snapshot_history if cfg.rollback_from == "memory" else None)
-        skipped = resume_at - run.loader.batches_served
-        run.loader.skip(max(skipped, 0))
-        self.rollbacks += 1
+        skipped = resume_at - h.loader_position()
+        h.skip_batches(max(skipped, 0))
         if self.scales is not None:
             self.scales.last_scale = None  # the restored scale is not a back-off or a growth
-        self._lr_until = run.step + cfg.rollback_lr_steps
-        self.reviewed = run.step
+        to_step = h.step()
+        self._lr_until = to_step + cfg.rollback_lr_steps
+        self.reviewed = to_step
         self.nonfinite_streak = 0
         if cfg.rollback_from == "memory":
-            self.snapshot_step = run.step
-        record = {"step": spike_step, "event": "rollback", "to_step": run.step, "source": source,
+            self.snapshot_step = to_step
+        record = {"step": spike_step, "event": "rollback", "to_step": to_step, "source": source,
                   "skipped_batches": skipped, "lr_factor": cfg.rollback_lr_factor, "lr_steps": cfg.rollback_lr_steps,
                   "rollbacks": self.rollbacks}
-        logger.log(record)
-        logger.print(f"numerics: rolled back from step {spike_step} to step {run.step} ({source}); skipped "
+        logger.log(record, kind="numerics")
+        logger.print(f"numerics: rolled back from step {spike_step} to step {to_step} ({source}); skipped "
                      f"{skipped} batches of data" + (f"; lr ×{cfg.rollback_lr_factor} for {cfg.rollback_lr_steps} "
                                                      f"steps" if cfg.rollback_lr_steps else ""), highlight=False)
         return True

@@ -20,7 +20,6 @@ import torch.nn as nn
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
-from kiln.models import IGNORE_INDEX
 from kiln.numerics.stats import is_finite, json_safe, tensor_stats
 
 REPORT_FILE = "nonfinite_report.json"
@@ -184,7 +183,7 @@ class NonFiniteTracer:
         return out
 
 
-def replay_step(model: nn.Module, batches, precision, scaler) -> tuple[dict, int]:
+def replay_step(model: nn.Module, batches, objective, precision, scaler) -> tuple[dict, int]:
     """Forward and backward of each micro-batch under the tracer until something non-finite shows up.
 
     Returns (finding, micro-batch index). The RNG streams and gradients are left as they were found, so a
@@ -193,18 +192,18 @@ def replay_step(model: nn.Module, batches, precision, scaler) -> tuple[dict, int
     rng = torch.get_rng_state()
     cuda_rng = torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None
     saved_grads = {p: p.grad for p in model.parameters()}
-    n_valid = sum((y != IGNORE_INDEX).sum() for _, y in batches).clamp(min=1)
+    count = sum(objective.count(b) for b in batches).clamp(min=1)  # normalised as the step does
     index = 0
     try:
         # Modules fed only token ids (the embeddings, the model itself) make torch warn that their backward hook
         # fires on output gradients: expected here, and said once per replay would only be noise.
         with warnings.catch_warnings(), NonFiniteTracer(model) as tracer:
             warnings.filterwarnings("ignore", message="Full backward hook is firing")
-            for index, (x, y) in enumerate(batches):
+            for index, batch in enumerate(batches):
                 model.zero_grad(set_to_none=True)
                 tracer.phase = "forward"
                 with precision.autocast():
-                    loss = model(x, y, reduction="sum") / n_valid
+                    loss = objective(model, batch) / count
                 if tracer.found():
                     break
                 tracer.phase = "backward"
@@ -225,10 +224,10 @@ def nonfinite_params(model: nn.Module) -> list[str]:
     return [n for n, p in model.named_parameters() if not is_finite(p.detach())]
 
 
-def trace_nonfinite(model, batches, precision, scaler, step: int, observed: dict, run_dir: Path) -> dict:
+def trace_nonfinite(model, batches, objective, precision, scaler, step: int, observed: dict, run_dir: Path) -> dict:
     """Replay step `step` and write nonfinite_report.json in run_dir; returns the report."""
     bad_params = nonfinite_params(model)
-    finding, micro_batch = replay_step(model, batches, precision, scaler)
+    finding, micro_batch = replay_step(model, batches, objective, precision, scaler)
     report = {"module": finding.pop("module"), "op": finding.pop("op"), "phase": finding.pop("phase"),
               "step": step, "stats": finding.pop("stats", {}), "micro_batch": micro_batch,
               "observed": observed, "nonfinite_parameters": bad_params, **finding}

@@ -1,4 +1,12 @@
-"""Run logging: metrics.jsonl (one JSON object per record), TensorBoard events, a live console progress bar."""
+"""Run logging: metrics.jsonl (one JSON object per record), TensorBoard events, a live console progress bar.
+
+Every metrics.jsonl line has a `kind` (its schema is in docs/training.md, "metrics.jsonl"):
+    train     step, loss, lr, grad_norm, tokens_per_s | samples_per_s, step_time_s, tokens_seen | samples_seen,
+              peak_mem_bytes, mfu (when the FLOPs are known), skipped_steps, loss_scale (fp16)
+    eval      step, val_loss, val_ppl (language models)
+    numerics  step, event (nonfinite, loss_spike, rollback, loss_scale, fp16_grads, fp16_advice, stop, ...) and
+              the event's own fields
+"""
 from __future__ import annotations
 
 import json
@@ -13,6 +21,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 
 
 REFRESH_S = 0.5  # the live progress bar is redrawn at most this often
+KINDS = ("train", "eval", "numerics")
 
 
 @dataclass
@@ -83,14 +92,16 @@ class MetricsLogger:
             self.progress.refresh()
             self._refreshed = now
 
-    def log(self, record: dict) -> None:
-        record = {k: _clean(v) for k, v in record.items() if v is not None}
+    def log(self, record: dict, kind: str) -> None:
+        if kind not in KINDS:
+            raise ValueError(f"metrics record kind {kind!r}; use one of {KINDS}")
+        record = {"kind": kind} | {k: _clean(v) for k, v in record.items() if v is not None}
         self.file.write(json.dumps(record) + "\n")
         self.file.flush()
         step = record.get("step", 0)
         if self.tb is not None:
             for key, value in record.items():
-                if key != "step" and isinstance(value, (int, float)) and not isinstance(value, bool):
+                if key not in ("step", "kind") and isinstance(value, (int, float)) and not isinstance(value, bool):
                     self.tb.add_scalar(key, value, step)
         stats = self._summary(record)
         if self.progress is not None:
@@ -110,7 +121,9 @@ class MetricsLogger:
             parts.append(f"lr {r['lr']:.2e}")
         if "tokens_per_s" in r:
             parts.append(f"{r['tokens_per_s']:,.0f} tok/s")
-        if r.get("mfu") is not None and "tokens_per_s" in r:
+        if "samples_per_s" in r:
+            parts.append(f"{r['samples_per_s']:,.0f} samples/s")
+        if r.get("mfu") is not None:
             parts.append(f"mfu {100 * r['mfu']:.1f}%")
         return " | ".join(parts)
 

@@ -39,14 +39,16 @@ class Loss(Protocol):
     def count(self, target: torch.Tensor) -> torch.Tensor: ...
 
 
-def _n_samples(target: torch.Tensor) -> torch.Tensor:
-    return torch.tensor(target.shape[0], dtype=torch.int64, device=target.device)
+def _count(n: int, target: torch.Tensor) -> torch.Tensor:
+    # a fill kernel on the device, not torch.tensor(n): no host-to-device copy in the step
+    return torch.full((), n, dtype=torch.int64, device=target.device)
 
 
 def _per_sample_sum(name: str, elementwise: Callable, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
     """Σ over samples of the per-sample mean over non-batch dims of elementwise(output, target)."""
     if output.shape != target.shape or output.ndim == 0:
-        raise ValueError(f"{name}: output {tuple(output.shape)} and target {tuple(target.shape)} differ; outputs and "
+        what = "differ" if output.shape != target.shape else "have no batch dimension"
+        raise ValueError(f"{name}: output {tuple(output.shape)} and target {tuple(target.shape)} {what}; outputs and "
                          "targets must have the same shape, with the batch dimension first")
     per_element = elementwise(at_least_fp32(output), at_least_fp32(target))
     # flatten(1) rather than reshape(N, -1): the latter fails on an empty micro-batch
@@ -92,7 +94,7 @@ class MSE:
         return _per_sample_sum("MSE", lambda o, t: (o - t) ** 2, output, target)
 
     def count(self, target: torch.Tensor) -> torch.Tensor:
-        return _n_samples(target)
+        return _count(target.shape[0], target)
 
     def __repr__(self):
         return "MSE()"
@@ -111,7 +113,7 @@ class Huber:
                                output, target)
 
     def count(self, target: torch.Tensor) -> torch.Tensor:
-        return _n_samples(target)
+        return _count(target.shape[0], target)
 
     def __repr__(self):
         return f"Huber(delta={self.delta})"
@@ -133,7 +135,7 @@ class BCEWithLogits:
         return _per_sample_sum("BCEWithLogits", bce, output, target)
 
     def count(self, target: torch.Tensor) -> torch.Tensor:
-        return _n_samples(target)
+        return _count(target.shape[0], target)
 
     def __repr__(self):
         pw = None if self.pos_weight is None else torch.as_tensor(self.pos_weight).tolist()
@@ -167,7 +169,7 @@ class NTXent:
         return F.cross_entropy(sim, positive, reduction="sum")
 
     def count(self, target: torch.Tensor) -> torch.Tensor:
-        return torch.tensor(2 * target.shape[0], dtype=torch.int64, device=target.device)
+        return _count(2 * target.shape[0], target)
 
     def __repr__(self):
         return f"NTXent(temperature={self.temperature})"
@@ -183,7 +185,7 @@ class _FromMean:
         return at_least_fp32(self.fn(output, target)) * target.shape[0]
 
     def count(self, target: torch.Tensor) -> torch.Tensor:
-        return _n_samples(target)
+        return _count(target.shape[0], target)
 
     def __repr__(self):
         return f"from_callable({getattr(self.fn, '__qualname__', self.fn)!r})"

@@ -10,7 +10,9 @@ from kiln.models import IGNORE_INDEX, ModelConfig, build_model
 from kiln.models.transformer import SDPA, LMLoss, RMSNorm, Rotary, SwiGLU, rope_cache
 from kiln.train.optim import OptimConfig, build_optimizer
 from kiln.train.precision import LossScaler, Precision, PrecisionConfig
-from kiln.train.trainer import train_step
+from kiln.train.objective import LanguageModeling
+from kiln.train.pipeline import ModelPlan, prepare_model
+from kiln.train.step import train_step
 from tests.kernels.conftest import DEVICE, assert_close
 
 
@@ -120,7 +122,8 @@ def _config(arch, **kw):
 def test_build_model_swaps_modules_and_keeps_parameters(arch):
     torch.manual_seed(0)
     reference = build_model(_config(arch), DEVICE)
-    model = build_model(_config(arch, kernels="triton"), DEVICE)
+    model = build_model(_config(arch), DEVICE)
+    prepare_model(model, ModelPlan(kernels="triton", loss="fused"), DEVICE)
     assert type(model.norm) in (ops.LayerNorm, ops.RMSNorm)
     block = model.blocks[1]
     assert type(block.attn.core) is ops.FlashAttention and type(model.loss) is ops.FusedLinearCrossEntropyLoss
@@ -138,7 +141,8 @@ def test_build_model_swaps_modules_and_keeps_parameters(arch):
 def test_model_loss_and_gradients_match_torch(arch):
     torch.manual_seed(0)
     reference = build_model(_config(arch), DEVICE)
-    model = build_model(_config(arch, kernels="triton"), DEVICE)
+    model = build_model(_config(arch), DEVICE)
+    prepare_model(model, ModelPlan(kernels="triton", loss="fused"), DEVICE)
     model.load_state_dict(reference.state_dict())
     x = torch.randint(0, 64, (2, 29), device=DEVICE)
     y = torch.randint(0, 64, (2, 29), device=DEVICE)
@@ -155,21 +159,23 @@ def test_model_loss_and_gradients_match_torch(arch):
         assert_close(model(x).cpu(), reference(x).cpu(), "logits", atol=2e-5, rtol=1e-4)
 
 
-def test_dropout_in_training_is_refused():
-    model = build_model(_config("gpt2", dropout=0.1, kernels="triton"), DEVICE)
-    x = torch.randint(0, 64, (1, 8), device=DEVICE)
-    with pytest.raises(ValueError, match="dropout"):
-        model(x, x)
-    model.eval()
-    assert torch.isfinite(model(x, x)).item()
+def test_dropout_is_refused_when_the_kernels_are_applied():
+    model = build_model(_config("gpt2", dropout=0.1), DEVICE)
+    with pytest.raises(ValueError, match="model.dropout=0"):
+        apply_kernels(model, "triton", DEVICE)
+    assert type(model.blocks[0].attn.core) is not ops.FlashAttention  # refused before anything was swapped
 
 
-def _train(cfg, batch, steps):
+def _train(cfg, batch, steps, kernels=False):
     torch.manual_seed(0)
     model = build_model(cfg, DEVICE)
+    if kernels:
+        prepare_model(model, ModelPlan(kernels="triton", loss="fused"), DEVICE)
     optimizer = build_optimizer(model, OptimConfig(lr=1e-2))
     precision, scaler = Precision("fp32", DEVICE), LossScaler(PrecisionConfig(), DEVICE, enabled=False)
-    return [train_step(model, [batch], optimizer, precision, scaler, OptimConfig()).loss.item() for _ in range(steps)]
+    objective = LanguageModeling()
+    return [train_step(model, [batch], objective, optimizer, precision, scaler, OptimConfig()).loss.item()
+            for _ in range(steps)]
 
 
 @pytest.mark.parametrize("arch", ["gpt2", "llama"])
@@ -182,7 +188,7 @@ def test_convergence_matches_torch(arch):
     batch = (data[:, :-1], data[:, 1:])
     steps = 6
     torch_losses = _train(_config(arch), batch, steps)
-    triton_losses = _train(_config(arch, kernels="triton"), batch, steps)
+    triton_losses = _train(_config(arch), batch, steps, kernels=True)
     assert torch_losses[0] - torch_losses[-1] > 0.5, torch_losses  # training moved: the comparison means something
     for step, (a, b) in enumerate(zip(torch_losses, triton_losses)):
         assert abs(a - b) <= 1e-4, f"step {step}: torch {a:.6f} vs triton {b:.6f}"

@@ -11,6 +11,7 @@ import torch.nn.functional as F
 
 import kiln.kernels as ops
 from kiln.models import ModelConfig, build_model
+from kiln.train.pipeline import ModelPlan, prepare_model
 from kiln.models.transformer import Rotary, rope_cache
 from tests.kernels.conftest import assert_within_twice_torch_error, randn, requires_cuda, targets
 
@@ -76,7 +77,8 @@ def test_model_under_bf16_autocast(arch):
     if arch == "llama":
         kw |= dict(preset="llama-125m", n_kv_head=2, d_ff=0)
     reference = build_model(ModelConfig(**kw), CUDA)
-    model = build_model(ModelConfig(**kw, kernels="auto"), CUDA)
+    model = build_model(ModelConfig(**kw), CUDA)
+    prepare_model(model, ModelPlan(kernels="triton", loss="fused"), CUDA)
     assert type(model.loss) is ops.FusedLinearCrossEntropyLoss
     model.load_state_dict(reference.state_dict())
     x = torch.randint(0, 1000, (4, 128), device=CUDA)

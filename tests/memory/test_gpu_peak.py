@@ -12,8 +12,9 @@ from kiln.config import load_config
 from kiln.memory.devices import local_device
 from kiln.memory.estimate import estimate, parse_bytes, peak_allocated
 from kiln.memory.levers import job_for
-from kiln.memory.measure import measure_step
-from kiln.memory.planner import search, with_overrides
+from kiln.run.measure import measure_step
+from kiln.config import apply_overrides
+from kiln.memory.planner import search
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
@@ -43,5 +44,5 @@ def test_planner_top_choice_fits_and_trains():
     budget = parse_bytes("12GiB")
     plan = search(cfg, local_device(device), budget)
     assert plan.best is not None
-    measured = measure_step(with_overrides(cfg, plan.best.overrides), device, steps=3)
+    measured = measure_step(apply_overrides(cfg, plan.best.overrides), device, steps=3)
     assert measured.peak_bytes + local_device(device).context_bytes <= budget

@@ -7,7 +7,7 @@ from kiln.memory.devices import get_device
 from kiln.memory.estimate import (BYTES_PER_PARAM, Job, estimate, kiln_bytes_per_param, korthikanti_layer_bytes,
                                   model_state_table, parameter_numels, recompute_plan, textbook_layer_bytes)
 from kiln.memory.levers import job_for
-from kiln.memory.measure import measure_step
+from kiln.run.measure import measure_step
 from kiln.models import PRESETS, ModelConfig, build_model, param_count
 
 

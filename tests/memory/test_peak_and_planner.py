@@ -9,8 +9,9 @@ from kiln.config import load_config
 from kiln.memory.devices import get_device
 from kiln.memory.estimate import COMPONENTS, estimate, parse_bytes, peak_allocated
 from kiln.memory.levers import job_for
-from kiln.memory.measure import measure_step
-from kiln.memory.planner import search, with_overrides
+from kiln.run.measure import measure_step
+from kiln.config import apply_overrides
+from kiln.memory.planner import search
 
 SMALL = ["--model.n_layer=3", "--model.d_model=96", "--model.n_head=4", "--data.seq_len=48",
          "--train.micro_batch_size=4", "--train.device=cpu"]
@@ -55,7 +56,7 @@ def test_planner_best_fits_and_is_fastest():
         assert c.overrides["train.micro_batch_size"] * c.overrides["train.grad_accum_steps"] == 32
         assert c.fits
     # the planner's own estimate of its choice agrees with estimating the overridden config from scratch
-    again = estimate(job_for(with_overrides(cfg, plan.best.overrides), get_device("H100")))
+    again = estimate(job_for(apply_overrides(cfg, plan.best.overrides), get_device("H100")))
     assert again.total_bytes == plan.best.total_bytes
     # a tighter budget forces a slower plan
     tight = search(cfg, get_device("H100"), parse_bytes("6GiB"))
@@ -109,15 +110,15 @@ def test_kiln_plan_json(capsys):
 
 def test_train_with_plan_memory(small_config, tmp_path):
     """`kiln train --plan.memory=...` trains with the planner's choice (the tiny test model on this CPU)."""
-    from kiln.train.trainer import train
+    from kiln.run.lm import train
 
     cfg = small_config()
     cfg.train.max_steps = 2
     cfg.plan.memory = "2GiB"
     summary = train(cfg, tmp_path / "run")
-    run = summary["run"]
-    assert summary["step"] == 2
+    run = summary.state
+    assert summary.step == 2
     saved = (tmp_path / "run" / "config.toml").read_text()
     assert "[plan]" in saved and "[memory]" in saved
-    chosen = run.cfg
+    chosen = summary.cfg
     assert chosen.train.micro_batch_size * chosen.train.grad_accum_steps == 4  # the global batch is kept

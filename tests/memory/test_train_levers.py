@@ -5,7 +5,8 @@ import pytest
 import torch
 
 from kiln.memory.chunked_loss import ChunkedLMLoss
-from kiln.train.trainer import train
+from kiln.memory.recompute import Recomputed
+from kiln.run.lm import train
 
 
 def _losses(run_dir):
@@ -26,12 +27,13 @@ def test_resume_with_levers_is_bit_identical(small_config, tmp_path, sections):
     first.train.max_steps = n
     train(first, tmp_path / "resumed")
     resumed = train(small_config(**sections), tmp_path / "resumed", resume=True)
-    a, b = straight["run"].model.state_dict(), resumed["run"].model.state_dict()
+    a, b = straight.state.model.state_dict(), resumed.state.model.state_dict()
     for key in a:
         assert torch.equal(a[key], b[key]), key
     assert _losses(tmp_path / "straight") == _losses(tmp_path / "resumed")
-    run = straight["run"]
-    assert run.memory_levers["recompute"] == sections["memory"]["recompute"]
+    run = straight.state
+    assert all(isinstance(b, Recomputed) for b in run.model.blocks)  # every block runs under a checkpoint
+    assert run.applied["recompute"][0] == ("selective" if sections["memory"]["recompute"] == "selective" else "full")
     if "chunked_loss" in sections["memory"]:
         assert isinstance(run.model.loss, ChunkedLMLoss)
-    assert set(run.model.state_dict()) == set(resumed["run"].model.state_dict())
+    assert set(run.model.state_dict()) == set(resumed.state.model.state_dict())

@@ -2,7 +2,7 @@
 import json
 
 from kiln.numerics.trace import REPORT_FILE
-from kiln.train.trainer import train
+from kiln.run.lm import train
 
 
 def _events(run_dir, kind):
@@ -23,19 +23,19 @@ _planted: dict = {}  # the run with one planted overflow at step 12, shared by t
 def _planted_run(small_config, tmp_path_factory):
     if not _planted:
         run_dir = tmp_path_factory.mktemp("fp16") / "run"
-        _planted.update(train(_fp16(small_config, "blocks.1.attn@12"), run_dir), dir=run_dir)
+        _planted.update(result=train(_fp16(small_config, "blocks.1.attn@12"), run_dir), dir=run_dir)
     return _planted
 
 
 def test_scale_backs_off_at_the_overflow_and_recovers(small_config, tmp_path_factory):
-    summary = _planted_run(small_config, tmp_path_factory)
-    run_dir = summary["dir"]
+    planted = _planted_run(small_config, tmp_path_factory)
+    summary, run_dir = planted["result"], planted["dir"]
     changes = [(e["step"], e["cause"], e["loss_scale"]) for e in _events(run_dir, "loss_scale")]
     assert [c for c in changes if c[1] == "overflow"] == [(12, "overflow", 2.0**-6)]  # halved from 2^-5
     before = max(s for step, _, s in changes if step < 12)
     after = max(s for step, _, s in changes if step > 12)
     assert before == 2.0**-5 and after > before  # grew back past where it was
-    assert summary["run"].scaler.scale.item() == after
+    assert summary.state.scaler.scale.item() == after
     # A gradient overflow under loss scaling is the scaler's job: no NaN report, no non-finite events.
     assert not (run_dir / REPORT_FILE).exists() and not _events(run_dir, "nonfinite")
 

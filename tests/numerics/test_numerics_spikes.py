@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from kiln.numerics.spikes import GN_Z, LOSS_MAD, LOSS_MED, LOSS_Z, SPIKE, StepGuard
-from kiln.train.trainer import train
+from kiln.run.lm import build_lm, train
 
 CPU = torch.device("cpu")
 
@@ -91,7 +91,7 @@ def _events(run_dir, kind):
 
 
 def _adam_steps(summary):
-    return max(int(s["step"]) for s in summary["run"].optimizer.state.values())
+    return max(int(s["step"]) for s in summary.state.optimizer.state.values())
 
 
 
@@ -102,27 +102,28 @@ _clean: dict = {}  # one clean run shared by the tests of this module
 def _clean_run(small_config, tmp_path_factory):
     if not _clean:
         path = tmp_path_factory.mktemp("clean")
-        _clean.update(_run(small_config, path, "run", "rollback"), dir=path / "run")  # armed, snapshotting
+        _clean.update(result=_run(small_config, path, "run", "rollback"), dir=path / "run")  # armed, snapshotting
     return _clean
 
 
 def test_armed_detection_does_not_change_a_clean_run(small_config, tmp_path, tmp_path_factory):
-    armed = _clean_run(small_config, tmp_path_factory)
+    shared = _clean_run(small_config, tmp_path_factory)
+    armed = shared["result"]
     off = _run(small_config, tmp_path, "off", "off", trace=False)
-    assert not _events(armed["dir"], "loss_spike")
-    a, b = off["run"].model.state_dict(), armed["run"].model.state_dict()
+    assert not _events(shared["dir"], "loss_spike")
+    a, b = off.state.model.state_dict(), armed.state.model.state_dict()
     assert all(torch.equal(a[k], b[k]) for k in a)
-    assert off["val_loss"] == armed["val_loss"]
+    assert off.val_loss == armed.val_loss
 
 
 @pytest.mark.parametrize("policy", ["skip", "rollback"])
 def test_spike_is_survived(small_config, tmp_path, tmp_path_factory, policy):
-    clean = _clean_run(small_config, tmp_path_factory)
+    clean = _clean_run(small_config, tmp_path_factory)["result"]
     hit = _run(small_config, tmp_path, "hit", policy, spike=SPIKE_AT)
     spikes = _events(tmp_path / "hit", "loss_spike")
     assert [s["step"] for s in spikes] == [SPIKE_AT] and spikes[0]["stats"]["loss_z"] > 6
-    assert hit["step"] == STEPS and hit["stop_reason"] == "max_steps"
-    assert abs(hit["val_loss"] - clean["val_loss"]) / clean["val_loss"] < 0.02
+    assert hit.step == STEPS and hit.stop_reason == "max_steps"
+    assert abs(hit.val_loss - clean.val_loss) / clean.val_loss < 0.02
     if policy == "skip":
         assert _adam_steps(hit) == STEPS - 1  # the spike's update alone was withheld
     else:
@@ -139,13 +140,13 @@ def test_warn_applies_the_spike(small_config, tmp_path):
 
 def test_stop_ends_cleanly_with_a_checkpoint_that_resumes(small_config, tmp_path):
     stopped = _run(small_config, tmp_path, "run", "stop", spike=SPIKE_AT)
-    assert stopped["step"] == SPIKE_AT  # the sync point right after the spike (log interval 5)
-    assert stopped["stop_reason"].startswith(f"numerics: loss spike at step {SPIKE_AT}")
-    assert "--resume" in stopped["stop_reason"]
+    assert stopped.step == SPIKE_AT  # the sync point right after the spike (log interval 5)
+    assert stopped.stop_reason.startswith(f"numerics: loss spike at step {SPIKE_AT}")
+    assert "--resume" in stopped.stop_reason
     assert (tmp_path / "run" / "checkpoints" / f"step_{SPIKE_AT:06d}" / "state.pt").exists()
-    assert _events(tmp_path / "run", "stop")[0]["reason"] == stopped["stop_reason"]
+    assert _events(tmp_path / "run", "stop")[0]["reason"] == stopped.stop_reason
     resumed = _run(small_config, tmp_path, "run", "stop", spike=SPIKE_AT, resume=True)
-    assert resumed["step"] == STEPS and resumed["stop_reason"] == "max_steps"
+    assert resumed.step == STEPS and resumed.stop_reason == "max_steps"
     assert len(_events(tmp_path / "run", "loss_spike")) == 1  # the spike's batch is behind the saved position
 
 
@@ -166,18 +167,18 @@ def test_rollback_from_disk_with_an_lr_cut(small_config, tmp_path):
     for step in range(21, 26):
         scheduled = 3e-3 * lr_factor(cfg.schedule, step - 1, 30)
         assert lr[step] == pytest.approx(scheduled * (0.5 if step <= 23 else 1.0)), step
-    assert summary["step"] == 30
+    assert summary.step == 30
 
 
 def test_rollback_to_the_initial_snapshot(small_config, tmp_path):
     hit = _run(small_config, tmp_path, "hit", "rollback", spike=SPIKE_AT, snapshot_interval=1000)
     assert [s["step"] for s in _events(tmp_path / "hit", "loss_spike")] == [SPIKE_AT]
     assert [(r["to_step"], r["skipped_batches"]) for r in _events(tmp_path / "hit", "rollback")] == [(0, SPIKE_AT)]
-    assert hit["step"] == STEPS
+    assert hit.step == STEPS
 
 
 class _Quiet:
-    def log(self, record):
+    def log(self, record, kind):
         pass
 
     def print(self, *args, **kw):
@@ -190,12 +191,11 @@ def test_rollback_restores_the_spike_history_with_the_weights(small_config, tmp_
     (Without this, a rollback far back once judged early-training gradient norms against late-training
     statistics and flagged them as spikes: two false rollbacks in a row while this was built.)
     """
-    from kiln.numerics.monitor import Numerics
-    from kiln.train.trainer import Run
-
     cfg = small_config(numerics={"spike_policy": "rollback"})
-    run = Run(cfg, tmp_path / "run", log=lambda msg: None)
-    numerics = Numerics(cfg.numerics, cfg.faults, run, tmp_path / "run", 5)  # snapshot of step 0: empty history
+    lm = build_lm(cfg, tmp_path / "run", log=lambda msg: None)
+    trainer = lm.trainer(tmp_path / "run")
+    run, numerics = lm.state, trainer.numerics
+    numerics.start()  # snapshot of step 0: empty history
     try:
         guard = numerics.guard
         for step in range(1, 6):

@@ -8,8 +8,9 @@ import torch.nn as nn
 
 from kiln.models import build_model
 from kiln.numerics.trace import REPORT_FILE, NonFiniteTracer, replay_step
+from kiln.train.objective import LanguageModeling
 from kiln.train.precision import LossScaler, Precision, PrecisionConfig
-from kiln.train.trainer import train
+from kiln.run.lm import train
 from tests.conftest import small_model
 
 CPU = torch.device("cpu")
@@ -31,7 +32,7 @@ def test_nan_in_forward_is_traced_to_its_module(small_config, tmp_path):
     assert report["stats"]["outputs"][0]["nonfinite"] == 1  # the one planted NaN, caught before it spread
     assert report["module_stats"]["inputs"][0]["nonfinite"] == 0
     assert [e["step"] for e in _events(tmp_path / "run", "nonfinite")] == [4]
-    assert summary["step"] == 6 and math.isfinite(summary["val_loss"])  # the NaN step was never applied
+    assert summary.step == 6 and math.isfinite(summary.val_loss)  # the NaN step was never applied
 
 
 def test_inf_in_backward_is_traced_to_its_module(small_config, tmp_path):
@@ -53,7 +54,7 @@ def test_clean_run_writes_no_report(small_config, tmp_path):
 
 def _replay(model, x):
     precision, scaler = Precision("fp32", CPU), LossScaler(PrecisionConfig(), CPU, enabled=False)
-    return replay_step(model, [(x, torch.roll(x, -1, 1))], precision, scaler)[0]
+    return replay_step(model, [(x, torch.roll(x, -1, 1))], LanguageModeling(), precision, scaler)[0]
 
 
 def test_natural_forward_overflow_is_found_at_the_op():
@@ -109,8 +110,8 @@ def test_a_nan_that_never_ends_stops_the_run(small_config, tmp_path):
     cfg = small_config(train={"max_steps": 30}, log={"interval": 5}, faults={"nan_forward": "blocks.0.mlp@3-30"},
                        numerics={"max_nonfinite_steps": 6})
     summary = train(cfg, tmp_path / "run")
-    assert summary["step"] == 10  # steps 3-8 are six in a row; the sync point at 10 stops
-    assert "6 non-finite steps in a row" in summary["stop_reason"]
+    assert summary.step == 10  # steps 3-8 are six in a row; the sync point at 10 stops
+    assert "6 non-finite steps in a row" in summary.stop_reason
     assert (tmp_path / "run" / "checkpoints" / "step_000010" / "state.pt").exists()
     report = json.loads((tmp_path / "run" / REPORT_FILE).read_text())
     assert (report["module"], report["step"]) == ("blocks.0.mlp", 3)  # one report: the first incident

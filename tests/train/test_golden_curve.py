@@ -22,7 +22,7 @@ import pytest
 from kiln.config import make_config
 from kiln.data import DataConfig
 from kiln.models import ModelConfig
-from kiln.train.trainer import train
+from kiln.run.lm import train
 
 GOLDEN = Path(__file__).parent / "golden"
 RTOL = 1e-9

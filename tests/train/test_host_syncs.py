@@ -5,7 +5,6 @@ queued so far, so the next step's work cannot be queued behind it: 10-30% of ste
 driver-level check is torch.cuda.set_sync_debug_mode("error"); on CPU, where nothing waits, a TorchFunctionMode
 counts every call that would be a sync on a device, so the same code is checked without a GPU.
 """
-from types import SimpleNamespace
 
 import pytest
 import torch
@@ -13,9 +12,9 @@ from torch.overrides import TorchFunctionMode
 
 from kiln.config import load_config
 from kiln.train.host_optimizer import HostOptimizer
-from kiln.memory.levers import build_for_measure
-from kiln.numerics.monitor import Numerics
-from kiln.train.trainer import train_step
+from kiln.numerics.monitor import Handles, Numerics
+from kiln.run.lm import build_lm
+from kiln.train.step import train_step
 from tests.conftest import requires_cuda
 
 # Calls that make the host wait for the device: reading a value back, or an output whose shape depends on values.
@@ -90,20 +89,22 @@ def _rig(name, impl, offload, precision, device, *extra):
                              "--train.micro_batch_size=2", f"--train.device={device}", f"--precision.mode={precision}",
                              f"--optim.name={name}", f"--optim.implementation={impl}", f"--optim.offload={offload}",
                              *extra])
-    return cfg, build_for_measure(cfg, torch.device(device))
+    return cfg, build_lm(cfg, device=torch.device(device), with_data=False).state
 
 
 def _guard(cfg, rig, device):
     """The step guard as `kiln train` builds it (Numerics), withholding spikes, judging from the second step."""
-    run = SimpleNamespace(scaler=rig.scaler, model=rig.model, masters=rig.masters, device=torch.device(device),
-                          step=0, cfg=cfg)
-    return Numerics(cfg.numerics, cfg.faults, run, run_dir=".", log_interval=10)
+    handles = Handles(model=rig.model, precision=rig.precision, scaler=rig.scaler, masters=rig.masters,
+                      objective=rig.objective, device=torch.device(device), step=lambda: 0, loader_position=lambda: 0,
+                      skip_batches=lambda n: None, snapshot=rig.state_dict, restore=rig.load_state_dict,
+                      load_checkpoint=lambda: None)
+    return Numerics(cfg.numerics, cfg.faults, handles, run_dir=".", log_interval=10)
 
 
 def _three_steps(cfg, rig, device, counter_calls, numerics=None, sync_debug=False):
     """Steps 1 (state made), 2 (an inf gradient: withheld) and 3, each run under the counter; returns skipped."""
     torch.manual_seed(0)
-    x = torch.randint(0, rig.model_cfg.vocab_size, (2, cfg.data.seq_len + 1), device=device)
+    x = torch.randint(0, rig.model.cfg.vocab_size, (2, cfg.data.seq_len + 1), device=device)
     batches = [(x[:, :-1], x[:, 1:])]
     norm = dict(rig.model.named_parameters())["norm.weight"]
     results = []
@@ -117,8 +118,8 @@ def _three_steps(cfg, rig, device, counter_calls, numerics=None, sync_debug=Fals
                 if numerics is not None:
                     batches = numerics.begin_step(step, batches)
                     guard = numerics.guard
-                results.append(train_step(rig.step_model, batches, rig.optimizer, rig.precision, rig.scaler,
-                                          cfg.optim, rig.masters, guard))
+                results.append(train_step(rig.step_model, batches, rig.objective, rig.optimizer, rig.precision,
+                                          rig.scaler, cfg.optim, rig.masters, guard))
         finally:
             if sync_debug:
                 torch.cuda.set_sync_debug_mode("default")

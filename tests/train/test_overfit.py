@@ -3,7 +3,8 @@ import torch
 from kiln.models import ModelConfig, build_model
 from kiln.train.optim import OptimConfig, build_optimizer
 from kiln.train.precision import LossScaler, Precision, PrecisionConfig
-from kiln.train.trainer import train_step
+from kiln.train.objective import LanguageModeling
+from kiln.train.step import train_step
 
 
 def test_tiny_overfits_one_batch():
@@ -18,7 +19,8 @@ def test_tiny_overfits_one_batch():
     batch = [(data[:, :-1], data[:, 1:])]
     losses = []
     for _ in range(300):
-        losses.append(train_step(model, batch, optimizer, Precision("fp32", cpu), scaler, opt_cfg).loss.item())
+        result = train_step(model, batch, LanguageModeling(), optimizer, Precision("fp32", cpu), scaler, opt_cfg)
+        losses.append(result.loss.item())
         if losses[-1] < 0.05:
             break
     assert losses[0] > 5.0, losses[0]  # random tokens: starts near ln(256)

@@ -7,16 +7,16 @@ from kiln.memory.devices import cpu_device
 from kiln.memory.levers import precision_for
 from kiln.perf.flops import cpu_peak
 from kiln.perf.hardware import BF16_CPU_MIN_SPEEDUP, resolve_mode
-from kiln.train.trainer import train
+from kiln.run.lm import train
 
 
 @pytest.mark.parametrize("mode", ["fp32", "bf16", "fp16", "bf16-master"])
 def test_every_precision_mode_trains(small_config, tmp_path, mode):
     cfg = small_config(precision={"mode": mode}, train={"max_steps": 12}, optim={"lr": 3e-3})
     out = train(cfg, tmp_path / mode)
-    run = out["run"]
+    run = out.state
     assert run.precision.mode == mode
-    assert math.isfinite(out["val_loss"]) and out["val_loss"] < math.log(256)
+    assert math.isfinite(out.val_loss) and out.val_loss < math.log(256)
     expected = torch.bfloat16 if mode == "bf16-master" else torch.float32
     assert all(p.dtype == expected for p in run.model.parameters())
 
@@ -39,5 +39,5 @@ def test_early_stopping(small_config, tmp_path):
                               "early_stop_min_delta": 0.01},
                        optim={"lr": 1e-9}, schedule={"warmup_steps": 0, "name": "constant"})
     out = train(cfg, tmp_path / "run")
-    assert out["stop_reason"].startswith("early stop")
-    assert out["step"] == 6  # evals at 2 (best), 4 and 6 (no better by 0.01) -> stop
+    assert out.stop_reason.startswith("early stop")
+    assert out.step == 6  # evals at 2 (best), 4 and 6 (no better by 0.01) -> stop

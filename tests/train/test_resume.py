@@ -4,7 +4,7 @@ import json
 import pytest
 import torch
 
-from kiln.train.trainer import train
+from kiln.run.lm import train
 
 
 def _losses(run_dir):
@@ -28,14 +28,14 @@ def test_resume_is_bit_identical(small_config, tmp_path, precision):
     second = small_config(**sections)  # what `kiln train --resume DIR --train.max_steps=2N` builds
     resumed = train(second, tmp_path / "resumed", resume=True)
 
-    a, b = straight["run"].model.state_dict(), resumed["run"].model.state_dict()
+    a, b = straight.state.model.state_dict(), resumed.state.model.state_dict()
     assert a.keys() == b.keys()
     for key in a:
         assert torch.equal(a[key], b[key]), key
     assert _losses(tmp_path / "straight") == _losses(tmp_path / "resumed")
-    assert straight["val_loss"] == resumed["val_loss"]
+    assert straight.val_loss == resumed.val_loss
     if precision == "fp16":
-        assert torch.equal(straight["run"].scaler.scale, resumed["run"].scaler.scale)
+        assert torch.equal(straight.state.scaler.scale, resumed.state.scaler.scale)
 
 
 def test_refuses_to_overwrite_a_run(small_config, tmp_path):

@@ -5,7 +5,8 @@ import torch
 from kiln.models import IGNORE_INDEX, build_model
 from kiln.train.optim import OptimConfig, build_optimizer, param_groups
 from kiln.train.precision import LossScaler, MasterWeights, Precision, PrecisionConfig
-from kiln.train.trainer import accumulate_gradients, train_step
+from kiln.train.objective import LanguageModeling
+from kiln.train.step import accumulate_gradients, train_step
 from tests.conftest import small_model
 
 CPU = torch.device("cpu")
@@ -25,11 +26,11 @@ def test_accumulation_equals_one_big_batch_with_uneven_valid_tokens():
     y[3, :7] = IGNORE_INDEX
     precision, scaler = Precision("fp32", CPU), LossScaler(PrecisionConfig(), CPU, enabled=False)
 
-    loss_big, n_big = accumulate_gradients(model, [(x, y)], precision, scaler)
+    loss_big, n_big = accumulate_gradients(model, [(x, y)], LanguageModeling(), precision, scaler)
     big = _grads(model)
     model.zero_grad(set_to_none=True)
     micro = [(x[0:1], y[0:1]), (x[1:3], y[1:3]), (x[3:5], y[3:5]), (x[5:6], y[5:6])]
-    loss_acc, n_acc = accumulate_gradients(model, micro, precision, scaler)
+    loss_acc, n_acc = accumulate_gradients(model, micro, LanguageModeling(), precision, scaler)
     acc = _grads(model)
 
     assert n_big.item() == n_acc.item() == 2 + 16 + 16 + 9 + 16 + 16
@@ -56,7 +57,7 @@ def test_fp16_inf_gradient_skips_step_and_halves_scale():
     model, optimizer, precision, scaler, batch = _fp16_setup()
     before = {n: p.detach().clone() for n, p in model.named_parameters()}
     handle = model.blocks[1].mlp.fc.weight.register_hook(lambda g: g * float("inf"))
-    result = train_step(model, batch, optimizer, precision, scaler, OptimConfig())
+    result = train_step(model, batch, LanguageModeling(), optimizer, precision, scaler, OptimConfig())
     handle.remove()
     assert result.skipped.item() == 1.0
     assert scaler.scale.item() == 512.0
@@ -65,7 +66,7 @@ def test_fp16_inf_gradient_skips_step_and_halves_scale():
     # Adam's step counter did not advance either: the next clean step is its first.
     assert all(s["step"].item() == 0 for s in optimizer.state.values())
 
-    result = train_step(model, batch, optimizer, precision, scaler, OptimConfig())
+    result = train_step(model, batch, LanguageModeling(), optimizer, precision, scaler, OptimConfig())
     assert result.skipped.item() == 0.0
     assert not torch.equal(model.blocks[1].mlp.fc.weight, before["blocks.1.mlp.fc.weight"])
 
@@ -74,7 +75,7 @@ def test_fp16_scale_grows_after_clean_steps():
     model, optimizer, precision, scaler, batch = _fp16_setup(growth_interval=3)
     scales = []
     for _ in range(7):
-        train_step(model, batch, optimizer, precision, scaler, OptimConfig())
+        train_step(model, batch, LanguageModeling(), optimizer, precision, scaler, OptimConfig())
         scales.append(scaler.scale.item())
     assert scales == [1024.0, 1024.0, 2048.0, 2048.0, 2048.0, 4096.0, 4096.0]
 
@@ -88,7 +89,7 @@ def test_nonfinite_gradient_is_never_applied_in_fp32():
         before = [p.detach().clone() for p in model.parameters()]
         handle = model.norm.weight.register_hook(lambda g: g * float("nan"))
         x = torch.randint(0, 64, (2, 16))
-        result = train_step(model, [(x, x)], optimizer, Precision("fp32", CPU), scaler, OptimConfig())
+        result = train_step(model, [(x, x)], LanguageModeling(), optimizer, Precision("fp32", CPU), scaler, OptimConfig())
         handle.remove()
         assert result.skipped.item() == 1.0
         assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
@@ -99,13 +100,13 @@ def test_clipping_logs_preclip_norm_and_clips():
     model = build_model(small_model(vocab_size=64)).double()
     x = torch.randint(0, 64, (2, 16))
     precision, scaler = Precision("fp32", CPU), LossScaler(PrecisionConfig(), CPU, enabled=False)
-    accumulate_gradients(model, [(x, x)], precision, scaler)
+    accumulate_gradients(model, [(x, x)], LanguageModeling(), precision, scaler)
     expected = torch.sqrt(sum(p.grad.pow(2).sum() for p in model.parameters())).item()
     model.zero_grad()
     optimizer = build_optimizer(model, OptimConfig(lr=1e-3, grad_clip=1e-3, name="sgd", momentum=0.0,
                                                    weight_decay=0.0, implementation="foreach"))
     before = [p.detach().clone() for p in model.parameters()]
-    result = train_step(model, [(x, x)], optimizer, precision, scaler, OptimConfig(grad_clip=1e-3))
+    result = train_step(model, [(x, x)], LanguageModeling(), optimizer, precision, scaler, OptimConfig(grad_clip=1e-3))
     assert result.grad_norm.item() == pytest.approx(expected, rel=1e-5)
     # Plain SGD moved the parameters by lr × clipped gradient, whose global norm is the threshold.
     moved = torch.sqrt(sum((a - b).pow(2).sum() for a, b in zip(before, model.parameters()))).item()
@@ -123,7 +124,7 @@ def test_bf16_master_weights_keep_small_updates():
     start = masters.masters[0].detach().clone()
     x = torch.randint(0, 64, (2, 16))
     for _ in range(3):
-        train_step(model, [(x, x)], optimizer, Precision("bf16-master", CPU), scaler, opt_cfg, masters)
+        train_step(model, [(x, x)], LanguageModeling(), optimizer, Precision("bf16-master", CPU), scaler, opt_cfg, masters)
     assert masters.masters[0].dtype == torch.float32
     assert not torch.equal(masters.masters[0], start)
     torch.testing.assert_close(model.embed.weight.float(), masters.masters[0].to(torch.bfloat16).float())
@@ -182,7 +183,7 @@ def test_withheld_train_step_is_exact(name, impl, offload, mode, one_thread):
 
     def step(rig):
         model, optimizer, masters, scaler, cfg = rig
-        return train_step(model, batch, optimizer, precision, scaler, cfg, masters)
+        return train_step(model, batch, LanguageModeling(), optimizer, precision, scaler, cfg, masters)
 
     step(run), step(ref)
     before = _everything(run[0], run[1], run[2])

@@ -9,7 +9,8 @@ import torch
 from rich.console import Console
 
 from kiln.config import ConfigError, load_config
-from kiln.train.trainer import CALIBRATION_MAX, CALIBRATION_STEPS, train
+from kiln.run.lm import train
+from kiln.train.loop import CALIBRATION_MAX, CALIBRATION_STEPS
 
 
 def _train(cfg, run_dir):
@@ -25,7 +26,7 @@ def test_budgeted_run_is_sized_printed_saved_and_repeatable(small_config, tmp_pa
     assert match, text
     assert f"(steps 3-{CALIBRATION_STEPS} on this cpu)" in text  # warm-up 10: measured over steps 3-10
     steps, step_time = int(match.group(1).replace(",", "")), float(match.group(2))
-    assert budgeted["step"] == steps >= CALIBRATION_STEPS
+    assert budgeted.step == steps >= CALIBRATION_STEPS
     # The step count fills the budget at the measured rate (the floor is the calibration itself).
     # (the first two steps run slower than the measured ones, so the count may fall a few steps short)
     # (the printed step time is rounded to the millisecond)
@@ -37,16 +38,16 @@ def test_budgeted_run_is_sized_printed_saved_and_repeatable(small_config, tmp_pa
 
     fixed, _ = _train(small_config(train={"max_steps": steps}, schedule={"warmup_steps": CALIBRATION_STEPS}),
                       tmp_path / "fixed")
-    a, b = budgeted["run"].model.state_dict(), fixed["run"].model.state_dict()
+    a, b = budgeted.state.model.state_dict(), fixed.state.model.state_dict()
     assert all(torch.equal(a[k], b[k]) for k in a)
-    assert budgeted["val_loss"] == fixed["val_loss"]
+    assert budgeted.val_loss == fixed.val_loss
 
 
 def test_budget_never_cuts_the_warmup_short(small_config, tmp_path):
     # A budget smaller than the calibration itself still runs the warm-up the schedule was written for.
     summary, _ = _train(small_config(train={"max_steps": 0, "time_budget": 1e-3},
                                      schedule={"warmup_steps": 12}), tmp_path / "run")
-    assert summary["step"] == 12
+    assert summary.step == 12
 
 
 def test_budgeted_run_with_a_short_warmup_is_refused_with_the_fix(small_config, tmp_path):
@@ -57,7 +58,7 @@ def test_budgeted_run_with_a_short_warmup_is_refused_with_the_fix(small_config, 
     # A constant schedule, or an explicit horizon, does not depend on the run's length.
     summary, _ = _train(small_config(train={"max_steps": 0, "time_budget": 1e-3},
                                      schedule={"warmup_steps": 2, "name": "constant"}), tmp_path / "constant")
-    assert summary["step"] == CALIBRATION_MAX  # measured over more steps when the schedule allows
+    assert summary.step == CALIBRATION_MAX  # measured over more steps when the schedule allows
 
 
 def test_max_steps_and_budget_both_zero_is_a_config_error():

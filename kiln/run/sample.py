@@ -9,7 +9,7 @@ from kiln.config import load_config
 from kiln.data import load_tokenizer
 from kiln.models import build_model
 from kiln.train.checkpoint import CheckpointConfig, Checkpointer
-from kiln.train.trainer import generate_text, pick_device
+from kiln.run.lm import generate_text, pick_device
 
 
 def load_model(run_dir: Path, device: str = "auto"):

@@ -13,9 +13,12 @@ from dataclasses import asdict, dataclass
 import numpy as np
 import torch
 
+from kiln.data import val_batches
 from kiln.models import IGNORE_INDEX
 from kiln.numerics.faults import FaultInjector
 from kiln.numerics.monitor import clone_state
+from kiln.run.lm import LMRun, build_lm
+from kiln.train.step import evaluate, train_step
 
 PASS, WARN, FAIL = "pass", "warn", "fail"
 OVERFIT_SEQS, OVERFIT_TOKENS, OVERFIT_STEPS = 2, 64, 100  # 2×64 tokens: the tiny preset memorizes it in ~20 steps
@@ -55,13 +58,13 @@ def _grade(x: float, ok: tuple[float, float], soft: tuple[float, float]) -> str:
 
 
 class Doctor:
-    """Runs the checklist on a Run (kiln.train.trainer.Run) built from the configuration."""
+    """Runs the checklist on kiln's language-model job (kiln.run.lm.LMRun) built from the configuration."""
 
-    def __init__(self, run, faults: FaultInjector | None):
-        self.run, self.faults = run, faults
-        self.model = run.model  # eager, even when train.compile is on: hooks go on the real modules
-        self.device = run.device
-        x, y = run.loader.next()
+    def __init__(self, lm: LMRun, faults: FaultInjector | None):
+        self.lm, self.state, self.faults = lm, lm.state, faults
+        self.model = lm.state.model  # eager, even when train.compile is on: hooks go on the real modules
+        self.device = lm.state.device
+        x, y = lm.state.loader.next()
         if faults is not None:
             faults.begin_step(0)  # step 0 never arms the step-keyed faults; data faults apply to every batch
             (x, y), = faults.transform([(x, y)])
@@ -69,16 +72,15 @@ class Doctor:
         self.small = [(x[:OVERFIT_SEQS, :OVERFIT_TOKENS], y[:OVERFIT_SEQS, :OVERFIT_TOKENS])]  # for structural steps
 
     def _loss(self, x, y, reduction="mean"):
-        with self.run.precision.autocast():
+        with self.state.precision.autocast():
             return self.model(x, y, reduction=reduction)
 
     def _step(self, batch, lr: float):
-        from kiln.train.trainer import train_step
-
-        for group in self.run.optimizer.param_groups:
+        st = self.state
+        for group in st.optimizer.param_groups:
             group["lr"] = lr
-        return train_step(self.model, batch, self.run.optimizer, self.run.precision, self.run.scaler,
-                          self.run.cfg.optim, self.run.masters)
+        return train_step(self.model, batch, st.objective, st.optimizer, st.precision, st.scaler, self.lm.cfg.optim,
+                          st.masters)
 
     # -- the checks -------------------------------------------------------------------------------------------
 
@@ -94,7 +96,7 @@ class Doctor:
                 "the targets (a loss far below ln(vocab) at init often means they leak the inputs)")
 
     def overfit_one_batch(self) -> tuple[str, str, str]:
-        batch, lr = self.small, self.run.cfg.optim.lr
+        batch, lr = self.small, self.lm.cfg.optim.lr
         first = last = None
         for step in range(1, OVERFIT_STEPS + 1):
             last = self._step(batch, lr).loss.item()
@@ -110,7 +112,7 @@ class Doctor:
 
     def gradient_flow(self) -> tuple[str, str, str]:
         self.model.zero_grad(set_to_none=True)
-        self.run.scaler.scale_loss(self._loss(self.x, self.y)).backward()
+        self.state.scaler.scale_loss(self._loss(self.x, self.y)).backward()
         dead, frozen, total = [], [], 0
         sq = torch.zeros((), device=self.device, dtype=torch.float64)
         for name, p in self.model.named_parameters():
@@ -123,7 +125,7 @@ class Doctor:
                 dead.append(name)
             if g is not None:
                 sq += g.double().pow(2).sum()
-        self.grad_norm_at_init = (sq.sqrt() / self.run.scaler.scale.double()).item()
+        self.grad_norm_at_init = (sq.sqrt() / self.state.scaler.scale.double()).item()
         self.model.zero_grad(set_to_none=True)
         if dead:
             value = f"{len(dead)} of {total} trainable tensors get no finite non-zero gradient: {', '.join(dead[:6])}"
@@ -143,9 +145,9 @@ class Doctor:
         shifted = (y[:, :-1] == x[:, 1:]) | ~valid
         wrong = 1.0 - shifted.float().mean().item()
         same = ((y == x) | (y == IGNORE_INDEX)).float().mean().item()
-        vocab = self.run.data.tokenizer.vocab_size
+        vocab = self.lm.data.tokenizer.vocab_size
         top = max(int(x.max()), int(y[y != IGNORE_INDEX].max()) if (y != IGNORE_INDEX).any() else 0,
-                  int(np.max(self.run.data.train)), int(np.max(self.run.data.val)))
+                  int(np.max(self.lm.data.train)), int(np.max(self.lm.data.val)))
         problems = []
         if wrong > 0:
             problems.append(f"{wrong:.0%} of targets are not the next input" + (" (targets == inputs)" if same == 1
@@ -178,8 +180,6 @@ class Doctor:
         return PASS, f"{kind}; embedded inputs finite (absmax {seen['x'].abs().max().item():.3g})", fix
 
     def train_eval_mode(self) -> tuple[str, str, str]:
-        from kiln.train.trainer import evaluate
-
         modes = []
         handle = self.model.register_forward_pre_hook(lambda m, args: modes.append(m.training))
         try:
@@ -187,9 +187,9 @@ class Doctor:
             self._step(self.small, lr=0.0)
             in_train = list(modes)
             modes.clear()
-            c = self.run.cfg
-            evaluate(self.model, self.run.data.val, OVERFIT_SEQS, c.data.seq_len, 1, self.run.precision,
-                     self.device)
+            c = self.lm.cfg
+            evaluate(self.model, val_batches(self.lm.data.val, OVERFIT_SEQS, c.data.seq_len, 1),
+                     self.state.objective, self.state.precision, self.device)
             in_eval, after = list(modes), self.model.training
         finally:
             handle.remove()
@@ -205,8 +205,8 @@ class Doctor:
             self.faults.begin_step(0)  # what the loop does before the next step
         params = [p for p in self.model.parameters() if p.requires_grad]
         stale = [p for p in params if p.grad is not None and bool(p.grad.any())]
-        if self.run.masters is not None:
-            stale += [m for m in self.run.masters.masters if m.grad is not None and bool(m.grad.any())]
+        if self.state.masters is not None:
+            stale += [m for m in self.state.masters.masters if m.grad is not None and bool(m.grad.any())]
         self.model.zero_grad(set_to_none=True)
         fix = ("call optimizer.zero_grad(set_to_none=True) after every optimizer step, or gradients add up across "
                "steps (an effective lr that grows every step)")
@@ -273,7 +273,7 @@ class Doctor:
                         f"dead MLP units ≤ {dead_max:.1%}; saturated pre-activations ≤ {sat_max:.1%}", fix)
 
     def warmup(self) -> tuple[str, str, str]:
-        c = self.run.cfg
+        c = self.lm.cfg
         if c.optim.name not in ("adam", "adamw"):
             return PASS, f"{c.optim.name}: warmup optional", "warmup is optional for SGD"
         horizon = 1 / (1 - c.optim.beta2)
@@ -286,7 +286,7 @@ class Doctor:
     def grad_norm(self) -> tuple[str, str, str]:
         g = self.grad_norm_at_init  # measured by gradient_flow on the first batch
         status = FAIL if not math.isfinite(g) else _grade(g, (1e-2, 1e2), (1e-4, 1e4))
-        clip = self.run.cfg.optim.grad_clip
+        clip = self.lm.cfg.optim.grad_clip
         return (status, f"{g:.3g} at init" + (f" (clipped to {clip:g} each step)" if clip and g > clip else ""),
                 "a norm far outside 0.01-100 at init means exploding or vanishing signal: check weight_std and "
                 "activations, and keep --optim.grad_clip=1.0")
@@ -294,14 +294,13 @@ class Doctor:
 
 def run_checks(cfg, log=print) -> list[Check]:
     """Build the configured run in a temporary directory and run the whole checklist on it."""
-    from kiln.train.trainer import Run
-
     with tempfile.TemporaryDirectory(prefix="kiln-doctor-") as tmp:
-        run = Run(cfg, tmp, log=log)
-        faults = FaultInjector(cfg.faults, run.model, run.data.tokenizer.vocab_size) if cfg.faults.any else None
+        lm = build_lm(cfg, tmp, log=log)
+        model = lm.state.model
+        faults = FaultInjector(cfg.faults, model, lm.data.tokenizer.vocab_size) if cfg.faults.any else None
         try:
-            doctor = Doctor(run, faults)
-            initial = clone_state(run.model.state_dict())
+            doctor = Doctor(lm, faults)
+            initial = clone_state(model.state_dict())
             order = [n for n, _, _ in CHECKS if n != 2] + [2]  # overfitting changes the weights: last
             results = {}
             for number in order:
@@ -313,9 +312,9 @@ def run_checks(cfg, log=print) -> list[Check]:
                 except Exception as e:  # a check that crashes is a failed check, not a crashed doctor
                     status, value, fix = FAIL, f"the check raised {type(e).__name__}: {e}", "see the error"
                 results[number] = Check(number, name, status, value, fix)
-            run.model.load_state_dict(initial)
+            model.load_state_dict(initial)
         finally:
             if faults is not None:
                 faults.close()
-            run.loader.close()
+            lm.state.loader.close()
     return [results[n] for n, _, _ in CHECKS]

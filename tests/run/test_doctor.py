@@ -5,7 +5,7 @@ import pytest
 
 from kiln.cli.main import main
 from kiln.config import to_toml
-from kiln.numerics.doctor import CHECKS, run_checks
+from kiln.run.doctor import CHECKS, run_checks
 
 
 def test_default_configuration_has_no_failure(corpus_file, kiln_cache, capsys):

@@ -1,0 +1,183 @@
+"""kiln's language-model job, built from a Config: what `kiln train`, `kiln doctor`, `kiln memory --measure`,
+`kiln plan --verify` and the benchmarks build.
+
+    lm = build_lm(cfg, run_dir)         data, the resolved config, the model, and the TrainState (one builder)
+    result = train(cfg, run_dir)        build, (resume,) run the Trainer, sample; returns a TrainResult
+
+The model is kiln's Transformer; everything after building it (kernels, memory levers, compile) is the model
+pipeline's (kiln.train.pipeline), with the plan made here from the config.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+import torch
+from rich.console import Console
+
+from kiln.config import Config, apply_overrides, to_toml
+from kiln.data import PreparedData, TokenLoader, prepare_data, val_batches
+from kiln.kernels.apply import resolve_kernels
+from kiln.memory.devices import get_device, local_device
+from kiln.memory.estimate import fmt_bytes, parse_bytes
+from kiln.memory.levers import runtime_job
+from kiln.memory.planner import search
+from kiln.models import ModelConfig, Transformer, build_model
+from kiln.perf import device_peak_flops, flops_per_token
+from kiln.perf.hardware import precision_notice, resolve_mode
+from kiln.train.checkpoint import Checkpointer
+from kiln.train.loop import TrainResult, Trainer
+from kiln.train.objective import LanguageModeling
+from kiln.train.pipeline import ModelPlan
+from kiln.train.precision import Precision
+from kiln.train.state import TrainState, build_state, seed_everything
+from kiln.train.step import evaluate
+
+
+def pick_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    device = torch.device(name)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError("train.device asks for CUDA but torch sees no GPU; use --train.device=cpu")
+    return device
+
+
+def resolve_model(cfg: Config, vocab: int) -> ModelConfig:
+    """The model section with the preset filled in and the tokenizer's vocabulary when model.vocab_size is 0."""
+    model_cfg = cfg.model.resolve()
+    if model_cfg.vocab_size == 0:
+        model_cfg.vocab_size = vocab
+    elif model_cfg.vocab_size < vocab:
+        raise ValueError(f"model.vocab_size={model_cfg.vocab_size} is smaller than the tokenizer's {vocab}; "
+                         f"set --model.vocab_size={vocab} or 0 (take the tokenizer's)")
+    return model_cfg
+
+
+def model_plan(cfg: Config, model_cfg: ModelConfig, precision: str, device: torch.device) -> ModelPlan:
+    """The model pipeline's plan from the train and memory sections (kiln.config checked they agree)."""
+    kernels = resolve_kernels(cfg.train.kernels, device)
+    if kernels == "triton" and model_cfg.dropout > 0:
+        kernels = "torch"  # train.kernels=auto with dropout: FlashAttention has none (explicit triton is refused)
+    job = runtime_job(cfg, model_cfg, precision, device)
+    loss = "chunked" if cfg.memory.chunked_loss else ("fused" if kernels == "triton" else "plain")
+    return ModelPlan(kernels=kernels, recompute=job.recompute, offload=job.offload, loss=loss,
+                     loss_chunk=cfg.memory.chunked_loss, compile=cfg.train.compile)
+
+
+def plan_memory(cfg: Config, device: torch.device, log=print) -> Config:
+    """`--plan.memory`: cfg with the planner's best choice applied through the config's own checks."""
+    target = get_device(cfg.plan.device) if cfg.plan.device else local_device(device)
+    plan = search(cfg, target, parse_bytes(cfg.plan.memory), cfg.plan.global_batch_tokens)
+    if plan.best is None:
+        raise ValueError(plan.shortfall())
+    best = plan.best
+    log(f"plan: {best.choice.describe()} | predicted peak {fmt_bytes(best.total_bytes)} of "
+        f"{fmt_bytes(plan.memory)} on {target.name}, {best.step_s:.3g} s/step ({plan.considered} configurations "
+        f"considered, {len(plan.candidates)} fit)")
+    return apply_overrides(cfg, best.choice.overrides())
+
+
+@dataclass
+class LMRun:
+    cfg: Config  # resolved: model shape and vocabulary filled in, the plan applied
+    state: TrainState
+    data: PreparedData | None  # None when built to measure (random tokens)
+
+    @property
+    def model_cfg(self) -> ModelConfig:
+        return self.cfg.model
+
+    def evaluate(self, model) -> float:
+        c = self.cfg
+        return evaluate(model, val_batches(self.data.val, c.train.micro_batch_size, c.data.seq_len,
+                                           c.train.eval_batches), self.state.objective, self.state.precision,
+                        self.state.device)
+
+    def sample(self, prompt: str, max_new_tokens: int, temperature: float = 0.8, top_k: int | None = 50,
+               seed: int = 0) -> str:
+        return generate_text(self.state.model, self.data.tokenizer, prompt, max_new_tokens, temperature, top_k, seed,
+                             self.state.device, self.state.precision)
+
+    def trainer(self, run_dir: Path, console: Console | None = None) -> Trainer:
+        c, state = self.cfg, self.state
+        return Trainer(state, c, run_dir, console, evaluate=self.evaluate if self.data is not None else None,
+                       config_toml=to_toml, flops_per_unit=flops_per_token(c.model, c.data.seq_len),
+                       peak_flops=device_peak_flops(state.device, state.precision.mode),
+                       vocab_size=self.data.tokenizer.vocab_size if self.data is not None else None)
+
+
+def build_lm(cfg: Config, run_dir: Path | None = None, log=print, device: torch.device | None = None,
+             with_data: bool = True) -> LMRun:
+    """Data (tokenized once, cached), the resolved config, the model through the pipeline, the TrainState.
+
+    with_data=False builds without data (vocabulary from the config, 256 for bytes): for measuring memory on
+    random tokens.
+    """
+    device = device or pick_device(cfg.train.device)
+    seed_everything(cfg.train.seed)
+    data = prepare_data(cfg.data, Path(run_dir), log=log) if with_data else None
+    vocab = data.tokenizer.vocab_size if data is not None else (256 if cfg.data.tokenizer == "bytes"
+                                                                else cfg.data.vocab_size)
+    cfg = replace(cfg, model=resolve_model(cfg, vocab))
+    if cfg.plan.memory:  # the planner picks precision, batch split and memory levers for this budget
+        cfg = plan_memory(cfg, device, log)
+    precision = resolve_mode(cfg.precision.mode, device)
+    model = build_model(cfg.model, "cpu" if device.type == "meta" else device)
+    loader = None
+    if data is not None:
+        loader = TokenLoader(data.train, cfg.train.micro_batch_size, cfg.data.seq_len, cfg.data.seed, device,
+                             cfg.data.prefetch)
+    state = build_state(model, LanguageModeling(), loader, device=device, precision=precision,
+                        precision_cfg=cfg.precision, optim=cfg.optim,
+                        plan=model_plan(cfg, cfg.model, precision, device))
+    return LMRun(cfg, state, data)
+
+
+def train(cfg: Config, run_dir: Path, resume: bool = False, console: Console | None = None) -> TrainResult:
+    """Train (or resume) a language-model run; returns the result with the final validation loss and a sample."""
+    run_dir = Path(run_dir)
+    if not resume and Checkpointer(cfg.checkpoint, run_dir).latest() is not None:
+        raise FileExistsError(f"{run_dir} already holds a run with checkpoints; pass --resume {run_dir} to continue "
+                              f"it, or choose another --run-dir")
+    con = console or Console(soft_wrap=True)
+    lm = build_lm(cfg, run_dir, log=lambda msg: con.print(msg, highlight=False))
+    trainer = lm.trainer(run_dir, con)
+    if resume:
+        path = trainer.resume()
+        con.print(f"resumed from {path} at step {lm.state.step}", highlight=False)
+    c, state = lm.cfg, lm.state
+    tokens_per_step = c.train.micro_batch_size * c.train.grad_accum_steps * c.data.seq_len
+    con.print(f"model: {c.model.preset} ({c.model.arch}) {state.n_params / 1e6:.2f}M parameters | "
+              f"device {state.device} | precision {state.precision.mode} | {tokens_per_step:,} tokens/step",
+              highlight=False)
+    note = precision_notice(cfg.precision.mode, state.device)  # why auto chose it, or that bf16 is emulated here
+    if note:
+        con.print(note, highlight=False)
+    result = trainer.run()
+    lm.cfg = result.cfg  # a time-budgeted run has its max_steps now
+    shown_val = f"{result.val_loss:.4f}" if result.val_loss is not None else "n/a (stopped before an evaluation)"
+    con.print(f"done at step {result.step} ({result.stop_reason}): val_loss {shown_val} | unigram baseline "
+              f"{lm.data.unigram_loss:.4f} | checkpoint {result.checkpoint}", highlight=False)
+    result.unigram_loss = lm.data.unigram_loss
+    if lm.cfg.train.sample_tokens:
+        result.sample = lm.sample(lm.cfg.train.sample_prompt, lm.cfg.train.sample_tokens)
+        con.rule("sample")
+        con.print(result.sample, markup=False, highlight=False)
+        con.rule()
+    return result
+
+
+def generate_text(model: Transformer, tokenizer, prompt: str, max_new_tokens: int, temperature: float,
+                  top_k: int | None, seed: int, device, precision: Precision | None = None) -> str:
+    # Own generator: sampling never disturbs the training RNG streams (exact resume).
+    gen = torch.Generator(device=device).manual_seed(seed)
+    ids = tokenizer.encode(prompt) or [0]
+    idx = torch.tensor([ids], dtype=torch.long, device=device)
+    was_training = model.training
+    model.eval()
+    ctx = precision.autocast() if precision is not None else torch.autocast(device.type, enabled=False)
+    with ctx:
+        out = model.generate(idx, max_new_tokens, temperature, top_k, vocab_limit=tokenizer.vocab_size, generator=gen)
+    model.train(was_training)
+    return tokenizer.decode(out[0].tolist())

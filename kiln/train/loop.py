@@ -1,0 +1,306 @@
+"""The training loop over a TrainState: schedule, steps, sync points, logging, evaluation, checkpoints.
+
+    trainer = Trainer(state, cfg, run_dir, console, evaluate=..., config_toml=...)
+    trainer.advance(until)     train up to a step; returns why the run ended, or None
+    trainer.finish()           final checkpoint; closes the monitor, the logger and the loader
+
+`kiln train` (a language model, kiln.run.lm) and `fit()` (any nn.Module, kiln.run.fit) both run this loop; a
+benchmark advances it in blocks that alternate with another loop's, so both see the same machine noise. Time
+spent outside `advance` is not counted in the logged throughput.
+
+`cfg` is read for its train, optim, schedule, log, numerics, faults and checkpoint sections only.
+"""
+from __future__ import annotations
+
+import math
+import resource
+import time
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Callable
+
+import torch
+from rich.console import Console
+
+from kiln.numerics.monitor import Handles, Numerics
+from kiln.perf import mfu
+from kiln.train.checkpoint import Checkpointer
+from kiln.train.logging import MetricsLogger
+from kiln.train.schedule import lr_factor
+from kiln.train.state import TrainState
+from kiln.train.step import StepResult, train_step
+
+# train.max_steps=0: the step time is measured from step 3 (1-2 warm the allocator up) to step 10 at least, and up to
+# 30 while the warm-up lasts. Early steps still run slower than later ones (default job on a 2-core Xeon: 13,600
+# tok/s over steps 3-30, 17,000 after), so a run ends 10-20% under its budget rather than over it.
+CALIBRATION_STEPS, CALIBRATION_MAX = 10, 30
+KERNELS = ("torch", "triton", "auto")
+
+
+@dataclass
+class TrainConfig:
+    max_steps: int = 0  # optimizer steps (each micro_batch_size·grad_accum_steps sequences); 0: fit time_budget
+    time_budget: float = 120.0  # max_steps=0: seconds of training steps, sized by the time of steps 3-10 (to 30)
+    micro_batch_size: int = 8  # sequences per forward/backward pass
+    grad_accum_steps: int = 1  # micro-batches accumulated into one optimizer step
+    eval_interval: int = 0  # steps between validation passes (0: only at the end)
+    eval_batches: int = 20  # validation micro-batches per evaluation
+    early_stop_patience: int = 0  # stop after this many evaluations without a better val loss (0: never)
+    early_stop_min_delta: float = 0.0  # a val loss must beat the best by more than this to count as better
+    seed: int = 1337  # seed of model init and every training RNG stream
+    device: str = "auto"  # "auto" (cuda when available, else cpu) | "cpu" | "cuda" | "cuda:N"
+    compile: bool = False  # wrap the model in torch.compile
+    kernels: str = "torch"  # "torch" | "triton" | "auto" (Triton on CUDA compute capability ≥ 8.0 when importable)
+    sample_tokens: int = 200  # tokens generated after training (0: no sample)
+    sample_prompt: str = "def "  # prompt of the sample printed after training
+
+    def validate(self):
+        for key in ("micro_batch_size", "grad_accum_steps", "eval_batches"):
+            if getattr(self, key) < 1:
+                raise ValueError(f"train.{key} must be ≥ 1, got {getattr(self, key)}")
+        for key in ("max_steps", "time_budget", "eval_interval", "early_stop_patience", "sample_tokens",
+                    "early_stop_min_delta"):
+            if getattr(self, key) < 0:
+                raise ValueError(f"train.{key} must be ≥ 0, got {getattr(self, key)}")
+        if self.max_steps == 0 and self.time_budget == 0:
+            raise ValueError("train.max_steps=0 sizes the run by train.time_budget, which is 0 too; set "
+                             "--train.max_steps=N or --train.time_budget=SECONDS")
+        if self.device != "auto" and not self.device.split(":")[0] in ("cpu", "cuda", "mps"):
+            raise ValueError(f"train.device={self.device!r}; use auto, cpu, cuda or cuda:N")
+        if self.kernels not in KERNELS:
+            raise ValueError(f"train.kernels={self.kernels!r} is unknown; use one of {KERNELS}")
+
+
+@dataclass
+class TrainResult:
+    """What a finished (or stopped) run returns."""
+
+    step: int
+    val_loss: float | None  # last evaluation; None when the run stopped before one
+    stop_reason: str  # max_steps | early stop: ... | numerics: ...
+    checkpoint: Path | None
+    state: TrainState
+    cfg: object = None  # the configuration trained (resolved; a time-budgeted run's max_steps filled in)
+    unigram_loss: float | None = None  # language models on byte/BPE data: the loss of predicting token frequencies
+    sample: str | None = None  # language models: text generated after training
+
+
+def peak_memory_bytes(device: torch.device) -> int:
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device)
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
+
+
+def _synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+class Trainer:
+    """The loop of one run. With train.max_steps=0 the run is sized by train.time_budget: steps 3..10 (up to 30)
+    are timed, max_steps is set so that the steps take the budget, printed, and saved in the run's config (so
+    `--train.max_steps=N` repeats the run bit for bit). Those first steps are inside the linear warm-up, whose lr
+    does not depend on the horizon yet."""
+
+    def __init__(self, state: TrainState, cfg, run_dir: Path, console: Console | None = None, *,
+                 evaluate: Callable[[torch.nn.Module], float] | None = None,
+                 config_toml: Callable[[object], str] | None = None, flops_per_unit: float | None = None,
+                 peak_flops: float | None = None, vocab_size: int | None = None):
+        """evaluate(model) -> mean validation loss; config_toml(cfg) -> the text saved as config.toml (and in
+        every checkpoint); flops_per_unit and peak_flops give MFU (per token or sample); vocab_size arms the
+        data faults of language models."""
+        self.state, self.cfg, self.run_dir = state, cfg, Path(run_dir)
+        self.con = console or Console(soft_wrap=True)
+        self._evaluate_fn, self._config_toml = evaluate, config_toml
+        self.flops_per_unit, self.peak = flops_per_unit, peak_flops
+        self.checkpointer = Checkpointer(cfg.checkpoint, self.run_dir)
+        tc, sched = cfg.train, cfg.schedule
+        self.budgeted = tc.max_steps == 0
+        self._first = state.step  # a budgeted run resumed before it was sized measures from where it resumed
+        # Until the run is sized its lr must not depend on its length: true of a constant schedule or an explicit
+        # horizon, and of any schedule during its linear warm-up.
+        horizon_free = bool(sched.total_steps) or sched.name == "constant"
+        self._sized_at = self._first + (CALIBRATION_MAX if horizon_free else
+                                        min(CALIBRATION_MAX, max(sched.warmup_steps - self._first, 0)))
+        if self.budgeted and self._sized_at < self._first + CALIBRATION_STEPS:
+            raise ValueError(f"train.max_steps=0 measures steps {self._first + 1}-{self._first + CALIBRATION_STEPS} "
+                             f"before it knows the run's length, so the {sched.name} schedule needs "
+                             f"schedule.warmup_steps ≥ {self._first + CALIBRATION_STEPS} (got {sched.warmup_steps}); "
+                             f"raise it, or set train.max_steps")
+        loader = state.loader
+        self.numerics = Numerics(cfg.numerics, cfg.faults, Handles(
+            model=state.model, precision=state.precision, scaler=state.scaler, masters=state.masters,
+            objective=state.objective, device=state.device, step=lambda: state.step,
+            loader_position=lambda: loader.batches_served, skip_batches=loader.skip,
+            snapshot=state.state_dict, restore=state.load_state_dict, load_checkpoint=self._load_latest,
+            vocab_size=vocab_size, compiled=state.step_model is not state.model), self.run_dir, cfg.log.interval)
+        state.numerics = self.numerics
+        self.logger: MetricsLogger | None = None
+        # While a budgeted run is measured, any horizon past the warm-up gives the same lr.
+        self.horizon = sched.total_steps or tc.max_steps or 1 << 30
+        self._clock: dict[int, float] = {}  # budgeted run: step -> when it ended (the first one, two after it)
+        self.skipped_total = torch.zeros((), device=state.device)
+        self.window_start, self.window_steps, self.window_units = time.perf_counter(), 0, 0
+        self.stop_reason: str | None = None  # set when the run has ended
+        self.val_loss: float | None = None
+        self.unit = getattr(state.objective, "unit", "samples")
+
+    # -- start, resume, save -------------------------------------------------------------------------------
+
+    def resume(self) -> Path:
+        """Load the latest checkpoint of the run directory into the state (numerics monitor included)."""
+        path = self.checkpointer.latest()
+        self.state.load_state_dict(self.checkpointer.load(map_location=self.state.device))
+        return path
+
+    def _load_latest(self):
+        path = self.checkpointer.latest()
+        return None if path is None else (self.checkpointer.load(map_location=self.state.device), path)
+
+    def _start(self) -> None:
+        if self.logger is None:
+            self.run_dir.mkdir(parents=True, exist_ok=True)
+            self._write_config()
+            self.logger = MetricsLogger(self.cfg.log, self.run_dir, self.cfg.train.max_steps or None,
+                                        self.state.step, console=self.con)
+            self.numerics.start()
+
+    def _write_config(self) -> None:
+        if self._config_toml is not None:
+            (self.run_dir / "config.toml").write_text(self._config_toml(self.cfg))
+
+    def save_checkpoint(self) -> Path:
+        text = self._config_toml(self.cfg) if self._config_toml is not None else ""
+        return self.checkpointer.save(self.state.step, self.state.state_dict(), text, self.state.model)
+
+    # -- the loop -----------------------------------------------------------------------------------------
+
+    @property
+    def max_steps(self) -> int:
+        return self.cfg.train.max_steps or 1 << 62  # unknown until a budgeted run has measured its steps
+
+    def advance(self, until: int) -> str | None:
+        """Train up to step `until` (never past train.max_steps); returns why the run ended, or None."""
+        self._start()
+        state, numerics, logger = self.state, self.numerics, self.logger
+        self.window_start, self.window_steps, self.window_units = time.perf_counter(), 0, 0
+        while self.stop_reason is None and state.step < min(until, self.max_steps):
+            cfg = self.cfg
+            tc = cfg.train
+            if self.budgeted:
+                self._measure()
+            lr = cfg.optim.lr * lr_factor(cfg.schedule, state.step, self.horizon) * numerics.lr_factor(state.step)
+            for group in state.optimizer.param_groups:
+                group["lr"] = lr
+            batches = numerics.begin_step(state.step + 1, [state.loader.next() for _ in range(tc.grad_accum_steps)])
+            units = sum(state.objective.size(b) for b in batches)
+            result = train_step(state.step_model, batches, state.objective, state.optimizer, state.precision,
+                                state.scaler, cfg.optim, state.masters, numerics.guard)
+            self.skipped_total += result.skipped
+            state.step += 1
+            state.tokens_seen += units
+            self.window_steps += 1
+            self.window_units += units
+            logger.advance(state.step)
+            if self.budgeted and state.step == self._sized_at:
+                self._size_run()
+            tc = self.cfg.train
+            last = state.step == tc.max_steps
+            log_due = state.step % cfg.log.interval == 0 or last
+            eval_due = (tc.eval_interval and state.step % tc.eval_interval == 0) or last
+            checkpoint_due = cfg.checkpoint.interval and state.step % cfg.checkpoint.interval == 0 and not last
+            verdict = None
+            if log_due or eval_due or checkpoint_due:
+                # A sync point: numerics reads back the steps since the last one (spikes, NaN/Inf, loss scale)
+                # and, where needed, traces a non-finite step, rolls back to the last good state, or stops.
+                verdict = numerics.review(logger)
+                if verdict.rolled_back:
+                    self.window_start, self.window_steps, self.window_units = time.perf_counter(), 0, 0
+                    continue
+            if log_due:
+                self._log(result, lr)
+            if verdict is not None and verdict.stop:
+                self.stop_reason = verdict.stop
+                break
+            if eval_due:
+                self._run_evaluation(last)
+            if checkpoint_due:
+                self.save_checkpoint()
+                self.window_start = time.perf_counter()
+        if self.stop_reason is None and state.step >= self.max_steps:
+            self.stop_reason = "max_steps"
+        return self.stop_reason
+
+    def _measure(self) -> None:
+        """Budgeted run, before a step: note when the first step and the two after it ended (device idle)."""
+        if self.state.step in (self._first, self._first + 2):
+            _synchronize(self.state.device)
+            self._clock[self.state.step] = time.perf_counter()
+
+    def _size_run(self) -> None:
+        """Budgeted run, at the end of its measured steps: fix max_steps from the measured step time."""
+        state, tc = self.state, self.cfg.train
+        _synchronize(state.device)
+        now = time.perf_counter()
+        step_time = (now - self._clock[self._first + 2]) / (state.step - self._first - 2)
+        left = tc.time_budget - (now - self._clock[self._first])
+        floor = max(state.step, self.cfg.schedule.warmup_steps)  # a shorter run would change the warm-up
+        steps = max(floor, state.step + int(left / step_time))
+        self.cfg = replace(self.cfg, train=replace(tc, max_steps=steps))
+        self.budgeted = False
+        self.horizon = self.cfg.schedule.total_steps or steps
+        self.logger.set_total(steps)
+        self._write_config()
+        self.logger.print(f"max_steps {steps:,}: train.time_budget {tc.time_budget:g} s at {step_time:.3f} s/step "
+                          f"(steps {self._first + 3}-{state.step} on this {state.device.type}); "
+                          f"--train.max_steps={steps} repeats this run exactly", highlight=False)
+
+    def _log(self, result: StepResult, lr: float) -> None:
+        state = self.state
+        # The one host-device transfer per log interval.
+        loss, grad_norm, skipped, scale = torch.stack([
+            result.loss.double(), result.grad_norm.double(), self.skipped_total.double(), state.scaler.scale.double()
+        ]).tolist()
+        elapsed = time.perf_counter() - self.window_start
+        rate = self.window_units / elapsed
+        self.logger.log({
+            "step": state.step, "loss": loss, "lr": lr, "grad_norm": grad_norm,
+            f"{self.unit}_per_s": rate, "step_time_s": elapsed / self.window_steps, f"{self.unit}_seen": state.tokens_seen,
+            "peak_mem_bytes": peak_memory_bytes(state.device),
+            "mfu": mfu(self.flops_per_unit, rate, self.peak) if self.flops_per_unit else None,
+            "skipped_steps": int(skipped), "loss_scale": scale if state.scaler.enabled else None,
+        }, kind="train")
+        self.window_start, self.window_steps, self.window_units = time.perf_counter(), 0, 0
+
+    def _run_evaluation(self, last: bool) -> None:
+        if self._evaluate_fn is None:
+            return
+        state, tc = self.state, self.cfg.train
+        self.val_loss = self._evaluate_fn(state.model)
+        record = {"step": state.step, "val_loss": self.val_loss}
+        if self.unit == "tokens":
+            record["val_ppl"] = math.exp(min(self.val_loss, 50))
+        self.logger.log(record, kind="eval")
+        if self.val_loss < state.best_val - tc.early_stop_min_delta:
+            state.best_val, state.evals_since_best = self.val_loss, 0
+        else:
+            state.evals_since_best += 1
+        self.window_start = time.perf_counter()  # evaluation time is not training throughput
+        if tc.early_stop_patience and state.evals_since_best >= tc.early_stop_patience and not last:
+            self.stop_reason = f"early stop: no val improvement in {tc.early_stop_patience} evaluations"
+
+    def run(self) -> TrainResult:
+        """Train to the end, save the final checkpoint, close everything."""
+        try:
+            stop_reason = self.advance(self.max_steps)
+            path = self.save_checkpoint()
+        finally:
+            self.close()
+        return TrainResult(self.state.step, self.val_loss, stop_reason, path, self.state, self.cfg)
+
+    def close(self) -> None:
+        self.numerics.close()
+        if self.logger is not None:
+            self.logger.close()
+        if self.state.loader is not None:
+            self.state.loader.close()

@@ -1,0 +1,98 @@
+"""The model pipeline: every transformation of a built model, in one function and one written order.
+
+    kernels → recompute → activation offload → loss → parallelize → compile
+
+1. kernels     Triton norms, activations, attention core and RoPE swapped in by exact module type
+               (kiln.kernels.apply); the model's loss is left for step 4.
+2. recompute   per-block plan (kiln.memory.recompute): the block's class is swapped, it stays a module.
+3. offload     saved activations of the listed blocks to pinned host memory (CUDA only; recomputed blocks keep
+               nothing worth moving, so recompute comes first).
+4. loss        one choice: "plain" (the model's LMLoss), "fused" (the Triton fused linear cross-entropy) or
+               "chunked" (kiln.memory.chunked_loss); kiln.config refuses a fused and a chunked loss together.
+5. parallelize a no-op until data parallelism lands: it wraps the transformed model, so it comes after 1-4.
+6. compile     torch.compile of the finished model (the step calls the compiled one; hooks stay on the eager one).
+
+Levers 2-4 need kiln's transformer (a `blocks` list, an `LMLoss`); asked of another model they are an error that
+says so. Kernels on a model of the user's swap whatever modules of the table it holds.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn as nn
+
+from kiln.memory.chunked_loss import ChunkedLMLoss
+from kiln.memory.offload import apply_offload
+from kiln.memory.recompute import apply_recompute
+from kiln.models.transformer import IGNORE_INDEX, LMLoss
+
+LOSSES = ("plain", "fused", "chunked")
+
+
+@dataclass(frozen=True)
+class ModelPlan:
+    """What the pipeline does to a model; built from the config by the caller (kiln.run), or by hand."""
+
+    kernels: str = "torch"  # "torch" | "triton" (resolved: kiln.kernels.apply.resolve_kernels)
+    recompute: tuple[str, ...] = ()  # one policy per block (kiln.memory.recompute); () = none
+    offload: frozenset[int] = frozenset()  # blocks whose saved activations go to the host (CUDA)
+    loss: str = "plain"  # plain | fused | chunked
+    loss_chunk: int = 0  # chunked: tokens per chunk
+    compile: bool = False
+
+    def __post_init__(self):
+        if self.loss not in LOSSES:
+            raise ValueError(f"model loss {self.loss!r} is unknown; use one of {LOSSES}")
+        if self.loss == "chunked" and self.loss_chunk < 1:
+            raise ValueError("the chunked loss needs a chunk size ≥ 1 (memory.chunked_loss)")
+        if self.loss == "fused" and self.kernels != "triton":
+            raise ValueError("the fused loss is a Triton kernel: it needs kernels='triton'")
+
+
+@dataclass
+class PreparedModel:
+    model: nn.Module  # the eager model, transformed in place: hooks, state_dict and the optimizer use it
+    step_model: nn.Module  # what the step calls: the compiled model, or the same one
+    applied: dict = field(default_factory=dict)  # what was done, for the console and tests
+
+
+def _needs_blocks(model: nn.Module, lever: str) -> None:
+    if not isinstance(getattr(model, "blocks", None), nn.ModuleList):
+        raise ValueError(f"{lever} works on transformer blocks (a `blocks` ModuleList, as kiln's Transformer has); "
+                         f"{type(model).__name__} has none. Turn it off for this model")
+
+
+def prepare_model(model: nn.Module, plan: ModelPlan, device: torch.device | None = None) -> PreparedModel:
+    """Apply `plan` to `model` in the pipeline's order; returns the eager and the step model."""
+    applied = {}
+    if plan.kernels == "triton":
+        from kiln.kernels.apply import apply_kernels  # lazy: triton is imported only by runs that use the kernels
+
+        applied["kernels"] = apply_kernels(model, "triton", device, skip=(LMLoss,))
+    if any(p != "none" for p in plan.recompute):
+        _needs_blocks(model, "memory.recompute")
+        apply_recompute(model, plan.recompute)
+        applied["recompute"] = plan.recompute
+    if plan.offload:
+        _needs_blocks(model, "memory.offload_blocks")
+        if device is not None and torch.device(device).type == "cuda":
+            apply_offload(model, plan.offload)
+            applied["offload"] = sorted(plan.offload)
+    if plan.loss != "plain":
+        if not isinstance(getattr(model, "loss", None), LMLoss):
+            raise ValueError(f"the {plan.loss} loss replaces kiln's LM head + cross-entropy (an LMLoss at "
+                             f"model.loss); {type(model).__name__} has none")
+        if plan.loss == "chunked":
+            model.loss = ChunkedLMLoss(plan.loss_chunk)
+        else:
+            from kiln.kernels import FusedLinearCrossEntropyLoss  # lazy: triton, as above
+
+            # Like LMLoss, the SUM over valid targets: the step divides by the global batch's valid count.
+            model.loss = FusedLinearCrossEntropyLoss(ignore_index=IGNORE_INDEX, reduction="sum")
+        applied["loss"] = plan.loss
+    # parallelize: data parallelism (DDP / FSDP2) will wrap the model here, after every module-level transform.
+    step_model = torch.compile(model) if plan.compile else model
+    if plan.compile:
+        applied["compile"] = True
+    return PreparedModel(model, step_model, applied)

@@ -16,7 +16,8 @@ from pathlib import Path
 LAYERS = [  # bottom to top; a package imports only from packages in lower layers (never sideways, never up)
     ("util",),
     ("models", "data"),
-    ("kernels", "perf"),
+    ("perf",),
+    ("kernels",),
     ("memory", "numerics"),
     ("train",),
     ("config",),

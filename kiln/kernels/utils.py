@@ -1,19 +1,12 @@
 """Launch helpers shared by the Triton kernels: where they may run, block sizes, autocast casts.
 
-Imports no Triton: apply.py uses it to decide whether Triton is wanted at all.
+Imports no Triton. Whether Triton is wanted at all is kiln.perf.hardware.resolve_kernels.
 """
 from __future__ import annotations
 
-import os
-
 import torch
 
-_TRUE = ("1", "true", "on", "yes")
-
-
-def interpret_env() -> bool:
-    """TRITON_INTERPRET as Triton reads it: kernels run through its numpy interpreter on CPU tensors."""
-    return os.environ.get("TRITON_INTERPRET", "0").strip().lower() in _TRUE
+from kiln.perf.hardware import interpret_env
 
 
 def check_device(*tensors: torch.Tensor | None, kernel=None) -> None:

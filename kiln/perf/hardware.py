@@ -4,9 +4,11 @@
     auto_mode(kind, capability, rates)  precision.mode=auto's one rule, for kiln train and the planner
     resolve_mode(mode, device)      the concrete precision of a mode on a torch device
     precision_notice(mode, device)  one console line about bf16/fp16 on this CPU
+    resolve_kernels(kernels, device)    "torch" or "triton" for train.kernels (no Triton import)
 """
 from __future__ import annotations
 
+import importlib.util
 import os
 from pathlib import Path
 
@@ -133,3 +135,56 @@ def precision_notice(requested: str, device: torch.device) -> str | None:
         native = f" runs natively ({unit}) but" if unit else ""
         return f"precision {mode}: {half} on this CPU{native} is slower than fp32: {speed}"
     return None
+
+
+# ---------------------------------------------------------------- Triton kernels
+
+KERNEL_BACKENDS = ("torch", "triton", "auto")
+
+
+def triton_available() -> bool:
+    return importlib.util.find_spec("triton") is not None
+
+
+def interpret_env() -> bool:
+    """TRITON_INTERPRET as Triton reads it: kernels run through its numpy interpreter on CPU tensors."""
+    return os.environ.get("TRITON_INTERPRET", "0").strip().lower() in ("1", "true", "yes", "on")
+
+
+# The GPUs the kernels' launch configurations are checked for (compiled for sm_80, sm_89 and sm_90 by
+# tests/kernels/test_kernels_gpu_launches.py). Older cards have less shared memory per block than some launches
+# need: 16-bit flash attention at head dim 128 takes 128 KiB in its backward, a V100 block gets 96 KiB.
+MIN_CAPABILITY = (8, 0)
+
+
+def _capability_ok(device: torch.device) -> tuple[bool, tuple[int, int] | None]:
+    if device.type != "cuda" or not torch.cuda.is_available():
+        return True, None  # resolving for a GPU this process does not see (planning, tests): assume a new one
+    capability = torch.cuda.get_device_capability(device)
+    return capability >= MIN_CAPABILITY, capability
+
+
+def resolve_kernels(kernels: str, device: torch.device | str) -> str:
+    """"torch" or "triton" for train.kernels on `device`; explains the fix when Triton cannot run there."""
+    device = torch.device(device)
+    if kernels not in KERNEL_BACKENDS:
+        raise ValueError(f"train.kernels={kernels!r} is unknown; use one of {KERNEL_BACKENDS}")
+    if kernels == "torch":
+        return "torch"
+    supported, capability = _capability_ok(device)
+    if kernels == "auto":
+        return "triton" if device.type == "cuda" and supported and triton_available() else "torch"
+    if not triton_available():
+        raise RuntimeError("train.kernels='triton' needs the triton package: pip install 'kiln[triton]' "
+                           "(or use train.kernels='auto', which falls back to torch)")
+    if not supported:
+        raise RuntimeError(f"train.kernels='triton' needs compute capability {MIN_CAPABILITY[0]}.{MIN_CAPABILITY[1]} "
+                           f"or newer (Ampere and later GPUs); this GPU is "
+                           f"{capability[0]}.{capability[1]}: use train.kernels='torch' or 'auto'")
+    if device.type in ("cuda", "meta"):
+        return "triton"
+    if device.type == "cpu" and interpret_env():
+        return "triton"  # Triton's interpreter: numpy on the CPU, for tests (slow)
+    raise RuntimeError(f"train.kernels='triton' runs on CUDA; on {device.type} only through Triton's interpreter: "
+                       f"set TRITON_INTERPRET=1 in the environment before starting (slow, meant for tests), or "
+                       f"use train.kernels='auto' or 'torch'")

@@ -17,14 +17,13 @@ from rich.console import Console
 
 from kiln.config import Config, apply_overrides, to_toml
 from kiln.data import PreparedData, TokenLoader, prepare_data, val_batches
-from kiln.kernels.apply import resolve_kernels
 from kiln.memory.devices import get_device, local_device
 from kiln.memory.estimate import fmt_bytes, parse_bytes
 from kiln.memory.levers import runtime_job
 from kiln.memory.planner import search
 from kiln.models import ModelConfig, Transformer, build_model
 from kiln.perf import device_peak_flops, flops_per_token
-from kiln.perf.hardware import precision_notice, resolve_mode
+from kiln.perf.hardware import precision_notice, resolve_kernels, resolve_mode
 from kiln.train.checkpoint import Checkpointer
 from kiln.train.loop import TrainResult, Trainer
 from kiln.train.objective import LanguageModeling

@@ -34,7 +34,7 @@ LOSSES = ("plain", "fused", "chunked")
 class ModelPlan:
     """What the pipeline does to a model; built from the config by the caller (kiln.run), or by hand."""
 
-    kernels: str = "torch"  # "torch" | "triton" (resolved: kiln.kernels.apply.resolve_kernels)
+    kernels: str = "torch"  # "torch" | "triton" (resolved: kiln.perf.hardware.resolve_kernels)
     recompute: tuple[str, ...] = ()  # one policy per block (kiln.memory.recompute); () = none
     offload: frozenset[int] = frozenset()  # blocks whose saved activations go to the host (CUDA)
     loss: str = "plain"  # plain | fused | chunked

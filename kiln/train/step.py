@@ -10,6 +10,7 @@ from dataclasses import dataclass
 
 import torch
 
+from kiln.data.batches import to_device
 from kiln.numerics.spikes import StepGuard
 from kiln.train.masked import optimizer_step
 from kiln.train.optim import clip_gradients
@@ -81,13 +82,3 @@ def evaluate(model, batches, objective, precision: Precision, device) -> float:
     model.train(was_training)
     return (total / count.clamp(min=1)).item()
 
-
-def to_device(batch, device):
-    """Tensors of a batch (nested tuples, lists, dicts) moved to `device`; other values as they are."""
-    if isinstance(batch, torch.Tensor):
-        return batch.to(device, non_blocking=True)
-    if isinstance(batch, (tuple, list)):
-        return type(batch)(to_device(b, device) for b in batch)
-    if isinstance(batch, dict):
-        return {k: to_device(v, device) for k, v in batch.items()}
-    return batch

@@ -5,7 +5,8 @@ import torch
 import torch.nn as nn
 
 import kiln.kernels as ops
-from kiln.kernels.apply import SWAPS, apply_kernels, resolve_kernels
+from kiln.kernels.apply import SWAPS, apply_kernels
+from kiln.perf.hardware import resolve_kernels
 from kiln.models import IGNORE_INDEX, ModelConfig, build_model
 from kiln.models.transformer import SDPA, LMLoss, RMSNorm, Rotary, SwiGLU, rope_cache
 from kiln.train.optim import OptimConfig, build_optimizer

@@ -209,3 +209,33 @@ def test_rollback_restores_the_spike_history_with_the_weights(small_config, tmp_
     finally:
         numerics.close()
         run.loader.close()
+
+
+def test_resume_inside_an_lr_cut_continues_on_the_same_curve(small_config, tmp_path):
+    """The numerics state is in the checkpoint: a run resumed while a rollback's lr cut is in force (and with its
+    spike history) trains exactly as the run that never stopped."""
+    def cfg(steps):
+        return small_config(train={"max_steps": steps}, optim={"lr": 3e-3}, log={"interval": 5},
+                            schedule={"total_steps": STEPS}, checkpoint={"interval": 30},
+                            numerics={"spike_policy": "rollback", "snapshot_interval": 5, "rollback_lr_factor": 0.5,
+                                      "rollback_lr_steps": 15},
+                            faults={"spike": SPIKE_AT})
+
+    straight = train(cfg(STEPS), tmp_path / "straight")
+    rollbacks = _events(tmp_path / "straight", "rollback")
+    assert [(r["step"], r["to_step"]) for r in rollbacks] == [(SPIKE_AT, 20)]  # lr halved for steps 21-35
+    train(cfg(30), tmp_path / "resumed")  # stops at step 30, inside the cut
+    resumed = train(cfg(STEPS), tmp_path / "resumed", resume=True)
+
+    def curve(run_dir):
+        records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+        return {r["step"]: (r["loss"], r["lr"]) for r in records if r["kind"] == "train"}
+
+    a, b = curve(tmp_path / "straight"), curve(tmp_path / "resumed")
+    assert {s: a[s] for s in (35, 40)} == {s: b[s] for s in (35, 40)}
+    assert b[35][1] < 3e-3 * 0.5 + 1e-12  # the cut was still in force after the resume
+    for key, value in straight.state.model.state_dict().items():
+        assert torch.equal(value, resumed.state.model.state_dict()[key]), key
+    history = straight.state.numerics.state_dict(), resumed.state.numerics.state_dict()
+    assert torch.allclose(history[0]["spike_history"], history[1]["spike_history"], rtol=0, atol=0, equal_nan=True)
+    assert history[0]["lr_until"] == history[1]["lr_until"] == 20 + 15

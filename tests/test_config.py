@@ -71,3 +71,38 @@ def test_bad_toml_types_are_rejected(tmp_path):
         load_config(path)
     with pytest.raises(ConfigError, match="does not exist"):
         load_config(tmp_path / "missing.toml")
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (["--data.seq_len=512", "--model.max_seq_len=256"], "data.seq_len=512 exceeds model.max_seq_len=256"),
+    (["--train.kernels=triton", "--model.dropout=0.1"], "--model.dropout=0"),
+    (["--train.kernels=triton", "--memory.chunked_loss=1024"], "drop --memory.chunked_loss"),
+    (["--faults.spike=5", "--train.compile=true"], "--train.compile=false"),
+    (["--memory.offload_blocks=0-7"], "blocks run 0..1"),  # the nano preset has 2 blocks
+    (["--model.kernels=triton"], "model.kernels .* is now train.kernels"),
+])
+def test_cross_section_rules_are_checked_when_the_config_is_loaded(overrides, message):
+    with pytest.raises(ConfigError, match=message):
+        load_config(None, overrides)
+
+
+def test_config_sections_are_typed():
+    import typing
+
+    from kiln.config import Config
+    from kiln.train.optim import OptimConfig
+
+    hints = typing.get_type_hints(Config)
+    assert hints["optim"] is OptimConfig  # a type checker sees cfg.optim.lr as a float
+    assert typing.get_type_hints(OptimConfig)["lr"] is float
+
+
+def test_apply_overrides_coerces_and_validates():
+    from kiln.config import apply_overrides
+
+    cfg = load_config()
+    out = apply_overrides(cfg, {"train.micro_batch_size": "4", "optim.lr": 1})
+    assert out.train.micro_batch_size == 4 and out.optim.lr == 1.0 and isinstance(out.optim.lr, float)
+    assert cfg.train.micro_batch_size != 4 or cfg is not out  # the given config is left alone
+    with pytest.raises(ConfigError, match="train.micro_batch_size must be ≥ 1"):
+        apply_overrides(cfg, {"train.micro_batch_size": 0})

@@ -35,9 +35,29 @@ def test_recompute_keeps_loss_and_gradients(arch, plan):
     torch.testing.assert_close(loss, ref_loss, rtol=0, atol=0)
     for name in ref:
         torch.testing.assert_close(got[name], ref[name], rtol=1e-5, atol=1e-6, msg=name)
+    names = [n for n, _ in model.named_parameters()]
     remove_recompute(model)
-    assert "forward" not in model.blocks[0].__dict__
-    assert set(model.state_dict()) == set(build_model(cfg).state_dict())  # parameter names unchanged
+    assert type(model.blocks[0]) is type(build_model(cfg).blocks[0])  # the block's own class again
+    assert names == [n for n, _ in model.named_parameters()]  # parameter names never changed
+    assert set(model.state_dict()) == set(build_model(cfg).state_dict())
+
+
+@pytest.mark.parametrize("plan", [("full", "seg", "seg", "full"), ("selective",) * 4, ("none", "full", "seg", "none")])
+def test_recomputed_blocks_stay_modules_whose_hooks_fire(plan):
+    """Every block, the later blocks of a checkpointed segment included, computes inside a call of its own module:
+    forward hooks (FSDP2's all-gathers, the NaN tracer's hooks) see it, and see it once."""
+    model = build_model(MODELS["gpt2"](n_layer=4))
+    apply_recompute(model, plan)
+    computed = {i: 0 for i in range(4)}
+    for i, block in enumerate(model.blocks):
+        assert isinstance(block, torch.nn.Module)
+
+        def hook(module, args, output, i=i):
+            computed[i] += not torch.equal(output, args[0])  # a pass-through call returns its input
+        block.register_forward_hook(hook)
+    x, y = torch.randint(0, 200, (2, 16)), torch.randint(0, 200, (2, 16))
+    model(x, y)
+    assert all(n == 1 for n in computed.values()), computed
 
 
 def test_recompute_plans():

@@ -1,0 +1,26 @@
+"""metrics.jsonl: every line carries a `kind` and the fields docs/training.md documents for it."""
+import json
+
+from kiln.run.lm import train
+from kiln.train.logging import KINDS
+
+TRAIN_KEYS = {"kind", "step", "loss", "lr", "grad_norm", "tokens_per_s", "step_time_s", "tokens_seen",
+              "peak_mem_bytes", "mfu", "skipped_steps"}
+
+
+def test_every_record_has_a_kind_and_its_fields(small_config, tmp_path):
+    cfg = small_config(train={"max_steps": 6, "eval_interval": 3}, log={"interval": 2},
+                       faults={"nan_forward": "blocks.1.attn@4"})
+    train(cfg, tmp_path / "run")
+    records = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    kinds = [r["kind"] for r in records]
+    assert set(kinds) == set(KINDS)  # train, eval and numerics (the planted NaN) all occurred
+    for r in records:
+        if r["kind"] == "train":
+            assert set(r) == TRAIN_KEYS, set(r) ^ TRAIN_KEYS
+        elif r["kind"] == "eval":
+            assert set(r) == {"kind", "step", "val_loss", "val_ppl"}
+        else:
+            assert {"kind", "step", "event"} <= set(r)
+    assert [r["step"] for r in records if r["kind"] == "eval"] == [3, 6]
+    assert {r["event"] for r in records if r["kind"] == "numerics"} >= {"nonfinite", "nonfinite_trace"}

@@ -1,9 +1,10 @@
 """The `memory` config section, and the estimator's Job for a configuration.
 
     MemoryConfig                          recompute, offload, chunked loss keys
-    job_for(cfg, device)                  the estimator's Job for a whole Config on a Device (kiln.memory.devices)
-    runtime_job(cfg, model_cfg, mode, d)  the Job of the step this process trains: its recompute plan is what
-                                          kiln's model pipeline (kiln.train.pipeline) applies
+    make_job(cfg, model, precision, target)  the one builder of the estimator's Job from a Config
+    job_for(cfg, device)                  ... for a Device (kiln.memory.devices)
+    runtime_job(cfg, model_cfg, mode, d)  ... for the torch device this process trains on: its recompute plan is
+                                          what kiln's model pipeline (kiln.train.pipeline) applies
 """
 from __future__ import annotations
 
@@ -55,7 +56,7 @@ def resolved_model(cfg):
 
 def precision_for(mode: str, device) -> str:
     """Concrete precision of `mode` on a Device from kiln.memory.devices; auto by the rule `kiln train` uses
-    (kiln.train.precision.auto_mode), from the device's capability or its measured matmul rates."""
+    (kiln.perf.hardware.auto_mode), from the device's capability or its measured matmul rates."""
     if mode == "auto":
         return auto_mode(device.kind, device.capability, device.peak_flops)[0]
     if not device.supports(mode):
@@ -64,21 +65,26 @@ def precision_for(mode: str, device) -> str:
     return mode
 
 
-def job_for(cfg, device, recompute_plan: tuple[str, ...] | None = None) -> Job:
-    """The estimator's Job for a Config on a Device (kiln.memory.devices.Device)."""
-    model = resolved_model(cfg)
+def make_job(cfg, model, precision: str, target: Target, recompute_plan: tuple[str, ...] | None = None) -> Job:
+    """The one builder of the estimator's Job from a Config: a resolved model section, a concrete precision and
+    a Target; the recompute plan is the `memory` section's (solved for `budget`) unless given."""
+    m = cfg.memory
     job = Job(model=model, micro_batch=cfg.train.micro_batch_size, seq_len=cfg.data.seq_len,
-              grad_accum=cfg.train.grad_accum_steps, precision=precision_for(cfg.precision.mode, device),
-              target=device.target, offload=parse_blocks(cfg.memory.offload_blocks, model.n_layer),
-              chunked_loss=cfg.memory.chunked_loss, optimizer=cfg.optim.name, sgd_momentum=cfg.optim.momentum,
-              optimizer_offload=cfg.optim.offload)
+              grad_accum=cfg.train.grad_accum_steps, precision=precision, target=target,
+              offload=parse_blocks(m.offload_blocks, model.n_layer), chunked_loss=m.chunked_loss,
+              optimizer=cfg.optim.name, sgd_momentum=cfg.optim.momentum, optimizer_offload=cfg.optim.offload)
     if recompute_plan is None:
-        m = cfg.memory
         recompute_plan = plan_for(m.recompute, m.recompute_every, m.recompute_budget, job)
     return replace(job, recompute=tuple(recompute_plan))
 
 
-def runtime_target(torch_device):
+def job_for(cfg, device, recompute_plan: tuple[str, ...] | None = None) -> Job:
+    """The Job of a Config on a Device (kiln.memory.devices: a table entry, or this machine measured)."""
+    return make_job(cfg, resolved_model(cfg), precision_for(cfg.precision.mode, device), device.target,
+                    recompute_plan)
+
+
+def runtime_target(torch_device) -> Target:
     """The estimator's Target for the device this process trains on, without measuring anything."""
     if torch_device.type == "cuda":
         major, minor = torch.cuda.get_device_capability(torch_device)
@@ -87,10 +93,6 @@ def runtime_target(torch_device):
 
 
 def runtime_job(cfg, model_cfg, precision: str, torch_device) -> Job:
-    """The Job of the step this process is about to train (concrete precision, this device, no measuring), with
-    the `memory` section's per-block recompute plan solved: what kiln's model pipeline applies."""
-    mem = cfg.memory
-    job = Job(model=model_cfg, micro_batch=cfg.train.micro_batch_size, seq_len=cfg.data.seq_len,
-              grad_accum=cfg.train.grad_accum_steps, precision=precision, target=runtime_target(torch_device),
-              offload=parse_blocks(mem.offload_blocks, model_cfg.n_layer), chunked_loss=mem.chunked_loss)
-    return replace(job, recompute=plan_for(mem.recompute, mem.recompute_every, mem.recompute_budget, job))
+    """The Job of the step this process is about to train (its concrete precision, its device, nothing measured):
+    its recompute plan is what kiln's model pipeline applies."""
+    return make_job(cfg, model_cfg, precision, runtime_target(torch_device))

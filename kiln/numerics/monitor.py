@@ -53,10 +53,9 @@ class Handles:
     """The parts of the training state the monitor may touch."""
 
     model: torch.nn.Module  # the eager model: faults and the trace hook its modules
-    precision: object  # kiln.train.precision.Precision: the replay's autocast
+    losses: Callable  # (model, batches) -> (normalised loss, count) per micro-batch, as the step makes them
     scaler: object  # kiln.train.precision.LossScaler
     masters: object  # kiln.train.precision.MasterWeights or None (fp16 telemetry names the masters)
-    objective: object  # kiln.train.objective: the replay's loss and normalisation
     device: torch.device
     step: Callable[[], int]  # steps done so far
     loader_position: Callable[[], int]  # batches served so far
@@ -269,7 +268,7 @@ class Numerics:
         if self.faults is not None:
             self.faults.step = step
         try:
-            report = trace_nonfinite(h.model, self._batches[step], h.objective, h.precision, h.scaler, step,
+            report = trace_nonfinite(h.model, self._batches[step], h.losses, h.scaler, step,
                                      {"loss": r[LOSS], "grad_norm": r[GRAD_NORM]}, self.run_dir)
         finally:
             if self.faults is not None:

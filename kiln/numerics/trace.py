@@ -183,27 +183,28 @@ class NonFiniteTracer:
         return out
 
 
-def replay_step(model: nn.Module, batches, objective, precision, scaler) -> tuple[dict, int]:
+def replay_step(model: nn.Module, batches, losses, scaler) -> tuple[dict, int]:
     """Forward and backward of each micro-batch under the tracer until something non-finite shows up.
 
+    `losses(model, batches)` yields (normalised loss, count) per micro-batch exactly as the training step makes
+    them (kiln.train.step.micro_batch_losses): the forward of a micro-batch runs when its loss is drawn.
     Returns (finding, micro-batch index). The RNG streams and gradients are left as they were found, so a
     replay never changes what training does next.
     """
     rng = torch.get_rng_state()
     cuda_rng = torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None
     saved_grads = {p: p.grad for p in model.parameters()}
-    count = sum(objective.count(b) for b in batches).clamp(min=1)  # normalised as the step does
     index = 0
     try:
         # Modules fed only token ids (the embeddings, the model itself) make torch warn that their backward hook
         # fires on output gradients: expected here, and said once per replay would only be noise.
         with warnings.catch_warnings(), NonFiniteTracer(model) as tracer:
             warnings.filterwarnings("ignore", message="Full backward hook is firing")
-            for index, batch in enumerate(batches):
+            drawn = iter(losses(model, batches))
+            for index in range(len(batches)):
                 model.zero_grad(set_to_none=True)
                 tracer.phase = "forward"
-                with precision.autocast():
-                    loss = objective(model, batch) / count
+                loss, _ = next(drawn)
                 if tracer.found():
                     break
                 tracer.phase = "backward"
@@ -224,10 +225,10 @@ def nonfinite_params(model: nn.Module) -> list[str]:
     return [n for n, p in model.named_parameters() if not is_finite(p.detach())]
 
 
-def trace_nonfinite(model, batches, objective, precision, scaler, step: int, observed: dict, run_dir: Path) -> dict:
+def trace_nonfinite(model, batches, losses, scaler, step: int, observed: dict, run_dir: Path) -> dict:
     """Replay step `step` and write nonfinite_report.json in run_dir; returns the report."""
     bad_params = nonfinite_params(model)
-    finding, micro_batch = replay_step(model, batches, objective, precision, scaler)
+    finding, micro_batch = replay_step(model, batches, losses, scaler)
     report = {"module": finding.pop("module"), "op": finding.pop("op"), "phase": finding.pop("phase"),
               "step": step, "stats": finding.pop("stats", {}), "micro_batch": micro_batch,
               "observed": observed, "nonfinite_parameters": bad_params, **finding}

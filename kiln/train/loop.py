@@ -28,7 +28,7 @@ from kiln.train.checkpoint import Checkpointer
 from kiln.train.logging import MetricsLogger
 from kiln.train.schedule import lr_factor
 from kiln.train.state import TrainState
-from kiln.train.step import StepResult, train_step
+from kiln.train.step import StepResult, micro_batch_losses, train_step
 
 # train.max_steps=0: the step time is measured from step 3 (1-2 warm the allocator up) to step 10 at least, and up to
 # 30 while the warm-up lasts. Early steps still run slower than later ones (default job on a 2-core Xeon: 13,600
@@ -129,8 +129,9 @@ class Trainer:
                              f"raise it, or set train.max_steps")
         loader = state.loader
         self.numerics = Numerics(cfg.numerics, cfg.faults, Handles(
-            model=state.model, precision=state.precision, scaler=state.scaler, masters=state.masters,
-            objective=state.objective, device=state.device, step=lambda: state.step,
+            model=state.model, losses=lambda model, batches: micro_batch_losses(model, batches, state.objective,
+                                                                                state.precision),
+            scaler=state.scaler, masters=state.masters, device=state.device, step=lambda: state.step,
             loader_position=lambda: loader.batches_served, skip_batches=loader.skip,
             snapshot=state.state_dict, restore=state.load_state_dict, load_checkpoint=self._load_latest,
             vocab_size=vocab_size, compiled=state.step_model is not state.model), self.run_dir, cfg.log.interval)

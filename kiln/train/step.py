@@ -25,19 +25,22 @@ class StepResult:
     count: torch.Tensor  # tokens or samples the loss is normalised by
 
 
-def accumulate_gradients(model, batches, objective, precision: Precision, scaler: LossScaler):
-    """Forward and backward over every micro-batch; returns (mean loss, count) as device tensors.
-
-    Each micro-batch's summed loss is divided by the count of the whole global batch (valid tokens, or samples),
-    so k micro-batches give the gradient of one batch k× larger even when they differ in size.
-    """
+def micro_batch_losses(model, batches, objective, precision: Precision):
+    """Yield each micro-batch's loss as the step normalises it: its SUM divided by the count of the whole global
+    batch (valid tokens, or samples), so k micro-batches give the gradient of one batch k× larger even when they
+    differ in size. The training step and the NaN trace's replay both take their losses from here."""
     count = sum(objective.count(b) for b in batches).clamp(min=1)
-    total_loss = torch.zeros((), device=count.device, dtype=torch.float64)  # as wide as any precision's loss
     for batch in batches:
         with precision.autocast():
-            loss = objective(model, batch) / count
+            yield objective(model, batch) / count, count
+
+
+def accumulate_gradients(model, batches, objective, precision: Precision, scaler: LossScaler):
+    """Forward and backward over every micro-batch; returns (mean loss, count) as device tensors."""
+    total_loss, count = None, None
+    for loss, count in micro_batch_losses(model, batches, objective, precision):
         scaler.scale_loss(loss).backward()
-        total_loss += loss.detach()
+        total_loss = loss.detach().double() if total_loss is None else total_loss + loss.detach()
     return total_loss, count
 
 

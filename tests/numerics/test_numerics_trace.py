@@ -9,6 +9,7 @@ import torch.nn as nn
 from kiln.models import build_model
 from kiln.numerics.trace import REPORT_FILE, NonFiniteTracer, replay_step
 from kiln.train.objective import LanguageModeling
+from kiln.train.step import micro_batch_losses
 from kiln.train.precision import LossScaler, Precision, PrecisionConfig
 from kiln.run.lm import train
 from tests.conftest import small_model
@@ -54,7 +55,10 @@ def test_clean_run_writes_no_report(small_config, tmp_path):
 
 def _replay(model, x):
     precision, scaler = Precision("fp32", CPU), LossScaler(PrecisionConfig(), CPU, enabled=False)
-    return replay_step(model, [(x, torch.roll(x, -1, 1))], LanguageModeling(), precision, scaler)[0]
+    def losses(m, batches):
+        return micro_batch_losses(m, batches, LanguageModeling(), precision)
+
+    return replay_step(model, [(x, torch.roll(x, -1, 1))], losses, scaler)[0]
 
 
 def test_natural_forward_overflow_is_found_at_the_op():

@@ -94,8 +94,8 @@ def _rig(name, impl, offload, precision, device, *extra):
 
 def _guard(cfg, rig, device):
     """The step guard as `kiln train` builds it (Numerics), withholding spikes, judging from the second step."""
-    handles = Handles(model=rig.model, precision=rig.precision, scaler=rig.scaler, masters=rig.masters,
-                      objective=rig.objective, device=torch.device(device), step=lambda: 0, loader_position=lambda: 0,
+    handles = Handles(model=rig.model, losses=None, scaler=rig.scaler, masters=rig.masters,
+                      device=torch.device(device), step=lambda: 0, loader_position=lambda: 0,
                       skip_batches=lambda n: None, snapshot=rig.state_dict, restore=rig.load_state_dict,
                       load_checkpoint=lambda: None)
     return Numerics(cfg.numerics, cfg.faults, handles, run_dir=".", log_interval=10)

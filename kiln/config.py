@@ -17,6 +17,7 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 
 from kiln.data import DataConfig
+from kiln.dist import ParallelConfig
 from kiln.memory.levers import MemoryConfig
 from kiln.memory.offload import parse_blocks
 from kiln.memory.planner import PlanConfig
@@ -48,6 +49,7 @@ SECTIONS: dict[str, type] = {
     "faults": FaultsConfig,
     "memory": MemoryConfig,
     "plan": PlanConfig,
+    "parallel": ParallelConfig,
 }
 # Keys that moved, so an old config.toml or command line gets told where to.
 MOVED = {"model.kernels": "train.kernels"}
@@ -82,6 +84,7 @@ class Config:
     faults: FaultsConfig = field(default_factory=FaultsConfig)
     memory: MemoryConfig = field(default_factory=MemoryConfig)
     plan: PlanConfig = field(default_factory=PlanConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
 
     def to_dict(self) -> dict:
         return {name: dataclasses.asdict(getattr(self, name)) for name in SECTIONS}
@@ -236,6 +239,20 @@ def _cross_checks(cfg: Config) -> None:
         raise ConfigError("faults.* hook the eager model's modules, which torch.compile bypasses; set "
                           "--train.compile=false to inject faults")
     parse_blocks(cfg.memory.offload_blocks, model.n_layer)
+    strategy = cfg.parallel.strategy
+    if strategy == "fsdp" and cfg.optim.offload != "none":
+        raise ConfigError("optim.offload moves kiln's optimizer to the host, which FSDP2 cannot shard; use FSDP2's "
+                          "own offload: --parallel.cpu_offload=true --optim.offload=none")
+    if strategy == "fsdp" and cfg.precision.mode == "bf16-master":
+        raise ConfigError("precision.mode=bf16-master keeps kiln's fp32 masters beside bf16 weights; under FSDP2 use "
+                          "--precision.mode=bf16 (FSDP2's mixed precision: fp32 sharded parameters, bf16 compute, "
+                          "fp32 gradient reduction)")
+    if strategy == "zero1" and (cfg.optim.offload != "none" or cfg.optim.name == "adamw8bit"):
+        raise ConfigError("parallel.strategy=zero1 shards kiln's foreach Adam/SGD state across ranks; it does not "
+                          "combine with optim.offload or adamw8bit: use --parallel.strategy=ddp for those")
+    if strategy != "none" and cfg.plan.memory:
+        raise ConfigError("plan.memory plans one device; with parallel.strategy set, choose the levers yourself "
+                          "(kiln plan predicts one rank of DDP only so far)")
     if cfg.plan.memory and cfg.plan.global_batch_tokens % cfg.data.seq_len:
         raise ConfigError(f"plan.global_batch_tokens={cfg.plan.global_batch_tokens} is not a multiple of "
                           f"data.seq_len={cfg.data.seq_len}")

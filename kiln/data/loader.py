@@ -53,13 +53,13 @@ def _host_batch(
 
 
 def _produce(
-    tokens: np.ndarray, seed: int, batch_size: int, seq_len: int, pin: bool,
+    tokens: np.ndarray, seed: int, batch_size: int, seq_len: int, pin: bool, rank: int, world: int,
     index: int, out: queue.Queue, stop: threading.Event,
 ) -> None:
     """Background thread body: put (i, batch) for i = index, index+1, ... until stopped; an error ends it."""
     while not stop.is_set():
         try:
-            item = _host_batch(tokens, seed, index, batch_size, seq_len, pin)
+            item = _host_batch(tokens, seed, index * world + rank, batch_size, seq_len, pin)
         except BaseException as e:  # handed to next(), which re-raises it on the training thread
             item = e
         while not stop.is_set():
@@ -91,6 +91,8 @@ class TokenLoader:
         device: torch.device | str = "cpu",
         prefetch: int = 2,
         threaded: bool | None = None,
+        rank: int = 0,
+        world: int = 1,
     ) -> None:
         _check_length(tokens, seq_len, "TokenLoader")
         if batch_size < 1:
@@ -106,6 +108,9 @@ class TokenLoader:
         self.threaded = self.device.type != "cpu" if threaded is None else threaded
         # Pinned host memory lets .to(device, non_blocking=True) return at once instead of waiting for the copy.
         self._pin = self.device.type == "cuda"
+        # Data parallelism: this rank's n-th batch is batch n·world + rank of the one stream, so the batches of one
+        # optimizer step (micro-batches k..k+M of the stream) are the same whatever the world size.
+        self.rank, self.world = rank, world
         self.batches_served = 0  # batches returned by next(); prefetched ones do not count
         self._queue: queue.Queue | None = None
         self._stop: threading.Event | None = None
@@ -116,7 +121,8 @@ class TokenLoader:
         """The next (x, y) batch, int64 of shape (batch_size, seq_len), on the loader's device."""
         index = self.batches_served
         if self._queue is None:
-            x, y = _host_batch(self.tokens, self.seed, index, self.batch_size, self.seq_len, self._pin)
+            x, y = _host_batch(self.tokens, self.seed, index * self.world + self.rank, self.batch_size, self.seq_len,
+                               self._pin)
         else:
             got, item = self._queue.get()
             if isinstance(item, BaseException):
@@ -141,6 +147,7 @@ class TokenLoader:
     def state_dict(self) -> dict:
         return {
             "batches_served": self.batches_served,
+            "world": self.world,
             "seed": self.seed,
             "batch_size": self.batch_size,
             "seq_len": self.seq_len,
@@ -156,7 +163,11 @@ class TokenLoader:
                     f"TokenLoader state has {key}={state[key]} but this loader has {key}={mine[key]}; "
                     f"the data stream would differ from the saved run's. Resume with the same data and batch config."
                 )
-        self._seek(int(state["batches_served"]))
+        served = int(state["batches_served"]) * int(state.get("world", 1))  # batches of the stream, all ranks
+        if served % self.world:
+            raise ValueError(f"the checkpoint was taken {served} batches into the data stream, which {self.world} "
+                             f"ranks cannot share evenly; resume with a world size that divides it")
+        self._seek(served // self.world)
 
     def skip(self, n: int) -> None:
         """Move past n batches without building them (e.g. a data window that produced a loss spike)."""
@@ -178,7 +189,7 @@ class TokenLoader:
         self._stop = threading.Event()
         # The thread gets the array and numbers, not `self`, so a loader dropped without close() is still
         # collected and __del__ stops the thread. daemon: a crashed training loop must still let the process exit.
-        args = (self.tokens, self.seed, self.batch_size, self.seq_len, self._pin)
+        args = (self.tokens, self.seed, self.batch_size, self.seq_len, self._pin, self.rank, self.world)
         self._thread = threading.Thread(
             target=_produce, args=(*args, self.batches_served, self._queue, self._stop),
             name="kiln-token-loader", daemon=True,

@@ -9,6 +9,8 @@ pipeline's (kiln.train.pipeline), with the plan made here from the config.
 """
 from __future__ import annotations
 
+import itertools
+import os
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -17,6 +19,8 @@ from rich.console import Console
 
 from kiln.config import Config, apply_overrides, to_toml
 from kiln.data import PreparedData, TokenLoader, prepare_data, val_batches
+from kiln.data.batches import to_device
+from kiln.dist import device_for, init_world, launched_by_torchrun
 from kiln.memory.devices import get_device, local_device
 from kiln.memory.estimate import fmt_bytes, parse_bytes
 from kiln.memory.levers import runtime_job
@@ -25,7 +29,7 @@ from kiln.models import ModelConfig, Transformer, build_model
 from kiln.perf import device_peak_flops, flops_per_token
 from kiln.perf.hardware import precision_notice, resolve_kernels, resolve_mode
 from kiln.train.checkpoint import Checkpointer
-from kiln.train.loop import TrainResult, Trainer
+from kiln.train.loop import TrainResult, Trainer, accumulation_for
 from kiln.train.objective import LanguageModeling
 from kiln.train.pipeline import ModelPlan
 from kiln.train.precision import Precision
@@ -61,7 +65,7 @@ def model_plan(cfg: Config, model_cfg: ModelConfig, precision: str, device: torc
     job = runtime_job(cfg, model_cfg, precision, device)
     loss = "chunked" if cfg.memory.chunked_loss else ("fused" if kernels == "triton" else "plain")
     return ModelPlan(kernels=kernels, recompute=job.recompute, offload=job.offload, loss=loss,
-                     loss_chunk=cfg.memory.chunked_loss, compile=cfg.train.compile)
+                     loss_chunk=cfg.memory.chunked_loss, compile=cfg.train.compile, parallel=cfg.parallel)
 
 
 def plan_memory(cfg: Config, device: torch.device, log=print) -> Config:
@@ -88,10 +92,11 @@ class LMRun:
         return self.cfg.model
 
     def evaluate(self, model) -> float:
-        c = self.cfg
-        return evaluate(model, val_batches(self.data.val, c.train.micro_batch_size, c.data.seq_len,
-                                           c.train.eval_batches), self.state.objective, self.state.precision,
-                        self.state.device)
+        c, world = self.cfg, self.state.world
+        batches = val_batches(self.data.val, c.train.micro_batch_size, c.data.seq_len, c.train.eval_batches)
+        mine = itertools.islice(batches, world.rank, None, world.size)  # each rank its share; totals all-reduced
+        return evaluate(model, (to_device(b, self.state.device) for b in mine), self.state.objective,
+                        self.state.precision, self.state.device, world if world.size > 1 else None)
 
     def sample(self, prompt: str, max_new_tokens: int, temperature: float = 0.8, top_k: int | None = 50,
                seed: int = 0) -> str:
@@ -113,9 +118,17 @@ def build_lm(cfg: Config, run_dir: Path | None = None, log=print, device: torch.
     with_data=False builds without data (vocabulary from the config, 256 for bytes): for measuring memory on
     random tokens.
     """
-    device = device or pick_device(cfg.train.device)
-    seed_everything(cfg.train.seed)
-    data = prepare_data(cfg.data, Path(run_dir), log=log) if with_data else None
+    world = init_world(cfg.parallel, (device or pick_device(cfg.train.device)).type)
+    device = device_for(world, device or pick_device(cfg.train.device))
+    cfg = replace(cfg, train=replace(cfg.train, grad_accum_steps=accumulation_for(cfg.train, world.size)))
+    seed_everything(cfg.train.seed)  # the same on every rank: the same initial weights
+    data = None
+    if with_data:  # rank 0 tokenizes (or finds the cache) and saves the tokenizer; the others wait, then read
+        if world.main:
+            data = prepare_data(cfg.data, Path(run_dir), log=log)
+        world.barrier()
+        if not world.main:
+            data = prepare_data(cfg.data, None, log=lambda msg: None)
     vocab = data.tokenizer.vocab_size if data is not None else (256 if cfg.data.tokenizer == "bytes"
                                                                 else cfg.data.vocab_size)
     cfg = replace(cfg, model=resolve_model(cfg, vocab))
@@ -126,10 +139,10 @@ def build_lm(cfg: Config, run_dir: Path | None = None, log=print, device: torch.
     loader = None
     if data is not None:
         loader = TokenLoader(data.train, cfg.train.micro_batch_size, cfg.data.seq_len, cfg.data.seed, device,
-                             cfg.data.prefetch)
+                             cfg.data.prefetch, rank=world.rank, world=world.size)
     state = build_state(model, LanguageModeling(), loader, device=device, precision=precision,
                         precision_cfg=cfg.precision, optim=cfg.optim,
-                        plan=model_plan(cfg, cfg.model, precision, device))
+                        plan=model_plan(cfg, cfg.model, precision, device), world=world)
     return LMRun(cfg, state, data)
 
 
@@ -140,16 +153,27 @@ def train(cfg: Config, run_dir: Path, resume: bool = False, console: Console | N
         raise FileExistsError(f"{run_dir} already holds a run with checkpoints; pass --resume {run_dir} to continue "
                               f"it, or choose another --run-dir")
     con = console or Console(soft_wrap=True)
+    if launched_by_torchrun() and int(os.environ["RANK"]) != 0:
+        con = Console(quiet=True)  # rank 0 speaks for the run
     lm = build_lm(cfg, run_dir, log=lambda msg: con.print(msg, highlight=False))
+    try:
+        return _train(lm, cfg, run_dir, resume, con)
+    finally:
+        lm.state.world.close()
+
+
+def _train(lm: LMRun, cfg: Config, run_dir: Path, resume: bool, con: Console) -> TrainResult:
     trainer = lm.trainer(run_dir, con)
     if resume:
         path = trainer.resume()
         con.print(f"resumed from {path} at step {lm.state.step}", highlight=False)
     c, state = lm.cfg, lm.state
     tokens_per_step = c.train.micro_batch_size * c.train.grad_accum_steps * c.data.seq_len
+    world = state.world
+    ranks = f" | {world.strategy} × {world.size} ranks" if world.sharded else ""
     con.print(f"model: {c.model.preset} ({c.model.arch}) {state.n_params / 1e6:.2f}M parameters | "
-              f"device {state.device} | precision {state.precision.mode} | {tokens_per_step:,} tokens/step",
-              highlight=False)
+              f"device {state.device} | precision {state.precision.mode} | {tokens_per_step * world.size:,} "
+              f"tokens/step{ranks}", highlight=False)
     note = precision_notice(cfg.precision.mode, state.device)  # why auto chose it, or that bf16 is emulated here
     if note:
         con.print(note, highlight=False)
@@ -159,7 +183,7 @@ def train(cfg: Config, run_dir: Path, resume: bool = False, console: Console | N
     con.print(f"done at step {result.step} ({result.stop_reason}): val_loss {shown_val} | unigram baseline "
               f"{lm.data.unigram_loss:.4f} | checkpoint {result.checkpoint}", highlight=False)
     result.unigram_loss = lm.data.unigram_loss
-    if lm.cfg.train.sample_tokens:
+    if lm.cfg.train.sample_tokens and world.main:
         result.sample = lm.sample(lm.cfg.train.sample_prompt, lm.cfg.train.sample_tokens)
         con.rule("sample")
         con.print(result.sample, markup=False, highlight=False)

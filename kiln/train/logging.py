@@ -46,12 +46,16 @@ def _clean(value):
 
 class MetricsLogger:
     def __init__(self, cfg: LogConfig, run_dir: Path, total_steps: int | None, start_step: int = 0,
-                 console: Console | None = None):
-        self.cfg = cfg
+                 console: Console | None = None, enabled: bool = True):
+        """enabled=False (every rank but 0 under data parallelism): records, lines and the bar go nowhere."""
+        self.cfg, self.enabled = cfg, enabled
         self.console = console or Console(file=sys.stdout)
+        self.file = self.tb = self.progress = None
+        self.mode = "off"
+        if not enabled:
+            return
         run_dir.mkdir(parents=True, exist_ok=True)
         self.file = open(run_dir / "metrics.jsonl", "a")
-        self.tb = None
         if cfg.tensorboard:
             from torch.utils.tensorboard import SummaryWriter
 
@@ -60,7 +64,6 @@ class MetricsLogger:
         if mode == "auto":
             mode = "bar" if self.console.is_terminal else "lines"
         self.mode = mode
-        self.progress = None
         self._refreshed = 0.0
         if mode == "bar":
             # Redrawn from the training thread at most every REFRESH_S: rich's default auto-refresh is a thread
@@ -74,7 +77,8 @@ class MetricsLogger:
             self.progress.start()
 
     def print(self, *args, **kw):
-        self.console.print(*args, **kw)
+        if self.enabled:
+            self.console.print(*args, **kw)
 
     def set_total(self, total_steps: int) -> None:
         """The run's length, once known (a time-budgeted run measures its first steps to decide it)."""
@@ -95,6 +99,8 @@ class MetricsLogger:
     def log(self, record: dict, kind: str) -> None:
         if kind not in KINDS:
             raise ValueError(f"metrics record kind {kind!r}; use one of {KINDS}")
+        if not self.enabled:
+            return
         record = {"kind": kind} | {k: _clean(v) for k, v in record.items() if v is not None}
         self.file.write(json.dumps(record) + "\n")
         self.file.flush()
@@ -132,7 +138,8 @@ class MetricsLogger:
             self.progress.stop()
         if self.tb is not None:
             self.tb.close()
-        self.file.close()
+        if self.file is not None:
+            self.file.close()
 
 
 def _fmt(v) -> str:

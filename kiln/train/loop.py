@@ -42,7 +42,8 @@ class TrainConfig:
     max_steps: int = 0  # optimizer steps (each micro_batch_size·grad_accum_steps sequences); 0: fit time_budget
     time_budget: float = 120.0  # max_steps=0: seconds of training steps, sized by the time of steps 3-10 (to 30)
     micro_batch_size: int = 8  # sequences per forward/backward pass
-    grad_accum_steps: int = 1  # micro-batches accumulated into one optimizer step
+    grad_accum_steps: int = 1  # micro-batches accumulated into one optimizer step (per rank)
+    global_batch_size: int = 0  # sequences per optimizer step over all ranks; sets grad_accum_steps (0: off)
     eval_interval: int = 0  # steps between validation passes (0: only at the end)
     eval_batches: int = 20  # validation micro-batches per evaluation
     early_stop_patience: int = 0  # stop after this many evaluations without a better val loss (0: never)
@@ -59,7 +60,7 @@ class TrainConfig:
             if getattr(self, key) < 1:
                 raise ValueError(f"train.{key} must be ≥ 1, got {getattr(self, key)}")
         for key in ("max_steps", "time_budget", "eval_interval", "early_stop_patience", "sample_tokens",
-                    "early_stop_min_delta"):
+                    "early_stop_min_delta", "global_batch_size"):
             if getattr(self, key) < 0:
                 raise ValueError(f"train.{key} must be ≥ 0, got {getattr(self, key)}")
         if self.max_steps == 0 and self.time_budget == 0:
@@ -67,8 +68,23 @@ class TrainConfig:
                              "--train.max_steps=N or --train.time_budget=SECONDS")
         if self.device != "auto" and not self.device.split(":")[0] in ("cpu", "cuda", "mps"):
             raise ValueError(f"train.device={self.device!r}; use auto, cpu, cuda or cuda:N")
+        if self.global_batch_size % self.micro_batch_size:
+            raise ValueError(f"train.global_batch_size={self.global_batch_size} is not a multiple of "
+                             f"train.micro_batch_size={self.micro_batch_size}")
         if self.kernels not in KERNELS:
             raise ValueError(f"train.kernels={self.kernels!r} is unknown; use one of {KERNELS}")
+
+
+def accumulation_for(tc: TrainConfig, world_size: int) -> int:
+    """grad_accum_steps per rank: from train.global_batch_size when it is set, else as configured."""
+    if not tc.global_batch_size:
+        return tc.grad_accum_steps
+    per_step = tc.micro_batch_size * world_size
+    if tc.global_batch_size % per_step:
+        raise ValueError(f"train.global_batch_size={tc.global_batch_size} sequences cannot be shared by {world_size} "
+                         f"ranks of train.micro_batch_size={tc.micro_batch_size}: it must be a multiple of "
+                         f"{per_step}; change the world size, the micro-batch or the global batch")
+    return tc.global_batch_size // per_step
 
 
 @dataclass
@@ -130,7 +146,7 @@ class Trainer:
         loader = state.loader
         self.numerics = Numerics(cfg.numerics, cfg.faults, Handles(
             model=state.model, losses=lambda model, batches: micro_batch_losses(model, batches, state.objective,
-                                                                                state.precision),
+                                                                                state.precision),  # this rank's
             scaler=state.scaler, masters=state.masters, device=state.device, step=lambda: state.step,
             loader_position=lambda: loader.batches_served, skip_batches=loader.skip,
             snapshot=state.state_dict, restore=state.load_state_dict, load_checkpoint=self._load_latest,
@@ -150,7 +166,12 @@ class Trainer:
 
     def resume(self) -> Path:
         """Load the latest checkpoint of the run directory into the state (numerics monitor included)."""
+        if self.state.world.sharded:
+            return self.checkpointer.load_sharded(self.state)
         path = self.checkpointer.latest()
+        if path is not None and (path / "sharded").is_dir():
+            raise ValueError(f"{path} was written under parallel.strategy by several ranks; resume it with "
+                             f"--parallel.strategy=ddp or fsdp (one process works without torchrun)")
         self.state.load_state_dict(self.checkpointer.load(map_location=self.state.device))
         return path
 
@@ -160,18 +181,22 @@ class Trainer:
 
     def _start(self) -> None:
         if self.logger is None:
-            self.run_dir.mkdir(parents=True, exist_ok=True)
+            main = self.state.world.main  # under data parallelism rank 0 writes the run directory, alone
+            if main:
+                self.run_dir.mkdir(parents=True, exist_ok=True)
             self._write_config()
             self.logger = MetricsLogger(self.cfg.log, self.run_dir, self.cfg.train.max_steps or None,
-                                        self.state.step, console=self.con)
+                                        self.state.step, console=self.con, enabled=main)
             self.numerics.start()
 
     def _write_config(self) -> None:
-        if self._config_toml is not None:
+        if self._config_toml is not None and self.state.world.main:
             (self.run_dir / "config.toml").write_text(self._config_toml(self.cfg))
 
     def save_checkpoint(self) -> Path:
         text = self._config_toml(self.cfg) if self._config_toml is not None else ""
+        if self.state.world.sharded:
+            return self.checkpointer.save_sharded(self.state.step, self.state, text)
         return self.checkpointer.save(self.state.step, self.state.state_dict(), text, self.state.model)
 
     # -- the loop -----------------------------------------------------------------------------------------
@@ -196,7 +221,8 @@ class Trainer:
             batches = numerics.begin_step(state.step + 1, [state.loader.next() for _ in range(tc.grad_accum_steps)])
             units = sum(state.objective.size(b) for b in batches)
             result = train_step(state.step_model, batches, state.objective, state.optimizer, state.precision,
-                                state.scaler, cfg.optim, state.masters, numerics.guard)
+                                state.scaler, cfg.optim, state.masters, numerics.guard,
+                                state.world if state.world.sharded else None)
             self.skipped_total += result.skipped
             state.step += 1
             state.tokens_seen += units
@@ -246,7 +272,7 @@ class Trainer:
         step_time = (now - self._clock[self._first + 2]) / (state.step - self._first - 2)
         left = tc.time_budget - (now - self._clock[self._first])
         floor = max(state.step, self.cfg.schedule.warmup_steps)  # a shorter run would change the warm-up
-        steps = max(floor, state.step + int(left / step_time))
+        steps = state.world.broadcast_object(max(floor, state.step + int(left / step_time)))  # rank 0 decides
         self.cfg = replace(self.cfg, train=replace(tc, max_steps=steps))
         self.budgeted = False
         self.horizon = self.cfg.schedule.total_steps or steps
@@ -263,12 +289,14 @@ class Trainer:
             result.loss.double(), result.grad_norm.double(), self.skipped_total.double(), state.scaler.scale.double()
         ]).tolist()
         elapsed = time.perf_counter() - self.window_start
-        rate = self.window_units / elapsed
+        rate = self.window_units * state.world.size / elapsed  # global: every rank served as many
         self.logger.log({
             "step": state.step, "loss": loss, "lr": lr, "grad_norm": grad_norm,
-            f"{self.unit}_per_s": rate, "step_time_s": elapsed / self.window_steps, f"{self.unit}_seen": state.tokens_seen,
+            f"{self.unit}_per_s": rate, "step_time_s": elapsed / self.window_steps,
+            f"{self.unit}_seen": state.tokens_seen * state.world.size,
             "peak_mem_bytes": peak_memory_bytes(state.device),
-            "mfu": mfu(self.flops_per_unit, rate, self.peak) if self.flops_per_unit else None,
+            # per device: the global rate shared by the ranks
+            "mfu": mfu(self.flops_per_unit, rate / state.world.size, self.peak) if self.flops_per_unit else None,
             "skipped_steps": int(skipped), "loss_scale": scale if state.scaler.enabled else None,
         }, kind="train")
         self.window_start, self.window_steps, self.window_units = time.perf_counter(), 0, 0

@@ -9,7 +9,8 @@
                nothing worth moving, so recompute comes first).
 4. loss        one choice: "plain" (the model's LMLoss), "fused" (the Triton fused linear cross-entropy) or
                "chunked" (kiln.memory.chunked_loss); kiln.config refuses a fused and a chunked loss together.
-5. parallelize a no-op until data parallelism lands: it wraps the transformed model, so it comes after 1-4.
+5. parallelize DDP wraps, FSDP2 shards (kiln.dist.parallelize): after 1-4, so every transformed block is what
+               fully_shard sees; a no-op in a world of one.
 6. compile     torch.compile of the finished model (the step calls the compiled one; hooks stay on the eager one).
 
 Levers 2-4 need kiln's transformer (a `blocks` list, an `LMLoss`); asked of another model they are an error that
@@ -22,6 +23,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn as nn
 
+from kiln.dist import ParallelConfig, World, parallelize
 from kiln.memory.chunked_loss import ChunkedLMLoss
 from kiln.memory.offload import apply_offload
 from kiln.memory.recompute import apply_recompute
@@ -40,6 +42,7 @@ class ModelPlan:
     loss: str = "plain"  # plain | fused | chunked
     loss_chunk: int = 0  # chunked: tokens per chunk
     compile: bool = False
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)  # the `parallel` section
 
     def __post_init__(self):
         if self.loss not in LOSSES:
@@ -63,8 +66,11 @@ def _needs_blocks(model: nn.Module, lever: str) -> None:
                          f"{type(model).__name__} has none. Turn it off for this model")
 
 
-def prepare_model(model: nn.Module, plan: ModelPlan, device: torch.device | None = None) -> PreparedModel:
-    """Apply `plan` to `model` in the pipeline's order; returns the eager and the step model."""
+def prepare_model(model: nn.Module, plan: ModelPlan, device: torch.device | None = None, world: World | None = None,
+                  param_dtype: torch.dtype | None = None) -> PreparedModel:
+    """Apply `plan` to `model` in the pipeline's order; returns the eager and the step model.
+
+    param_dtype: FSDP2's compute dtype for parameters (bf16 autocast runs), None to keep theirs."""
     applied = {}
     if plan.kernels == "triton":
         from kiln.kernels.apply import apply_kernels  # lazy: triton is imported only by runs that use the kernels
@@ -91,8 +97,12 @@ def prepare_model(model: nn.Module, plan: ModelPlan, device: torch.device | None
             # Like LMLoss, the SUM over valid targets: the step divides by the global batch's valid count.
             model.loss = FusedLinearCrossEntropyLoss(ignore_index=IGNORE_INDEX, reduction="sum")
         applied["loss"] = plan.loss
-    # parallelize: data parallelism (DDP / FSDP2) will wrap the model here, after every module-level transform.
-    step_model = torch.compile(model) if plan.compile else model
+    step_model = model
+    if world is not None and world.sharded:
+        step_model = parallelize(model, plan.parallel, world, torch.device(device), param_dtype)
+        applied["parallel"] = f"{plan.parallel.strategy} × {world.size}"
+    if plan.compile:
+        step_model = torch.compile(step_model)
     if plan.compile:
         applied["compile"] = True
     return PreparedModel(model, step_model, applied)

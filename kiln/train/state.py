@@ -13,12 +13,13 @@ from __future__ import annotations
 
 import math
 import random
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 import torch
 import torch.nn as nn
 
+from kiln.dist import World
 from kiln.train.checkpoint import rng_state, set_rng_state
 from kiln.train.optim import OptimConfig, build_optimizer, param_groups
 from kiln.train.pipeline import ModelPlan, prepare_model
@@ -48,17 +49,27 @@ class TrainState:
     best_val: float = math.inf
     evals_since_best: int = 0
     numerics: object | None = None  # the numerics monitor, attached by the Trainer; its state is saved too
+    world: World = field(default_factory=World)  # this process's place in data parallelism (a world of one)
 
     def state_dict(self) -> dict:
+        """Everything, in one process's hands (a world of one, and the in-memory rollback snapshot)."""
+        return {"model": self.model.state_dict(), "optimizer": self.optimizer.state_dict(), "rng": rng_state()} \
+            | self.shared_state_dict()
+
+    def load_state_dict(self, state: dict) -> None:
+        self.model.load_state_dict(state["model"])
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.load_shared_state_dict(state)
+        set_rng_state(state["rng"])
+
+    def shared_state_dict(self) -> dict:
+        """What is the same on every rank: all but the model, the optimizer and the RNG streams."""
         state = {
-            "model": self.model.state_dict(),
-            "optimizer": self.optimizer.state_dict(),
             "scaler": self.scaler.state_dict(),
             "step": self.step,
             "tokens_seen": self.tokens_seen,
             "best_val": self.best_val,
             "evals_since_best": self.evals_since_best,
-            "rng": rng_state(),
         }
         if self.loader is not None:
             state["data"] = self.loader.state_dict()
@@ -68,9 +79,7 @@ class TrainState:
             state["numerics"] = self.numerics.state_dict()
         return state
 
-    def load_state_dict(self, state: dict) -> None:
-        self.model.load_state_dict(state["model"])
-        self.optimizer.load_state_dict(state["optimizer"])
+    def load_shared_state_dict(self, state: dict) -> None:
         self.scaler.load_state_dict(state["scaler"])
         if self.masters is not None:
             self.masters.load_state_dict(state["masters"])
@@ -80,7 +89,6 @@ class TrainState:
             self.loader.load_state_dict(state["data"])
         if self.numerics is not None and "numerics" in state:
             self.numerics.load_state_dict(state["numerics"])
-        set_rng_state(state["rng"])
 
     @property
     def n_params(self) -> int:
@@ -88,19 +96,46 @@ class TrainState:
 
 
 def build_state(model: nn.Module, objective, loader, *, device: torch.device, precision: str,
-                precision_cfg: PrecisionConfig, optim: OptimConfig, plan: ModelPlan = ModelPlan()) -> TrainState:
+                precision_cfg: PrecisionConfig, optim: OptimConfig, plan: ModelPlan = ModelPlan(),
+                world: World | None = None) -> TrainState:
     """The one builder: model to the device and dtype, the model pipeline, master weights, optimizer, scaler.
 
     `precision` is a concrete mode (kiln.perf.hardware.resolve_mode); the model is expected freshly built (or
-    loaded) in fp32 on any device.
+    loaded) in fp32 on any device, with the same seed on every rank (DDP checks; FSDP2 shards what it is given).
     """
+    world = world or World()
     mode = Precision(precision, device)
     model = model.to(device=device, dtype=mode.param_dtype)
-    prepared = prepare_model(model, plan, device)
+    fsdp_dtype = mode.autocast_dtype if world.strategy == "fsdp" and mode.mode == "bf16" else None
+    prepared = prepare_model(model, plan, device, world, fsdp_dtype)
     groups = param_groups(prepared.model, optim.weight_decay)
     # With optim.offload the host optimizer keeps the fp32 masters itself.
     masters = MasterWeights(prepared.model) if mode.mode == "bf16-master" and optim.offload == "none" else None
-    optimizer = build_optimizer(masters.groups(groups) if masters else groups, optim)
+    groups = masters.groups(groups) if masters else groups
+    if world.strategy == "zero1":
+        # Each rank keeps the optimizer state of its shard of the parameters and broadcasts its updated shard.
+        # kiln's masked foreach optimizers take the skip flag through ZeroRedundancyOptimizer.step(skipped=...).
+        from torch.distributed.optim import ZeroRedundancyOptimizer  # lazy: torch.distributed.optim, zero1 only
+
+        inner = replace(optim, implementation="foreach")
+        optimizer = ZeroRedundancyOptimizer(groups[0]["params"], optimizer_class=_ZeroInner(inner),
+                                            weight_decay=groups[0]["weight_decay"])
+        for group in groups[1:]:
+            optimizer.add_param_group(group)
+        optimizer.takes_skipped = True  # kiln.train.masked.optimizer_step: step(skipped=) reaches the inner one
+    else:
+        optimizer = build_optimizer(groups, optim)
     scaler = LossScaler(precision_cfg, device, enabled=mode.loss_scaling)
     return TrainState(prepared.model, prepared.step_model, objective, optimizer, scaler, masters, mode, device,
-                      loader, prepared.applied)
+                      loader, prepared.applied, world=world)
+
+
+class _ZeroInner:
+    """ZeroRedundancyOptimizer's optimizer_class: builds kiln's optimizer over the rank's shard of the groups."""
+
+    def __init__(self, cfg: OptimConfig):
+        self.cfg = cfg
+
+    def __call__(self, params, **defaults):
+        groups = params if params and isinstance(params[0], dict) else [{"params": params, **defaults}]
+        return build_optimizer(groups, self.cfg)

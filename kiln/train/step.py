@@ -9,8 +9,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+from torch.distributed import ReduceOp
+from torch.distributed.tensor import DTensor
 
 from kiln.data.batches import to_device
+from kiln.dist import World, gradient_sync
 from kiln.numerics.spikes import StepGuard
 from kiln.train.masked import optimizer_step
 from kiln.train.optim import clip_gradients
@@ -25,36 +28,57 @@ class StepResult:
     count: torch.Tensor  # tokens or samples the loss is normalised by
 
 
-def micro_batch_losses(model, batches, objective, precision: Precision):
+def micro_batch_losses(model, batches, objective, precision: Precision, world: World | None = None):
     """Yield each micro-batch's loss as the step normalises it: its SUM divided by the count of the whole global
-    batch (valid tokens, or samples), so k micro-batches give the gradient of one batch k× larger even when they
-    differ in size. The training step and the NaN trace's replay both take their losses from here."""
-    count = sum(objective.count(b) for b in batches).clamp(min=1)
-    for batch in batches:
-        with precision.autocast():
-            yield objective(model, batch) / count, count
+    batch (valid tokens, or samples; across all ranks under data parallelism), so k micro-batches on n ranks give
+    the gradient of one batch k·n times larger even when they differ in size. The training step and the NaN
+    trace's replay both take their losses from here. The consumer runs the backward before drawing the next loss:
+    gradients are reduced across ranks on the last micro-batch only."""
+    count = sum(objective.count(b) for b in batches)
+    if world is not None:
+        world.all_reduce(count)  # the global batch's count: every rank divides by the same number
+    count = count.clamp(min=1)
+    for i, batch in enumerate(batches):
+        with gradient_sync(model, i == len(batches) - 1):
+            with precision.autocast():
+                loss = objective(model, batch) / count
+            yield loss, count
 
 
-def accumulate_gradients(model, batches, objective, precision: Precision, scaler: LossScaler):
-    """Forward and backward over every micro-batch; returns (mean loss, count) as device tensors."""
+def accumulate_gradients(model, batches, objective, precision: Precision, scaler: LossScaler,
+                         world: World | None = None):
+    """Forward and backward over every micro-batch; returns (mean loss over the global batch, count)."""
+    # DDP and FSDP average gradients over ranks; each rank's loss is already a share of the global mean.
+    ranks = world.size if world is not None and world.sharded else 1
     total_loss, count = None, None
-    for loss, count in micro_batch_losses(model, batches, objective, precision):
-        scaler.scale_loss(loss).backward()
+    for loss, count in micro_batch_losses(model, batches, objective, precision, world):
+        scaler.scale_loss(loss * ranks if ranks > 1 else loss).backward()
         total_loss = loss.detach().double() if total_loss is None else total_loss + loss.detach()
+    if world is not None:
+        world.all_reduce(total_loss)  # every rank logs and judges the same loss
     return total_loss, count
 
 
 def train_step(model, batches, objective, optimizer, precision: Precision, scaler: LossScaler, optim_cfg,
-               masters: MasterWeights | None = None, guard: StepGuard | None = None) -> StepResult:
-    """One optimizer step over a global batch of micro-batches; no host-device sync with any kiln optimizer."""
-    total_loss, count = accumulate_gradients(model, batches, objective, precision, scaler)
+               masters: MasterWeights | None = None, guard: StepGuard | None = None,
+               world: World | None = None) -> StepResult:
+    """One optimizer step over a global batch of micro-batches; no host-device sync with any kiln optimizer.
+
+    Under data parallelism every decision (the fp16 overflow, a non-finite norm, a spike) is the same on all
+    ranks: the loss is all-reduced, the gradients are reduced (DDP) or their norm is global (FSDP), and an
+    overflow anywhere is an overflow everywhere."""
+    total_loss, count = accumulate_gradients(model, batches, objective, precision, scaler, world)
     if masters is not None:
         masters.grads_to_masters()
     params = masters.masters if masters is not None else [p for p in model.parameters() if p.requires_grad]
     if guard is not None:
         guard.inspect_scaled_grads(params)  # fp16 underflow/overflow per tensor, every fp16_telemetry_interval
     found_inf = scaler.unscale_(params)  # unscale before clipping: the threshold is in true-gradient units
+    if world is not None:
+        world.all_reduce(found_inf, op=ReduceOp.MAX)
     grad_norm = clip_gradients(params, optim_cfg)
+    if isinstance(grad_norm, DTensor):  # FSDP2: the norm over every rank's shards, replicated
+        grad_norm = grad_norm.full_tensor()
     # A non-finite gradient is never applied, whatever the precision.
     nonfinite = torch.maximum(found_inf, (~torch.isfinite(grad_norm)).float())
     skipped = nonfinite
@@ -71,8 +95,9 @@ def train_step(model, batches, objective, optimizer, precision: Precision, scale
 
 
 @torch.no_grad()
-def evaluate(model, batches, objective, precision: Precision, device) -> float:
-    """Mean loss per token (or sample) over `batches`, in eval mode; one host sync at the end."""
+def evaluate(model, batches, objective, precision: Precision, device, world: World | None = None) -> float:
+    """Mean loss per token (or sample) over `batches` (this rank's share of them), in eval mode; one host sync at
+    the end, after the totals are summed over ranks."""
     was_training = model.training
     model.eval()
     total = torch.zeros((), device=device, dtype=torch.float64)
@@ -83,5 +108,8 @@ def evaluate(model, batches, objective, precision: Precision, device) -> float:
             total += objective(model, batch).double()
         count += objective.count(batch)
     model.train(was_training)
+    if world is not None:
+        world.all_reduce(total)
+        world.all_reduce(count)
     return (total / count.clamp(min=1)).item()
 

@@ -1,0 +1,172 @@
+"""Data parallelism on torch.distributed, launched by torchrun: DDP, ZeRO-1 (DDP + ZeroRedundancyOptimizer) and
+FSDP2 (fully_shard per transformer block plus the root). Never a home-made engine.
+
+    ParallelConfig                    the `parallel` section
+    world = init_world(cfg, device)   the process group from torchrun's environment (or a world of one)
+    parallelize(model, cfg, world, precision)   the model pipeline's parallelize step
+    gradient_sync(step_model, on)     accumulation: no gradient reduction until the last micro-batch
+    world.all_reduce(t, op)           in place; a no-op in a world of one
+
+A plain `kiln train` without torchrun is a world of one with strategy none: no process group, nothing changes.
+"""
+from __future__ import annotations
+
+import contextlib
+import os
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+STRATEGIES = ("none", "ddp", "zero1", "fsdp")
+BACKENDS = ("auto", "nccl", "gloo")
+TORCHRUN_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
+
+
+@dataclass
+class ParallelConfig:
+    """The `parallel` section: data parallelism across the processes torchrun starts."""
+
+    strategy: str = "none"  # none | ddp | zero1 (DDP + sharded optimizer state) | fsdp (FSDP2 fully_shard)
+    reshard_after_forward: bool = True  # fsdp: free gathered parameters after forward (ZeRO-3) or keep (ZeRO-2)
+    cpu_offload: bool = False  # fsdp: parameters, gradients and optimizer state on the host (CPUOffloadPolicy)
+    backend: str = "auto"  # auto (nccl on CUDA, gloo on CPU) | nccl | gloo
+
+    def validate(self):
+        if self.strategy not in STRATEGIES:
+            raise ValueError(f"parallel.strategy={self.strategy!r} is unknown; use one of {STRATEGIES}")
+        if self.backend not in BACKENDS:
+            raise ValueError(f"parallel.backend={self.backend!r} is unknown; use one of {BACKENDS}")
+        if self.cpu_offload and self.strategy != "fsdp":
+            raise ValueError("parallel.cpu_offload is FSDP2's CPU offload: it needs --parallel.strategy=fsdp")
+
+
+@dataclass
+class World:
+    rank: int = 0
+    size: int = 1
+    local_rank: int = 0
+    strategy: str = "none"
+    initialized: bool = False  # this process created the process group (and destroys it in close())
+
+    @property
+    def main(self) -> bool:
+        return self.rank == 0
+
+    @property
+    def sharded(self) -> bool:
+        """Each rank computes on its own data: gradients are averaged (DDP, FSDP) across `size` ranks."""
+        return self.strategy != "none"
+
+    def all_reduce(self, t: torch.Tensor, op=dist.ReduceOp.SUM) -> torch.Tensor:
+        if self.size > 1:
+            dist.all_reduce(t, op=op)
+        return t
+
+    def barrier(self) -> None:
+        if self.size > 1:
+            dist.barrier()
+
+    def broadcast_object(self, obj):
+        """rank 0's object on every rank."""
+        if self.size == 1:
+            return obj
+        box = [obj]
+        dist.broadcast_object_list(box, src=0)
+        return box[0]
+
+    def close(self) -> None:
+        if self.initialized and dist.is_initialized():
+            dist.destroy_process_group()
+            self.initialized = False
+
+
+def launched_by_torchrun() -> bool:
+    return all(k in os.environ for k in ("RANK", "WORLD_SIZE"))
+
+
+def init_world(cfg: ParallelConfig, device_type: str) -> World:
+    """The world this process is part of. Errors name the fix for a launch that does not match the config."""
+    if not launched_by_torchrun():
+        if cfg.strategy != "none":
+            # A world of one is allowed (the same code path, for tests and for resuming on one device).
+            os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+            os.environ.setdefault("MASTER_PORT", str(_free_port()))
+            os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
+        else:
+            return World()
+    size = int(os.environ["WORLD_SIZE"])
+    missing = [k for k in TORCHRUN_ENV if k not in os.environ]
+    if missing:
+        raise ValueError(f"the distributed environment lacks {', '.join(missing)}; launch with torchrun "
+                         f"(torchrun --standalone --nproc_per_node=N -m kiln train ...), which sets them")
+    if cfg.strategy == "none" and size > 1:
+        raise ValueError(f"torchrun started {size} processes but parallel.strategy=none would train {size} "
+                         f"independent copies; set --parallel.strategy=ddp, zero1 or fsdp")
+    backend = cfg.backend if cfg.backend != "auto" else ("nccl" if device_type == "cuda" else "gloo")
+    world = World(int(os.environ["RANK"]), size, int(os.environ["LOCAL_RANK"]), cfg.strategy)
+    if not dist.is_initialized():
+        dist.init_process_group(backend)
+        world.initialized = True
+    return world
+
+
+def _free_port() -> int:
+    import socket  # lazy: only a world of one without torchrun needs a port
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def device_for(world: World, device: torch.device) -> torch.device:
+    """Each rank's device: cuda:LOCAL_RANK on a GPU machine; the CPU is shared."""
+    if device.type == "cuda" and world.size > 1:
+        return torch.device("cuda", world.local_rank)
+    return device
+
+
+def parallelize(model: nn.Module, cfg: ParallelConfig, world: World, device: torch.device,
+                param_dtype: torch.dtype | None = None) -> nn.Module:
+    """The pipeline's parallelize step: returns what the step calls (DDP wraps; FSDP2 shards `model` in place).
+
+    fsdp: fully_shard on every transformer block (model.blocks) and then the root, so each block's parameters
+    are gathered just before it runs; bf16 autocast runs become FSDP2's MixedPrecisionPolicy (bf16 parameters in
+    compute, fp32 gradient reduction).
+    """
+    if cfg.strategy == "none":
+        return model
+    if cfg.strategy in ("ddp", "zero1"):
+        ids = [device.index] if device.type == "cuda" else None
+        return nn.parallel.DistributedDataParallel(model, device_ids=ids)
+    from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard  # lazy: fsdp only
+
+    kw = {"reshard_after_forward": cfg.reshard_after_forward}
+    if param_dtype is not None:
+        kw["mp_policy"] = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32)
+    if cfg.cpu_offload:
+        kw["offload_policy"] = CPUOffloadPolicy()
+    for block in getattr(model, "blocks", ()):
+        fully_shard(block, **kw)
+    fully_shard(model, **kw)
+    return model
+
+
+@contextlib.contextmanager
+def gradient_sync(step_model: nn.Module, on: bool):
+    """Reduce gradients on this backward (the last micro-batch of a step) or not (the others)."""
+    step_model = getattr(step_model, "_orig_mod", step_model)  # torch.compile's wrapper
+    if on:
+        yield
+    elif isinstance(step_model, nn.parallel.DistributedDataParallel):
+        with step_model.no_sync():
+            yield
+    elif hasattr(step_model, "set_requires_gradient_sync"):  # FSDP2
+        step_model.set_requires_gradient_sync(False)
+        try:
+            yield
+        finally:
+            step_model.set_requires_gradient_sync(True)
+    else:
+        yield

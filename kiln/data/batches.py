@@ -39,8 +39,11 @@ def is_dataset(data) -> bool:
 
 
 class BatchLoader:
-    def __init__(self, data, batch_size: int | None, seed: int, device: torch.device | str = "cpu"):
+    def __init__(self, data, batch_size: int | None, seed: int, device: torch.device | str = "cpu", rank: int = 0,
+                 world: int = 1):
+        """rank, world: data parallelism; this rank's n-th batch is batch n·world + rank of the one stream."""
         self.data, self.seed, self.device = data, seed, torch.device(device)
+        self.rank, self.world = rank, world
         self.dataset = is_dataset(data)
         if self.dataset:
             if not batch_size or batch_size < 1:
@@ -78,7 +81,14 @@ class BatchLoader:
             return next(self._it)
 
     def next(self):
-        batch = self._dataset_batch(self.batches_served) if self.dataset else self._iterable_batch()
+        if self.dataset:
+            batch = self._dataset_batch(self.batches_served * self.world + self.rank)
+        else:
+            for _ in range(self.rank):  # the other ranks' batches of this round
+                self._iterable_batch()
+            batch = self._iterable_batch()
+            for _ in range(self.world - 1 - self.rank):
+                self._iterable_batch()
         self.batches_served += 1
         return to_device(batch, self.device)
 
@@ -86,25 +96,29 @@ class BatchLoader:
         if self.dataset:
             self.batches_served += n
         else:
-            for _ in range(n):
+            for _ in range(n * self.world):
                 self._iterable_batch()
-                self.batches_served += 1
+            self.batches_served += n
 
     def state_dict(self) -> dict:
-        return {"batches_served": self.batches_served, "seed": self.seed}
+        return {"batches_served": self.batches_served, "seed": self.seed, "world": self.world}
 
     def load_state_dict(self, state: dict) -> None:
         if state["seed"] != self.seed:
             raise ValueError(f"the checkpoint's data order has seed {state['seed']}, this run {self.seed}; "
                              f"resume with the same train.seed")
-        if not self.dataset:
-            if iter(self.data) is self.data:
-                raise ValueError("resuming replays the training data from its start, but it is a one-shot "
-                                 "iterator; pass a torch Dataset or a re-iterable (a DataLoader, a list)")
-            self._it, self.batches_served = None, 0
-        self.batches_served = 0 if not self.dataset else int(state["batches_served"])
-        if not self.dataset:
-            self.skip(int(state["batches_served"]))
+        served = int(state["batches_served"]) * int(state.get("world", 1))  # batches of the stream, all ranks
+        if served % self.world:
+            raise ValueError(f"the checkpoint was taken {served} batches into the data, which {self.world} ranks "
+                             f"cannot share evenly; resume with a world size that divides it")
+        if self.dataset:
+            self.batches_served = served // self.world
+            return
+        if iter(self.data) is self.data:
+            raise ValueError("resuming replays the training data from its start, but it is a one-shot "
+                             "iterator; pass a torch Dataset or a re-iterable (a DataLoader, a list)")
+        self._it, self.batches_served = None, 0
+        self.skip(served // self.world)
 
     def close(self) -> None:
         self._it = None

@@ -11,6 +11,7 @@ A plain `kiln train` without torchrun is a world of one with strategy none: no p
 """
 from __future__ import annotations
 
+import atexit
 import contextlib
 import os
 from dataclasses import dataclass
@@ -48,7 +49,6 @@ class World:
     size: int = 1
     local_rank: int = 0
     strategy: str = "none"
-    initialized: bool = False  # this process created the process group (and destroys it in close())
 
     @property
     def main(self) -> bool:
@@ -76,10 +76,18 @@ class World:
         dist.broadcast_object_list(box, src=0)
         return box[0]
 
+    def gather_objects(self, obj) -> list:
+        """Every rank's object, in rank order, on every rank."""
+        if self.size == 1:
+            return [obj]
+        out = [None] * self.size
+        dist.all_gather_object(out, obj)
+        return out
+
     def close(self) -> None:
-        if self.initialized and dist.is_initialized():
-            dist.destroy_process_group()
-            self.initialized = False
+        """The end of a run. The process group stays for the next run in this process (re-creating one in the same
+        rendezvous store can hang gloo) and is destroyed when the process exits."""
+        self.barrier()
 
 
 def launched_by_torchrun() -> bool:
@@ -88,14 +96,14 @@ def launched_by_torchrun() -> bool:
 
 def init_world(cfg: ParallelConfig, device_type: str) -> World:
     """The world this process is part of. Errors name the fix for a launch that does not match the config."""
+    backend = cfg.backend if cfg.backend != "auto" else ("nccl" if device_type == "cuda" else "gloo")
     if not launched_by_torchrun():
-        if cfg.strategy != "none":
-            # A world of one is allowed (the same code path, for tests and for resuming on one device).
-            os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-            os.environ.setdefault("MASTER_PORT", str(_free_port()))
-            os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
-        else:
+        if cfg.strategy == "none":
             return World()
+        # A world of one: the same code path without torchrun (tests, resuming a parallel run on one device).
+        if not dist.is_initialized():
+            _init(backend, init_method=f"tcp://127.0.0.1:{_free_port()}", rank=0, world_size=1)
+        return World(0, dist.get_world_size(), 0, cfg.strategy)
     size = int(os.environ["WORLD_SIZE"])
     missing = [k for k in TORCHRUN_ENV if k not in os.environ]
     if missing:
@@ -104,12 +112,14 @@ def init_world(cfg: ParallelConfig, device_type: str) -> World:
     if cfg.strategy == "none" and size > 1:
         raise ValueError(f"torchrun started {size} processes but parallel.strategy=none would train {size} "
                          f"independent copies; set --parallel.strategy=ddp, zero1 or fsdp")
-    backend = cfg.backend if cfg.backend != "auto" else ("nccl" if device_type == "cuda" else "gloo")
-    world = World(int(os.environ["RANK"]), size, int(os.environ["LOCAL_RANK"]), cfg.strategy)
     if not dist.is_initialized():
-        dist.init_process_group(backend)
-        world.initialized = True
-    return world
+        _init(backend)
+    return World(int(os.environ["RANK"]), size, int(os.environ["LOCAL_RANK"]), cfg.strategy)
+
+
+def _init(backend: str, **kw) -> None:
+    dist.init_process_group(backend, **kw)
+    atexit.register(dist.destroy_process_group)
 
 
 def _free_port() -> int:

@@ -25,6 +25,7 @@ class FaultsConfig:
     unshifted_labels: bool = False  # targets equal the inputs, not the next tokens (doctor check 4 fails)
     frozen_module: str = ""  # MODULE: its output is detached, so its parameters get no gradient (doctor check 3)
     skip_zero_grad: bool = False  # gradients stay in .grad between steps, as if zero_grad were forgotten (check 7)
+    rank: int = -1  # data parallelism: plant nan_forward / inf_backward on this rank only (-1: on every rank)
 
     def validate(self):
         for key in ("nan_forward", "inf_backward"):
@@ -69,9 +70,9 @@ def _poison(t: torch.Tensor, value: float) -> torch.Tensor:
 class FaultInjector:
     """Arms the configured faults on a built (uncompiled) model; `begin_step` tells it which step runs next."""
 
-    def __init__(self, cfg: FaultsConfig, model: nn.Module, vocab_size: int | None):
+    def __init__(self, cfg: FaultsConfig, model: nn.Module, vocab_size: int | None, rank: int = 0):
         """vocab_size: the data's token ids (kiln's language-model batches); None for other models, which then
-        take the module faults only."""
+        take the module faults only. rank: this process's, for faults.rank."""
         if vocab_size is None and (cfg.spike or cfg.unshifted_labels):
             raise ValueError("faults.spike and faults.unshifted_labels rewrite language-model targets (token ids); "
                              "this model trains on other data: use the module faults (nan_forward, inf_backward, "
@@ -81,11 +82,12 @@ class FaultInjector:
         self.spiked = False  # the spike batch is served once: a rollback that replays step `spike` gets clean data
         self._handles = []
         self._leftover: dict[nn.Parameter, torch.Tensor] = {}
-        if cfg.nan_forward:
+        here = cfg.rank < 0 or cfg.rank == rank
+        if cfg.nan_forward and here:
             name, first, last = parse_spec(cfg.nan_forward, "faults.nan_forward")
             self._handles.append(_module(model, name, "faults.nan_forward").register_forward_hook(
                 self._nan_output(first, last)))
-        if cfg.inf_backward:
+        if cfg.inf_backward and here:
             name, first, last = parse_spec(cfg.inf_backward, "faults.inf_backward")
             module = _module(model, name, "faults.inf_backward")
             if isinstance(module, nn.Embedding):

@@ -14,19 +14,20 @@ history, an lr cut in force, rollbacks so far) is its state_dict, saved in every
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
 import torch
 
+from kiln.dist import World
 from kiln.numerics.config import NumericsConfig
 from kiln.numerics.faults import FaultInjector, FaultsConfig
 from kiln.numerics.fp16 import Fp16Telemetry, ScaleHistory
 from kiln.numerics.spikes import (GN_MAD, GN_MED, GN_Z, GRAD_NORM, LOSS, LOSS_MAD, LOSS_MED, LOSS_Z, OVERFLOW,
                                   SCALE, SPIKE, StepGuard)
 from kiln.numerics.stats import json_safe
-from kiln.numerics.trace import describe, trace_nonfinite
+from kiln.numerics.trace import describe, trace_nonfinite, write_report
 
 
 @dataclass
@@ -65,6 +66,7 @@ class Handles:
     load_checkpoint: Callable[[], tuple[dict, str] | None]  # the latest checkpoint's state and its path, or None
     vocab_size: int | None = None  # token ids of the data (language models): the data faults need it
     compiled: bool = False  # the step runs a torch.compile'd model: faults cannot hook it
+    world: World = field(default_factory=World)  # data parallelism: the trace gathers every rank's replay
 
 
 class Numerics:
@@ -76,7 +78,7 @@ class Numerics:
         if faults.any:
             if handles.compiled:
                 raise ValueError("faults.* hook the eager model; set --train.compile=false to inject faults")
-            self.faults = FaultInjector(faults, handles.model, handles.vocab_size)
+            self.faults = FaultInjector(faults, handles.model, handles.vocab_size, handles.world.rank)
         telemetry = None
         if self.loss_scaling and cfg.fp16_telemetry_interval:
             names = {id(p): n for n, p in handles.model.named_parameters()}
@@ -268,11 +270,19 @@ class Numerics:
         if self.faults is not None:
             self.faults.step = step
         try:
+            # Every rank replays its own micro-batches (a non-finite step is non-finite on all of them: the loss
+            # and the gradients are reduced); the first rank whose replay finds the origin is the report.
             report = trace_nonfinite(h.model, self._batches[step], h.losses, h.scaler, step,
-                                     {"loss": r[LOSS], "grad_norm": r[GRAD_NORM]}, self.run_dir)
+                                     {"loss": r[LOSS], "grad_norm": r[GRAD_NORM]}, None)
         finally:
             if self.faults is not None:
                 self.faults.step = armed
+        if h.world.size > 1:
+            reports = h.world.gather_objects(report)
+            rank = next((i for i, rep in enumerate(reports) if rep.get("reproduced")), 0)
+            report = reports[rank] | {"rank": rank}
+        if h.world.main:
+            write_report(report, self.run_dir)
         logger.log({"step": step, "event": "nonfinite_trace", "module": report["module"], "op": report["op"],
                     "phase": report["phase"], "report": str(self.run_dir / "nonfinite_report.json")}, kind="numerics")
         logger.print(f"numerics: {describe(report)}\n  report: {self.run_dir / 'nonfinite_report.json'}",

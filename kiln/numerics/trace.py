@@ -225,17 +225,22 @@ def nonfinite_params(model: nn.Module) -> list[str]:
     return [n for n, p in model.named_parameters() if not is_finite(p.detach())]
 
 
-def trace_nonfinite(model, batches, losses, scaler, step: int, observed: dict, run_dir: Path) -> dict:
-    """Replay step `step` and write nonfinite_report.json in run_dir; returns the report."""
+def trace_nonfinite(model, batches, losses, scaler, step: int, observed: dict, run_dir: Path | None) -> dict:
+    """Replay step `step` and write nonfinite_report.json in run_dir (None: do not write); returns the report."""
     bad_params = nonfinite_params(model)
     finding, micro_batch = replay_step(model, batches, losses, scaler)
     report = {"module": finding.pop("module"), "op": finding.pop("op"), "phase": finding.pop("phase"),
               "step": step, "stats": finding.pop("stats", {}), "micro_batch": micro_batch,
               "observed": observed, "nonfinite_parameters": bad_params, **finding}
     report = json_safe(report)
+    if run_dir is not None:
+        write_report(report, run_dir)
+    return report
+
+
+def write_report(report: dict, run_dir: Path) -> None:
     Path(run_dir).mkdir(parents=True, exist_ok=True)
     (Path(run_dir) / REPORT_FILE).write_text(json.dumps(report, indent=2) + "\n")
-    return report
 
 
 def describe(report: dict) -> str:
@@ -246,6 +251,8 @@ def describe(report: dict) -> str:
                 f"{report['observed'].get('grad_norm')}); the replay with hooks stayed finite, so the origin is "
                 f"unknown (the weights moved since, or the NaN came from nondeterminism)")
     line = f"non-finite at step {step}: first in {report['phase']} of {report['module']}"
+    if "rank" in report:
+        line += f" on rank {report['rank']}"
     if report.get("op"):
         line += f", op {report['op']}"
         if report.get("op_module") not in (None, report["module"]):

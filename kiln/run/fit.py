@@ -19,7 +19,9 @@ the model and data sections do not apply. The memory levers need a transformer's
 """
 from __future__ import annotations
 
+import itertools
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -27,14 +29,15 @@ import torch.nn as nn
 from rich.console import Console
 
 from kiln.config import Config, apply_overrides, load_config, parse_override, to_toml
-from kiln.data.batches import BatchLoader, eval_batches
+from kiln.data.batches import BatchLoader, eval_batches, to_device
+from kiln.dist import device_for, init_world
 from kiln.memory.offload import parse_blocks
 from kiln.memory.estimate import recompute_plan
 from kiln.perf import device_peak_flops
 from kiln.perf.hardware import precision_notice, resolve_kernels, resolve_mode
 from kiln.run.lm import pick_device
 from kiln.train.checkpoint import Checkpointer
-from kiln.train.loop import TrainResult, Trainer
+from kiln.train.loop import TrainResult, Trainer, accumulation_for
 from kiln.train.losses import NTXent
 from kiln.train.objective import Contrastive, Supervised
 from kiln.train.pipeline import ModelPlan
@@ -84,7 +87,7 @@ def _plan(cfg: Config, model: nn.Module, precision: str, device: torch.device) -
         raise ValueError("memory.chunked_loss replaces kiln's LM head + cross-entropy; a model of your own computes "
                          "its loss through `loss=`: set memory.chunked_loss=0")
     return ModelPlan(kernels=resolve_kernels(cfg.train.kernels, device), recompute=recompute, offload=offload,
-                     compile=cfg.train.compile)
+                     compile=cfg.train.compile, parallel=cfg.parallel)
 
 
 def fit(model: nn.Module, train_data, *, loss="cross_entropy", config=None, eval_data=None,
@@ -97,18 +100,31 @@ def fit(model: nn.Module, train_data, *, loss="cross_entropy", config=None, eval
     if not resume and Checkpointer(cfg.checkpoint, run_dir).latest() is not None:
         raise FileExistsError(f"{run_dir} already holds a run with checkpoints; pass resume=True to continue it, "
                               f"or choose another run_dir")
+    world = init_world(cfg.parallel, pick_device(cfg.train.device).type)
+    try:
+        return _fit(model, train_data, objective, cfg, eval_data, run_dir, resume, console, flops_per_sample, world)
+    finally:
+        world.close()
+
+
+def _fit(model, train_data, objective, cfg, eval_data, run_dir, resume, console, flops_per_sample,
+         world) -> TrainResult:
     con = console or Console(soft_wrap=True)
-    device = pick_device(cfg.train.device)
+    if not world.main:
+        con = Console(quiet=True)  # rank 0 speaks for the run
+    device = device_for(world, pick_device(cfg.train.device))
+    cfg = replace(cfg, train=replace(cfg.train, grad_accum_steps=accumulation_for(cfg.train, world.size)))
     seed_everything(cfg.train.seed)  # dropout and any init the model does lazily draw from here
     precision = resolve_mode(cfg.precision.mode, device)
-    loader = BatchLoader(train_data, cfg.train.micro_batch_size, cfg.train.seed, device)
+    loader = BatchLoader(train_data, cfg.train.micro_batch_size, cfg.train.seed, device, world.rank, world.size)
     state = build_state(model, objective, loader, device=device, precision=precision, precision_cfg=cfg.precision,
-                        optim=cfg.optim, plan=_plan(cfg, model, precision, device))
+                        optim=cfg.optim, plan=_plan(cfg, model, precision, device), world=world)
     evaluate_fn = None
     if eval_data is not None:
         def evaluate_fn(m):
-            return evaluate(m, eval_batches(eval_data, cfg.train.micro_batch_size), objective, state.precision,
-                            device)
+            mine = itertools.islice(eval_batches(eval_data, cfg.train.micro_batch_size), world.rank, None, world.size)
+            return evaluate(m, (to_device(b, device) for b in mine), objective, state.precision, device,
+                            world if world.size > 1 else None)
     trainer = Trainer(state, cfg, run_dir, con, evaluate=evaluate_fn, config_toml=to_toml,
                       flops_per_unit=flops_per_sample, peak_flops=device_peak_flops(device, precision))
     if resume:

@@ -119,7 +119,15 @@ def build_lm(cfg: Config, run_dir: Path | None = None, log=print, device: torch.
     random tokens.
     """
     world = init_world(cfg.parallel, (device or pick_device(cfg.train.device)).type)
-    device = device_for(world, device or pick_device(cfg.train.device))
+    try:
+        return _build_lm(cfg, run_dir, log, device_for(world, device or pick_device(cfg.train.device)), with_data,
+                         world)
+    except BaseException:
+        world.close()
+        raise
+
+
+def _build_lm(cfg: Config, run_dir, log, device: torch.device, with_data: bool, world) -> LMRun:
     cfg = replace(cfg, train=replace(cfg.train, grad_accum_steps=accumulation_for(cfg.train, world.size)))
     seed_everything(cfg.train.seed)  # the same on every rank: the same initial weights
     data = None

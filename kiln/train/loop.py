@@ -150,7 +150,8 @@ class Trainer:
             scaler=state.scaler, masters=state.masters, device=state.device, step=lambda: state.step,
             loader_position=lambda: loader.batches_served, skip_batches=loader.skip,
             snapshot=state.state_dict, restore=state.load_state_dict, load_checkpoint=self._load_latest,
-            vocab_size=vocab_size, compiled=state.step_model is not state.model), self.run_dir, cfg.log.interval)
+            vocab_size=vocab_size, compiled=hasattr(state.step_model, "_orig_mod"), world=state.world), self.run_dir,
+            cfg.log.interval)
         state.numerics = self.numerics
         self.logger: MetricsLogger | None = None
         # While a budgeted run is measured, any horizon past the warm-up gives the same lr.

@@ -1,0 +1,48 @@
+"""The runs the distributed tests compare: built the same way in the test process and in the torchrun workers."""
+from pathlib import Path
+
+import torch
+import torch.nn as nn
+from torch.utils.data import TensorDataset
+
+from kiln import fit
+from kiln.config import make_config
+from kiln.data import DataConfig
+from kiln.models import ModelConfig
+from kiln.train.losses import CrossEntropy
+
+
+def lm_config(source: str, strategy: str, steps: int, global_batch_size: int = 8, nan_forward: str = "",
+              nan_rank: int = -1, trace: bool = False):
+    """A 2-layer GPT on a small corpus, fp32, global batch 8 sequences of 32 tokens: 2 micro-batches of 4 on one
+    process, 1 on each of two."""
+    cfg = make_config(model=ModelConfig(preset="tiny", n_layer=2, n_head=2, d_model=64, max_seq_len=64),
+                      data=DataConfig(source=source, seq_len=32, prefetch=0))
+    tc = cfg.train
+    tc.max_steps, tc.micro_batch_size, tc.global_batch_size, tc.eval_batches = steps, 4, global_batch_size, 4
+    tc.sample_tokens, tc.device = 0, "cpu"
+    cfg.precision.mode, cfg.log.interval, cfg.log.tensorboard, cfg.log.progress = "fp32", 1, False, "off"
+    cfg.schedule.warmup_steps, cfg.schedule.total_steps = 2, 10
+    cfg.optim.implementation = "foreach"  # the same arithmetic for every strategy (zero1 runs kiln's foreach)
+    cfg.parallel.strategy = strategy
+    cfg.numerics.trace, cfg.faults.nan_forward, cfg.faults.rank = trace, nan_forward, nan_rank
+    return cfg
+
+
+def fit_data():
+    """Classes with ignored labels spread unevenly: the ranks' micro-batches hold different valid counts."""
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(64, 6, generator=g)
+    y = (x @ torch.randn(6, 4, generator=g)).argmax(-1)
+    y[torch.tensor([1, 3, 5, 6, 7, 9, 13, 17, 20, 21, 22, 23, 40])] = -100
+    return TensorDataset(x, y)
+
+
+def fit_run(strategy: str, run_dir: Path):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 32), nn.Tanh(), nn.Linear(32, 4))
+    config = {"train.max_steps": 8, "train.micro_batch_size": 4, "train.global_batch_size": 8,
+              "schedule.warmup_steps": 2, "optim.lr": 1e-2, "optim.implementation": "foreach", "log.interval": 1,
+              "log.tensorboard": False, "log.progress": "off", "train.device": "cpu", "precision.mode": "fp32",
+              "parallel.strategy": strategy}
+    return fit(model, fit_data(), loss=CrossEntropy(ignore_index=-100), config=config, run_dir=run_dir)

@@ -1,0 +1,137 @@
+"""Data parallelism on CPU with gloo: 2 processes (one torchrun launch) against 1 process, for DDP, ZeRO-1, FSDP2.
+
+Tolerance 1e-6 relative: the two runs add the same fp32 numbers in a different order (a micro-batch's gradient
+sum on each rank, then the all-reduce, against two micro-batches accumulated on one), which moves the last bits of
+each step (~1e-7 relative, measured 5e-8 over 10 steps); AdamW then carries those differences forward without
+growing them much in 10 steps. A real error (a loss not normalised over the global batch, a rank training on the
+wrong data) moves step 2's loss by 1e-3 or more.
+"""
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from kiln.dist import ParallelConfig, init_world
+from kiln.run.lm import train
+from tests.dist.scenarios import fit_run, lm_config
+from tests.train.test_golden_curve import corpus_text
+
+ROOT = Path(__file__).resolve().parents[2]
+RTOL = 1e-6
+STRATEGIES = ("ddp", "zero1", "fsdp")
+
+
+@pytest.fixture(scope="module")
+def source(tmp_path_factory):
+    path = tmp_path_factory.mktemp("dist-corpus") / "corpus.txt"
+    path.write_text(corpus_text())
+    return str(path)
+
+
+@pytest.fixture(scope="module")
+def launched(tmp_path_factory, source, kiln_cache):
+    """One torchrun launch of tests/dist/worker.py: every 2-process scenario."""
+    out = tmp_path_factory.mktemp("dist")
+    env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+                           str(ROOT / "tests" / "dist" / "worker.py"), str(out), source],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    return out
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory, source, kiln_cache):
+    """The same runs in this one process, without data parallelism (2 micro-batches where 2 ranks take 1 each)."""
+    out = tmp_path_factory.mktemp("single")
+    train(lm_config(source, "none", steps=10), out / "lm")
+    fit_run("none", out / "fit")
+    return out
+
+
+def records(run_dir: Path, kind: str) -> list[dict]:
+    lines = (run_dir / "metrics.jsonl").read_text().splitlines()
+    return [r for r in map(json.loads, lines) if r["kind"] == kind]
+
+
+def losses(run_dir: Path) -> dict[int, float]:
+    return {r["step"]: r["loss"] for r in records(run_dir, "train")}
+
+
+def assert_close_curves(got: dict, want: dict):
+    assert sorted(got) == sorted(want)
+    for step in want:
+        assert got[step] == pytest.approx(want[step], rel=RTOL), step
+
+
+def assert_close_weights(a: Path, b: Path):
+    wa, wb = (load_file(str(p / "checkpoints" / "latest").replace("latest", _latest(p)) + "/model.safetensors")
+              for p in (a, b))
+    assert wa.keys() == wb.keys()
+    for key in wa:
+        torch.testing.assert_close(wa[key], wb[key], rtol=RTOL, atol=1e-7, msg=key)
+
+
+def _latest(run_dir: Path) -> str:
+    return (run_dir / "checkpoints" / "latest").read_text().strip()
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_two_ranks_train_as_one_process(launched, reference, strategy):
+    assert_close_curves(losses(launched / f"lm_{strategy}"), losses(reference / "lm"))
+    assert_close_weights(launched / f"lm_{strategy}", reference / "lm")
+    got, want = records(launched / f"lm_{strategy}", "eval"), records(reference / "lm", "eval")
+    assert got[-1]["val_loss"] == pytest.approx(want[-1]["val_loss"], rel=RTOL)  # validation sharded, summed
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_uneven_valid_counts_across_ranks_are_normalised_globally(launched, reference, strategy):
+    """fit() with ignored labels: the ranks' micro-batches hold different numbers of valid samples."""
+    assert_close_curves(losses(launched / f"fit_{strategy}"), losses(reference / "fit"))
+    assert_close_weights(launched / f"fit_{strategy}", reference / "fit")
+
+
+def test_resume_on_another_world_size_and_strategy(launched, reference, source):
+    """fsdp × 2 for 5 steps, then ddp × 1 (one process, no torchrun) to step 10: the straight run's curve."""
+    run_dir = launched / "resume_fsdp"
+    train(lm_config(source, "ddp", steps=10), run_dir, resume=True)
+    assert_close_curves(losses(run_dir), losses(reference / "lm"))
+
+
+def test_a_nan_on_one_rank_is_skipped_on_every_rank(launched):
+    run_dir = launched / "nan"
+    events = records(run_dir, "numerics")
+    assert [e["step"] for e in events if e["event"] == "nonfinite"] == [4]
+    assert len(losses(run_dir)) == 8  # the run finished
+    report = json.loads((run_dir / "nonfinite_report.json").read_text())
+    assert report["rank"] == 1 and report["module"] == "blocks.1.attn" and report["step"] == 4
+    # the update was withheld everywhere: the ranks still hold the same weights (DDP checks nothing; compare)
+    assert records(run_dir, "train")[-1]["skipped_steps"] == 1
+
+
+def test_one_writer_per_file(launched):
+    run_dir = launched / "lm_ddp"
+    assert [r["step"] for r in records(run_dir, "train")] == list(range(1, 11))  # no line twice
+    assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == ["latest", "step_000010"]
+    ckpt = run_dir / "checkpoints" / "step_000010"
+    assert sorted(p.name for p in ckpt.glob("rank_*.pt")) == ["rank_00000.pt", "rank_00001.pt"]
+    assert not list((run_dir / "checkpoints").glob(".tmp-*"))
+
+
+def test_bad_launches_are_clear(launched, monkeypatch):
+    assert "cannot be shared by 2 ranks" in (launched / "bad_global.txt").read_text()
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    for key in ("LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.delenv(key, raising=False)
+    with pytest.raises(ValueError, match="lacks LOCAL_RANK, MASTER_ADDR, MASTER_PORT; launch with torchrun"):
+        init_world(ParallelConfig(strategy="ddp"), "cpu")
+    for key, value in (("LOCAL_RANK", "0"), ("MASTER_ADDR", "127.0.0.1"), ("MASTER_PORT", "1")):
+        monkeypatch.setenv(key, value)
+    with pytest.raises(ValueError, match="parallel.strategy=none would train 2 independent copies"):
+        init_world(ParallelConfig(strategy="none"), "cpu")

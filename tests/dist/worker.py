@@ -1,0 +1,21 @@
+"""Run by tests/dist/test_dist.py under `torchrun --nproc_per_node=2`: every distributed scenario in one launch
+(spawning processes is the slow part). Each rank runs the same calls; results land in OUT (rank 0 writes)."""
+import os
+import sys
+from pathlib import Path
+
+from tests.dist.scenarios import fit_run, lm_config
+from kiln.run.lm import train
+
+out, source = Path(sys.argv[1]), sys.argv[2]
+
+for strategy in ("ddp", "zero1", "fsdp"):
+    train(lm_config(source, strategy, steps=10), out / f"lm_{strategy}")
+    fit_run(strategy, out / f"fit_{strategy}")
+train(lm_config(source, "fsdp", steps=5), out / "resume_fsdp")  # resumed by one process with ddp
+train(lm_config(source, "ddp", steps=8, nan_forward="blocks.1.attn@4", nan_rank=1, trace=True), out / "nan")
+try:
+    train(lm_config(source, "ddp", steps=2, global_batch_size=4), out / "bad_global")
+except ValueError as e:
+    if os.environ["RANK"] == "0":
+        (out / "bad_global.txt").write_text(str(e))

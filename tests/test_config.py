@@ -106,3 +106,9 @@ def test_apply_overrides_coerces_and_validates():
     assert cfg.train.micro_batch_size != 4 or cfg is not out  # the given config is left alone
     with pytest.raises(ConfigError, match="train.micro_batch_size must be ≥ 1"):
         apply_overrides(cfg, {"train.micro_batch_size": 0})
+
+
+def test_offload_all_is_checked_without_listing_a_billion_blocks():
+    # The section's own check once built range(10**9) for "all": the config load hung and then ran out of memory.
+    cfg = load_config(None, ["--memory.offload_blocks=all"])
+    assert cfg.memory.offload_blocks == "all"

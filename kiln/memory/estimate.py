@@ -128,6 +128,8 @@ class Job:
     optimizer: str = "adamw"  # "adamw" | "adam" | "sgd" | "adamw8bit"
     sgd_momentum: float = 0.9
     optimizer_offload: str = "none"  # "none" | "host" | "host-async"
+    parallel: str = "none"  # data parallelism: "none" | "ddp" | "zero1" | "fsdp" (kiln.dist)
+    world: int = 1  # ranks sharing the model state; the breakdown is one rank's
 
     @property
     def num(self) -> Numerics:
@@ -168,33 +170,75 @@ def recompute_plan(policy: str, n_layer: int, every: int = 2) -> tuple[str, ...]
 # ---------------------------------------------------------------- parameters
 
 
-def parameter_numels(cfg: ModelConfig) -> list[tuple[str, int]]:
-    """(name, numel) of every parameter tensor of Transformer(cfg), tied weights once, in model order."""
+def parameter_shapes(cfg: ModelConfig) -> list[tuple[str, tuple[int, ...]]]:
+    """(name, shape) of every parameter tensor of Transformer(cfg), tied weights once, in model order."""
     d, ff, hd, V = cfg.d_model, cfg.d_ff, cfg.head_dim, cfg.padded_vocab
     gpt2 = cfg.arch == "gpt2"
     bias = bool(cfg.bias) and gpt2
     qkv = (cfg.n_head + 2 * cfg.n_kv_head) * hd
     fc = ff if gpt2 else 2 * ff
-    out = [("embed.weight", V * d)]
+    out = [("embed.weight", (V, d))]
     if gpt2:
-        out.append(("pos_embed.weight", cfg.max_seq_len * d))
+        out.append(("pos_embed.weight", (cfg.max_seq_len, d)))
 
     def norm(name):
-        return [(f"{name}.weight", d)] + ([(f"{name}.bias", d)] if bias else [])
+        return [(f"{name}.weight", (d,))] + ([(f"{name}.bias", (d,))] if bias else [])
 
     def linear(name, n_in, n_out, with_bias):
-        return [(f"{name}.weight", n_in * n_out)] + ([(f"{name}.bias", n_out)] if with_bias else [])
+        return [(f"{name}.weight", (n_out, n_in))] + ([(f"{name}.bias", (n_out,))] if with_bias else [])
 
     for i in range(cfg.n_layer):
         b = f"blocks.{i}"
         out += norm(f"{b}.norm1") + linear(f"{b}.attn.qkv", d, qkv, bias)
         out += linear(f"{b}.attn.proj", cfg.n_head * hd, d, bias) + norm(f"{b}.norm2")
-        out += linear(f"{b}.mlp.fc", d, fc, bool(cfg.bias) and gpt2) + linear(f"{b}.mlp.proj", ff, d,
-                                                                                bool(cfg.bias) and gpt2)
+        out += linear(f"{b}.mlp.fc", d, fc, bias) + linear(f"{b}.mlp.proj", ff, d, bias)
     out += norm("norm")
     if not cfg.tie_embeddings:
-        out.append(("head.weight", V * d))
+        out.append(("head.weight", (V, d)))
     return out
+
+
+def parameter_numels(cfg: ModelConfig) -> list[tuple[str, int]]:
+    """(name, numel) of every parameter tensor of Transformer(cfg), tied weights once, in model order."""
+    return [(name, math.prod(shape)) for name, shape in parameter_shapes(cfg)]
+
+
+def rank_state(job: "Job") -> dict[str, int]:
+    """Parameter, gradient and optimizer-state bytes one rank holds under data parallelism (job.parallel on
+    job.world ranks), as kiln builds them:
+
+    ddp    everything replicated (DDP's own gradient buckets are not counted here: see docs/memory.md).
+    zero1  ZeroRedundancyOptimizer's partition: parameters largest first, each to the rank holding the fewest
+           elements so far (torch's greedy rule, over kiln's two groups: decayed matrices, then the rest); this
+           returns rank 0's share.
+    fsdp   FSDP2 shards every parameter on its first dimension into ceil(dim0 / world) rows; the parameter keeps
+           a padded shard, the gradient lives in its group's flat padded reduce-scatter buffer, the optimizer
+           state is the shard's real rows (rank 0's, the largest).
+    """
+    num, W = job.num, job.world
+    shapes = parameter_shapes(job.model)
+    numels = [math.prod(shape) for _, shape in shapes]
+    n = sum(numels)
+    state = {"parameters": n * num.param, "gradients": n * num.grad,
+             "optimizer_states": optimizer_state_bytes(numels, job.optimizer, job.sgd_momentum)}
+    if W == 1 or job.parallel in ("none", "ddp"):
+        return state
+    if job.parallel == "zero1":
+        decayed = [i for i, (name, shape) in enumerate(shapes) if len(shape) >= 2 and "embed" not in name]
+        rest = [i for i in range(len(shapes)) if i not in set(decayed)]
+        sizes, mine = [0] * W, []
+        for group in (decayed, rest):
+            for i in sorted(group, key=lambda i: numels[i], reverse=True):  # stable: model order among equals
+                rank = sizes.index(min(sizes))
+                sizes[rank] += numels[i]
+                if rank == 0:
+                    mine.append(numels[i])
+        state["optimizer_states"] = optimizer_state_bytes(mine, job.optimizer, job.sgd_momentum)
+        return state
+    padded = [math.ceil(shape[0] / W) * math.prod(shape[1:]) for _, shape in shapes]
+    local = [min(shape[0], math.ceil(shape[0] / W)) * math.prod(shape[1:]) for _, shape in shapes]
+    return {"parameters": sum(padded) * num.param, "gradients": sum(padded) * num.grad,
+            "optimizer_states": optimizer_state_bytes(local, job.optimizer, job.sgd_momentum)}
 
 
 def block_matmul_numel(cfg: ModelConfig) -> int:
@@ -443,10 +487,11 @@ def estimate(job: Job) -> Breakdown:
     numels = parameter_numels(cfg)
     n_params = sum(n for _, n in numels)
     host_opt = job.optimizer_offload != "none"
-    P = n_params * num.param
-    G = n_params * num.grad
+    per_rank = rank_state(job)
+    P = per_rank["parameters"]
+    G = per_rank["gradients"]
     M = 0 if host_opt else n_params * num.master
-    S = 0 if host_opt else optimizer_state_bytes([n for _, n in numels], job.optimizer, job.sgd_momentum)
+    S = 0 if host_opt else per_rank["optimizer_states"]
     MG = 0 if host_opt else (n_params * 4 if num.master else 0)  # fp32 gradients on the masters during the step
     buffers = buffer_bytes(cfg, num)
     host = {}

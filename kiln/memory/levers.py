@@ -43,7 +43,7 @@ class MemoryConfig:
             parse_bytes(self.recompute_budget)
         if self.chunked_loss < 0:
             raise ValueError(f"memory.chunked_loss must be ≥ 0 (0 = off), got {self.chunked_loss}")
-        parse_blocks(self.offload_blocks, 10**9)
+        parse_blocks(self.offload_blocks, None)  # the spelling; kiln.config checks the indices
 
 
 def resolved_model(cfg):

@@ -57,13 +57,14 @@ class Offloaded:
             return super().forward(x, rope_cache)
 
 
-def parse_blocks(spec: str, n_layer: int) -> frozenset[int]:
-    """'none' | 'all' | '0-5' | '0,2,4' | '0-3,8' -> block indices."""
+def parse_blocks(spec: str, n_layer: int | None) -> frozenset[int]:
+    """'none' | 'all' | '0-5' | '0,2,4' | '0-3,8' -> block indices; n_layer=None checks the spelling only (and
+    returns no indices), for a config whose model is not resolved yet."""
     spec = spec.strip().lower()
     if spec in ("", "none"):
         return frozenset()
     if spec == "all":
-        return frozenset(range(n_layer))
+        return frozenset(range(n_layer or 0))
     out = set()
     for part in spec.split(","):
         lo, _, hi = part.partition("-")
@@ -71,10 +72,10 @@ def parse_blocks(spec: str, n_layer: int) -> frozenset[int]:
             a, b = int(lo), int(hi or lo)
         except ValueError:
             raise ValueError(f"memory.offload_blocks={spec!r}: write none, all, 0-5 or 0,2,4") from None
-        if not 0 <= a <= b < n_layer:
+        if not 0 <= a <= b < (n_layer if n_layer is not None else b + 1):
             raise ValueError(f"memory.offload_blocks={spec!r}: blocks run 0..{n_layer - 1}")
         out.update(range(a, b + 1))
-    return frozenset(out)
+    return frozenset(out) if n_layer is not None else frozenset()
 
 
 def apply_offload(model, blocks) -> ActivationOffload | None:

@@ -82,7 +82,14 @@ def _plan(cfg: Config, model: nn.Module, precision: str, device: torch.device) -
             raise ValueError("memory.recompute=budget needs kiln's transformer (the estimator knows its tensors); "
                              "use full, every_k or selective")
         recompute = recompute_plan(mem.recompute, len(blocks), mem.recompute_every)
-    offload = parse_blocks(mem.offload_blocks, len(getattr(model, "blocks", ())) or 1 << 30)
+    blocks = getattr(model, "blocks", None)
+    if mem.offload_blocks not in ("", "none") and not isinstance(blocks, nn.ModuleList):
+        raise ValueError(f"memory.offload_blocks works on transformer blocks (a `blocks` ModuleList); "
+                         f"{type(model).__name__} has none: set memory.offload_blocks=none")
+    offload = parse_blocks(mem.offload_blocks, len(blocks) if blocks is not None else 0)
+    if cfg.plan.memory:
+        raise ValueError("plan.memory searches the levers of kiln's transformer with its memory estimator; fit() "
+                         "trains your model as configured: set plan.memory='' and choose the levers yourself")
     if mem.chunked_loss:
         raise ValueError("memory.chunked_loss replaces kiln's LM head + cross-entropy; a model of your own computes "
                          "its loss through `loss=`: set memory.chunked_loss=0")

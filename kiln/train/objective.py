@@ -39,6 +39,19 @@ def _pair(batch, what: str):
     return batch
 
 
+def _like_model(x, model: nn.Module):
+    """Floating inputs in the model's parameter dtype (bf16-master and fp64 runs keep their weights in it; autocast
+    runs keep fp32 weights and leave the inputs alone)."""
+    dtype = next(model.parameters()).dtype
+    if isinstance(x, torch.Tensor):
+        return x.to(dtype) if x.is_floating_point() and x.dtype != dtype else x
+    if isinstance(x, (tuple, list)):
+        return type(x)(_like_model(v, model) for v in x)
+    if isinstance(x, dict):
+        return {k: _like_model(v, model) for k, v in x.items()}
+    return x
+
+
 def _first_dim(x) -> int:
     while isinstance(x, (tuple, list)):
         x = x[0]
@@ -82,7 +95,7 @@ class Supervised:
 
     def __call__(self, model, batch) -> torch.Tensor:
         inputs, targets = _pair(batch, "Supervised (inputs, targets)")
-        return self.loss(model(inputs), targets)
+        return self.loss(model(_like_model(inputs, model)), targets)
 
     def __repr__(self) -> str:
         return f"Supervised({self.loss!r})"
@@ -108,7 +121,7 @@ class Contrastive:
 
     def __call__(self, model, batch) -> torch.Tensor:
         a, b = _pair(batch, "Contrastive (view_a, view_b)")
-        return self.loss(model(a), model(b))
+        return self.loss(model(_like_model(a, model)), model(_like_model(b, model)))
 
     def __repr__(self) -> str:
         return f"Contrastive({self.loss!r})"

@@ -101,7 +101,7 @@ def evaluate(model, batches, objective, precision: Precision, device, world: Wor
     was_training = model.training
     model.eval()
     total = torch.zeros((), device=device, dtype=torch.float64)
-    count = torch.zeros((), device=device, dtype=torch.int64)
+    count = torch.zeros((), device=device, dtype=torch.float64)  # counts may be integers or (weighted) floats
     for batch in batches:
         batch = to_device(batch, device)
         with precision.autocast():

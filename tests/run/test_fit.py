@@ -145,6 +145,17 @@ def test_levers_that_need_transformer_blocks_say_so(tmp_path):
         fit(MLP(), _data("mse"), loss="mse", config=BASE | {"memory.recompute": "full"}, run_dir=tmp_path / "a")
     with pytest.raises(ValueError, match="memory.chunked_loss=0"):
         fit(MLP(), _data("mse"), loss="mse", config=BASE | {"memory.chunked_loss": 64}, run_dir=tmp_path / "b")
+    with pytest.raises(ValueError, match="memory.offload_blocks=none"):
+        fit(MLP(), _data("mse"), loss="mse", config=BASE | {"memory.offload_blocks": "all"}, run_dir=tmp_path / "c")
+
+
+@pytest.mark.parametrize("mode", ["bf16-master", "fp64"])
+def test_inputs_follow_the_weights_dtype(mode, tmp_path):
+    """bf16-master and fp64 keep the weights in bf16 / fp64: float inputs are cast to match, targets are not."""
+    result = fit(MLP(), _data("mse"), loss="mse", eval_data=_data("mse"),
+                 config=BASE | {"train.max_steps": 3, "precision.mode": mode}, run_dir=tmp_path / "run")
+    assert next(result.state.model.parameters()).dtype == {"bf16-master": torch.bfloat16, "fp64": torch.float64}[mode]
+    assert result.val_loss is not None and result.val_loss == result.val_loss  # finite, not NaN
 
 
 def test_batches_from_an_iterable_and_a_one_shot_iterator(tmp_path):

@@ -7,6 +7,7 @@ from pathlib import Path
 import torch
 
 from kiln.cli.common import add_config_arguments, config_from
+from kiln.config import ConfigError
 from kiln.memory.devices import get_device, local_device
 from kiln.memory.estimate import COMPONENTS, estimate, fmt_bytes, peak_allocated
 from kiln.memory.levers import job_for
@@ -25,6 +26,8 @@ def add_parser(sub) -> None:
     p.add_argument("--measure", action="store_true", help="also run a few steps here and measure (saved tensors, "
                                                           "peak, timeline; CUDA: allocator peaks and a snapshot)")
     p.add_argument("--steps", type=int, default=3, help="steps to measure with --measure")
+    p.add_argument("--ranks", type=int, default=1, help="ranks sharing the model state under parallel.strategy "
+                                                      "(zero1 shards optimizer state, fsdp everything); one rank's bytes")
     p.add_argument("--json", action="store_true", help="print JSON instead of the table")
     p.add_argument("--out", default="memory.png", help="stacked bar chart PNG ('' = none)")
     p.add_argument("--timeline", default="", help="timeline PNG of one step (default with --measure: "
@@ -40,7 +43,9 @@ def _device(name: str):
 def run(args, overrides) -> int:
     cfg = config_from(args, overrides)
     device = _device(args.device)
-    job = job_for(cfg, device)
+    if args.ranks < 1:
+        raise ConfigError(f"--ranks must be ≥ 1, got {args.ranks}")
+    job = job_for(cfg, device, world=args.ranks)
     b = estimate(job)
     out = b.to_json()
     out["precision"] = job.precision
@@ -64,7 +69,8 @@ def run(args, overrides) -> int:
         if measured.snapshot:
             out["snapshot"] = measured.snapshot
     title = (f"{cfg.model.preset} ({job.model.arch}), {job.precision}, micro-batch {job.micro_batch}×{job.seq_len}"
-             f", recompute {cfg.memory.recompute}, {device.name}")
+             f", recompute {cfg.memory.recompute}, {device.name}"
+             + (f", {job.parallel} × {job.world} (per rank)" if job.parallel != "none" and job.world > 1 else ""))
     files = []
     if args.out:
         files.append(str(breakdown_bar(args.out, b.components, title, measured.components if measured else None,

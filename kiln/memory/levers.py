@@ -65,23 +65,26 @@ def precision_for(mode: str, device) -> str:
     return mode
 
 
-def make_job(cfg, model, precision: str, target: Target, recompute_plan: tuple[str, ...] | None = None) -> Job:
+def make_job(cfg, model, precision: str, target: Target, recompute_plan: tuple[str, ...] | None = None,
+             world: int = 1) -> Job:
     """The one builder of the estimator's Job from a Config: a resolved model section, a concrete precision and
-    a Target; the recompute plan is the `memory` section's (solved for `budget`) unless given."""
+    a Target; the recompute plan is the `memory` section's (solved for `budget`) unless given. world: ranks of
+    parallel.strategy sharing the state (the breakdown is one rank's)."""
     m = cfg.memory
     job = Job(model=model, micro_batch=cfg.train.micro_batch_size, seq_len=cfg.data.seq_len,
               grad_accum=cfg.train.grad_accum_steps, precision=precision, target=target,
               offload=parse_blocks(m.offload_blocks, model.n_layer), chunked_loss=m.chunked_loss,
-              optimizer=cfg.optim.name, sgd_momentum=cfg.optim.momentum, optimizer_offload=cfg.optim.offload)
+              optimizer=cfg.optim.name, sgd_momentum=cfg.optim.momentum, optimizer_offload=cfg.optim.offload,
+              parallel=cfg.parallel.strategy, world=world)
     if recompute_plan is None:
         recompute_plan = plan_for(m.recompute, m.recompute_every, m.recompute_budget, job)
     return replace(job, recompute=tuple(recompute_plan))
 
 
-def job_for(cfg, device, recompute_plan: tuple[str, ...] | None = None) -> Job:
+def job_for(cfg, device, recompute_plan: tuple[str, ...] | None = None, world: int = 1) -> Job:
     """The Job of a Config on a Device (kiln.memory.devices: a table entry, or this machine measured)."""
     return make_job(cfg, resolved_model(cfg), precision_for(cfg.precision.mode, device), device.target,
-                    recompute_plan)
+                    recompute_plan, world)
 
 
 def runtime_target(torch_device) -> Target:

@@ -46,3 +46,23 @@ def fit_run(strategy: str, run_dir: Path):
               "log.tensorboard": False, "log.progress": "off", "train.device": "cpu", "precision.mode": "fp32",
               "parallel.strategy": strategy}
     return fit(model, fit_data(), loss=CrossEntropy(ignore_index=-100), config=config, run_dir=run_dir)
+
+
+def measured_state_bytes(state) -> dict[str, int]:
+    """One rank's parameter, gradient and optimizer-state bytes (distinct storages), gradients after a backward."""
+    from torch.distributed.tensor import DTensor
+
+    from kiln.memory.measure import tensor_bytes
+
+    def local(t):
+        return t.to_local() if isinstance(t, DTensor) else t
+
+    x = torch.randint(0, 256, (4, 32))
+    state.objective(state.step_model, (x, x)).backward()
+    params = [local(p) for p in state.model.parameters()]
+    optimizer = getattr(state.optimizer, "optim", state.optimizer)  # ZeroRedundancyOptimizer: this rank's part
+    states = [local(v) for s in optimizer.state.values() for v in s.values() if isinstance(v, torch.Tensor)]
+    out = {"parameters": tensor_bytes(params), "gradients": tensor_bytes([local(p.grad) for p in state.model.parameters()]),
+           "optimizer_states": tensor_bytes(states)}
+    state.optimizer.zero_grad(set_to_none=True)
+    return out

@@ -8,6 +8,7 @@ wrong data) moves step 2's loss by 1e-3 or more.
 """
 import json
 import os
+from dataclasses import replace
 import subprocess
 import sys
 from pathlib import Path
@@ -17,6 +18,8 @@ import torch
 from safetensors.torch import load_file
 
 from kiln.dist import ParallelConfig, init_world
+from kiln.memory.estimate import Target, rank_state
+from kiln.memory.levers import make_job
 from kiln.run.lm import train
 from tests.dist.scenarios import fit_run, lm_config
 from tests.train.test_golden_curve import corpus_text
@@ -135,3 +138,16 @@ def test_bad_launches_are_clear(launched, monkeypatch):
         monkeypatch.setenv(key, value)
     with pytest.raises(ValueError, match="parallel.strategy=none would train 2 independent copies"):
         init_world(ParallelConfig(strategy="none"), "cpu")
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_per_rank_state_bytes_equal_the_estimate(launched, strategy, source):
+    """Rank 0's parameters, gradients and optimizer state, measured on CPU, are the estimator's per-rank bytes."""
+    cfg = lm_config(source, strategy, steps=10)
+    model = cfg.model.resolve()
+    model.vocab_size = 256
+    job = make_job(cfg, model, "fp32", Target("cpu"), world=2)
+    measured = json.loads((launched / "state_bytes.json").read_text())[strategy]
+    assert measured == rank_state(job)
+    if strategy != "ddp":  # sharding really saves: less than one replica's state
+        assert measured["optimizer_states"] < rank_state(replace(job, world=1))["optimizer_states"]

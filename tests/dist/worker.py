@@ -1,17 +1,22 @@
 """Run by tests/dist/test_dist.py under `torchrun --nproc_per_node=2`: every distributed scenario in one launch
 (spawning processes is the slow part). Each rank runs the same calls; results land in OUT (rank 0 writes)."""
+import json
 import os
 import sys
 from pathlib import Path
 
-from tests.dist.scenarios import fit_run, lm_config
+from tests.dist.scenarios import fit_run, lm_config, measured_state_bytes
 from kiln.run.lm import train
 
 out, source = Path(sys.argv[1]), sys.argv[2]
 
+measured = {}
 for strategy in ("ddp", "zero1", "fsdp"):
-    train(lm_config(source, strategy, steps=10), out / f"lm_{strategy}")
+    result = train(lm_config(source, strategy, steps=10), out / f"lm_{strategy}")
+    measured[strategy] = measured_state_bytes(result.state)
     fit_run(strategy, out / f"fit_{strategy}")
+if os.environ["RANK"] == "0":
+    (out / "state_bytes.json").write_text(json.dumps(measured))
 train(lm_config(source, "fsdp", steps=5), out / "resume_fsdp")  # resumed by one process with ddp
 train(lm_config(source, "ddp", steps=8, nan_forward="blocks.1.attn@4", nan_rank=1, trace=True), out / "nan")
 try:

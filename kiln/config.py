@@ -247,6 +247,9 @@ def _cross_checks(cfg: Config) -> None:
         raise ConfigError("precision.mode=bf16-master keeps kiln's fp32 masters beside bf16 weights; under FSDP2 use "
                           "--precision.mode=bf16 (FSDP2's mixed precision: fp32 sharded parameters, bf16 compute, "
                           "fp32 gradient reduction)")
+    if strategy == "fsdp" and cfg.optim.name == "adamw8bit":
+        raise ConfigError("optim.name=adamw8bit quantizes whole tensors in blocks; FSDP2's sharded parameters are not "
+                          "supported by it: use --parallel.strategy=ddp, or adamw with fsdp")
     if strategy == "zero1" and (cfg.optim.offload != "none" or cfg.optim.name == "adamw8bit"):
         raise ConfigError("parallel.strategy=zero1 shards kiln's foreach Adam/SGD state across ranks; it does not "
                           "combine with optim.offload or adamw8bit: use --parallel.strategy=ddp for those")

@@ -25,18 +25,23 @@ def add_parser(sub) -> None:
                    help="tokens per optimizer step (default: micro_batch_size × grad_accum_steps × seq_len)")
     p.add_argument("--device", default="", help="H100, H200, A100-80GB, A100-40GB, V100-32GB, L4, RTX 4090 or cpu "
                                                 "(default: this machine's)")
+    p.add_argument("--gpus", type=int, default=1, help="GPUs sharing the global batch: also search "
+                                                     "parallel.strategy (ddp, zero1, fsdp); --memory is per GPU")
+    p.add_argument("--interconnect", default="nvlink4", help="link between the GPUs for the collectives' time: "
+                                                             "nvlink4, pcie4, pcie5 or ib-ndr")
     p.add_argument("--top", type=int, default=10, help="rows of the ranked table")
     p.add_argument("--json", action="store_true", help='print {"best": {...}, "candidates": [...]}')
     p.add_argument("--verify", type=int, nargs="?", const=3, default=0, metavar="K",
                    help="run a few steps of the top K candidates here and print predicted vs measured peak")
 
 
-def _row(i, c) -> str:
+def _row(i, c, gpus: int) -> str:
     o, comp = c.overrides, c.breakdown.components
+    strategy = f"{o['parallel.strategy']:<7}" if gpus > 1 else ""
     state = sum(comp[k] for k in ("parameters", "gradients", "master_weights", "optimizer_states"))
     optim = o["optim.name"] + ("+host" if o["optim.offload"] != "none" else "")
     rec = o["memory.recompute"] + ("*" if o["memory.recompute"] == "budget" else "")
-    return (f"{i:>3} {o['precision.mode']:<12}{o['train.micro_batch_size']:>4}×{o['train.grad_accum_steps']:<4}"
+    return (f"{i:>3} {strategy}{o['precision.mode']:<12}{o['train.micro_batch_size']:>4}×{o['train.grad_accum_steps']:<4}"
             f"{rec:<11}{o['memory.offload_blocks']:<6}{optim:<15}{o['memory.chunked_loss'] or '-':>6}"
             f"{state / GiB:>8.2f}{comp['activations'] / GiB:>8.2f}{(comp['logits'] + comp['temporaries']) / GiB:>8.2f}"
             f"{c.total_bytes / GiB:>8.2f}{c.step_s:>10.4g}")
@@ -49,7 +54,9 @@ def run(args, overrides) -> int:
         memory = parse_bytes(args.memory) if args.memory else None
     except ValueError as e:
         raise ConfigError(str(e)) from None
-    plan = search(cfg, device, memory, args.global_batch_tokens)
+    if args.gpus < 1:
+        raise ConfigError(f"--gpus must be ≥ 1, got {args.gpus}")
+    plan = search(cfg, device, memory, args.global_batch_tokens, args.gpus, args.interconnect)
     if args.json:
         out = plan.to_json()
         out["device_peak_flops"] = dict(device.peak_flops)
@@ -64,15 +71,17 @@ def run(args, overrides) -> int:
     if not plan.best:
         print(plan.shortfall())
         return 1
-    print(f"{'#':>3} {'precision':<12}{'mb×acc':<9}{'recompute':<11}{'offl':<6}{'optimizer':<15}{'chunk':>6}"
+    print(f"{'#':>3} {'strat  ' if args.gpus > 1 else ''}{'precision':<12}{'mb×acc':<9}{'recompute':<11}{'offl':<6}{'optimizer':<15}{'chunk':>6}"
           f"{'state':>8}{'acts':>8}{'logit+t':>8}{'total':>8}{'step s':>10}   (GiB)")
     for i, c in enumerate(plan.candidates[: args.top], 1):
-        print(_row(i, c))
+        print(_row(i, c, args.gpus))
     best = plan.best
     flags = " ".join(f"--{k}={v}" for k, v in best.overrides.items() if v not in ("", None))
-    print(f"recommended: kiln train {args.config or ''} {flags}".replace("  ", " "))
-    print(f"  or: kiln train --plan.memory={args.memory or fmt_bytes(plan.memory).replace(' ', '')}"
-          + (f" --plan.device={args.device}" if args.device else ""))
+    launch = f"torchrun --nproc_per_node={args.gpus} -m kiln train" if args.gpus > 1 else "kiln train"
+    print(f"recommended: {launch} {args.config or ''} {flags}".replace("  ", " "))
+    if args.gpus == 1:
+        print(f"  or: kiln train --plan.memory={args.memory or fmt_bytes(plan.memory).replace(' ', '')}"
+              + (f" --plan.device={args.device}" if args.device else ""))
     if args.verify:
         _verify(cfg, plan, args.verify, quiet=False)
     return 0

@@ -47,6 +47,57 @@ class PlanConfig:
             get_device(self.device)
 
 
+# ---------------------------------------------------------------- communication
+
+# Per-GPU bandwidth one direction of a link gives a ring collective, bytes/s (sources: NVIDIA H100 datasheet,
+# NVLink 4: 900 GB/s bidirectional per GPU; PCI-SIG: PCIe 4.0/5.0 x16 at 16/32 GT/s per lane ≈ 32/64 GB/s per
+# direction; InfiniBand NDR: 400 Gb/s = 50 GB/s per port, one port per GPU as in DGX H100).
+INTERCONNECTS = {"nvlink4": 450e9, "pcie4": 32e9, "pcie5": 64e9, "ib-ndr": 50e9}
+COMM_EFFICIENCY = 0.7  # share of that a ring all-reduce / all-gather reaches on large messages (NCCL bus bandwidth)
+
+
+def communication(job: Job, link: float, compute_s: float) -> dict[str, float]:
+    """Bytes and seconds of one optimizer step's collectives for job.parallel on job.world ranks, with a ring over
+    `link` bytes/s per GPU: all-reduce moves 2(N-1)/N of the buffer per GPU, all-gather and reduce-scatter
+    (N-1)/N. What overlaps with compute (DDP's bucketed all-reduce with the last backward, FSDP2's prefetched
+    all-gathers with the whole step) is hidden up to the compute it overlaps; `exposed` is what remains."""
+    N = job.world
+    if job.parallel == "none" or N == 1:
+        return {"bytes": 0.0, "seconds": 0.0, "exposed": 0.0}
+    f = (N - 1) / N
+    n_params = sum(n for _, n in parameter_numels(job.model))
+    P, G = n_params * job.num.param, n_params * 4  # gradients are reduced in fp32 (FSDP2: reduce_dtype fp32)
+    bw = link * COMM_EFFICIENCY
+    backward = compute_s / job.grad_accum * 2 / 3  # the last micro-batch's backward: ~2/3 of its FLOPs
+    if job.parallel in ("ddp", "zero1"):
+        moved = 2 * f * G
+        exposed = max(0.0, moved / bw - backward)
+        if job.parallel == "zero1":  # each rank broadcasts its updated shard after the step: nothing to hide behind
+            moved += f * P
+            exposed += f * P / bw
+        return {"bytes": moved, "seconds": moved / bw, "exposed": exposed}
+    gathers = job.grad_accum * f * P * 2  # every micro-batch: forward, and backward again (reshard after forward)
+    moved = gathers + f * G  # one reduce-scatter on the last micro-batch
+    return {"bytes": moved, "seconds": moved / bw, "exposed": max(0.0, moved / bw - compute_s)}
+
+
+def scaling_table(job: Job, device, counts=(1, 8, 64, 512, 1024), node: int = 8, intra: str = "nvlink4",
+                  inter: str = "ib-ndr") -> list[dict]:
+    """Simulated weak scaling: job (one rank's micro-batches) on n GPUs, nodes of `node` GPUs joined by `inter`.
+    A ring across nodes runs at the slowest link's bandwidth. A model, not a measurement."""
+    rows, base = [], None
+    for n in counts:
+        link = INTERCONNECTS[intra if n <= node else inter]
+        t = step_time(replace(job, world=n), device, link)
+        tokens = n * job.grad_accum * job.micro_batch * job.seq_len
+        rate = tokens / t["total"]
+        base = base or rate
+        rows.append({"gpus": n, "link": intra if n <= node else inter, "step_s": t["total"],
+                     "communication_s": t["communication"], "exposed_s": t["exposed_communication"],
+                     "tokens_per_s": rate, "scaling_efficiency": rate / (n * base)})
+    return rows
+
+
 # ---------------------------------------------------------------- step time
 
 
@@ -54,8 +105,9 @@ def _roofline(flops: float, nbytes: float, peak: float, bandwidth: float) -> flo
     return max(flops / (peak * MATMUL_EFFICIENCY), nbytes / (bandwidth * BANDWIDTH_EFFICIENCY))
 
 
-def step_time(job: Job, device) -> dict[str, float]:
-    """Predicted seconds of one optimizer step, by part (compute, optimizer, transfers) and in total."""
+def step_time(job: Job, device, link: float | None = None) -> dict[str, float]:
+    """Predicted seconds of one optimizer step, by part (compute, optimizer, transfers, communication) and in
+    total. link: per-GPU interconnect bytes/s for job.parallel on job.world ranks (default NVLink 4)."""
     cfg, num = job.model, job.num
     B, T, L = job.micro_batch, job.seq_len, cfg.n_layer
     N, d, F, hd, V = B * T, cfg.d_model, cfg.d_ff, cfg.head_dim, cfg.padded_vocab
@@ -103,9 +155,15 @@ def step_time(job: Job, device) -> dict[str, float]:
     else:
         masters = n_params * 12 if num.master else 0
         optimizer = n_params * per_param / (bw * BANDWIDTH_EFFICIENCY) + masters / (bw * BANDWIDTH_EFFICIENCY)
-    total = compute + clip + optimizer
+    if job.world > 1 and job.parallel == "zero1":
+        optimizer /= job.world  # each rank updates its shard
+    elif job.world > 1 and job.parallel == "fsdp":
+        optimizer, clip = optimizer / job.world, clip / job.world
+    comm = communication(job, link or INTERCONNECTS["nvlink4"], compute)
+    total = compute + clip + optimizer + comm["exposed"]
     return {"compute": compute, "recompute": job.grad_accum * recompute, "optimizer": optimizer + clip,
-            "transfers": transfers, "total": total}
+            "transfers": transfers, "communication": comm["seconds"], "exposed_communication": comm["exposed"],
+            "total": total}
 
 
 # ---------------------------------------------------------------- search
@@ -126,9 +184,10 @@ class Choice:
     optimizer: str = "adamw"
     optim_offload: str = "none"
     chunked_loss: int = 0
+    parallel: str = "none"  # parallel.strategy (kiln plan --gpus N searches ddp, zero1 and fsdp)
 
     def overrides(self) -> dict[str, object]:
-        return {"precision.mode": self.precision, "train.micro_batch_size": self.micro_batch_size,
+        return {"parallel.strategy": self.parallel, "precision.mode": self.precision, "train.micro_batch_size": self.micro_batch_size,
                 "train.grad_accum_steps": self.grad_accum_steps, "memory.recompute": self.recompute,
                 "memory.recompute_every": self.recompute_every, "memory.recompute_budget": self.recompute_budget,
                 "memory.offload_blocks": self.offload_blocks, "optim.name": self.optimizer,
@@ -142,10 +201,13 @@ class Choice:
                        memory=replace(cfg.memory, recompute=self.recompute, recompute_every=self.recompute_every,
                                       recompute_budget=self.recompute_budget, offload_blocks=self.offload_blocks,
                                       chunked_loss=self.chunked_loss),
-                       optim=replace(cfg.optim, name=self.optimizer, offload=self.optim_offload))
+                       optim=replace(cfg.optim, name=self.optimizer, offload=self.optim_offload),
+                       parallel=replace(cfg.parallel, strategy=self.parallel))
 
     def describe(self) -> str:
         parts = [self.precision, f"mb {self.micro_batch_size}×{self.grad_accum_steps}", f"recompute {self.recompute}"]
+        if self.parallel != "none":
+            parts.insert(0, self.parallel)
         if self.offload_blocks != "none":
             parts.append(f"offload {self.offload_blocks}")
         if self.optimizer != "adamw":
@@ -240,27 +302,49 @@ def _divisors(n: int) -> list[int]:
     return [k for k in range(1, n + 1) if n % k == 0]
 
 
-def search(cfg, device, memory: int | None = None, global_batch_tokens: int = 0) -> Plan:
+def _valid(choice: Choice) -> bool:
+    """Combinations kiln.config refuses under data parallelism."""
+    if choice.parallel == "fsdp":
+        return choice.optim_offload == "none" and choice.precision != "bf16-master" and choice.optimizer != "adamw8bit"
+    if choice.parallel == "zero1":
+        return choice.optim_offload == "none" and choice.optimizer != "adamw8bit"
+    return True
+
+
+def search(cfg, device, memory: int | None = None, global_batch_tokens: int = 0, gpus: int = 1,
+           interconnect: str = "nvlink4") -> Plan:
+    """gpus > 1: every rank has `memory`; the strategies ddp, zero1 and fsdp are searched too, their step time
+    including the collectives over `interconnect` (INTERCONNECTS)."""
+    if interconnect not in INTERCONNECTS:
+        raise ValueError(f"interconnect {interconnect!r} is unknown; use one of {', '.join(INTERCONNECTS)}")
     memory = memory or device.memory
     T = cfg.data.seq_len
-    tokens = global_batch_tokens or cfg.train.micro_batch_size * cfg.train.grad_accum_steps * T
+    tokens = global_batch_tokens or cfg.train.micro_batch_size * cfg.train.grad_accum_steps * T * gpus
     if tokens % T:
         raise ValueError(f"--global-batch-tokens={tokens} is not a multiple of data.seq_len={T}")
     G = tokens // T
+    if G % gpus:
+        raise ValueError(f"the global batch of {G} sequences cannot be shared by {gpus} GPUs; make it a multiple")
     base = job_for(cfg, device, recompute_plan=("none",) * cfg.model.resolve().n_layer)
     L = base.model.n_layer
     optimizers = [cfg.optim.name] + (["adamw8bit"] if cfg.optim.name in ("adamw", "adam") else [])
     opt_offloads = ["none", "host"] if device.kind == "cuda" else ["none"]
+    strategies = ("ddp", "zero1", "fsdp") if gpus > 1 else ("none",)
+    per_rank = G // gpus
     choices = [
-        Choice(precision, mb, G // mb, policy, offload_blocks=offload, optimizer=optimizer, optim_offload=opt_off,
-               chunked_loss=chunk)
-        for precision, mb, policy, optimizer, opt_off in itertools.product(
-            _precisions(device), _divisors(G), ("none", "selective", "every_k", "full", "budget"), optimizers,
-            opt_offloads)
-        for offload in (["none", "all"] if device.kind == "cuda" and policy == "none" else ["none"])
-        for chunk in (0, chunk_for(base.model.padded_vocab, mb * T))
+        c for c in (
+            Choice(precision, mb, per_rank // mb, policy, offload_blocks=offload, optimizer=optimizer,
+                   optim_offload=opt_off, chunked_loss=chunk, parallel=strategy)
+            for strategy, precision, mb, policy, optimizer, opt_off in itertools.product(
+                strategies, _precisions(device), _divisors(per_rank), ("none", "selective", "every_k", "full",
+                                                                        "budget"), optimizers, opt_offloads)
+            for offload in (["none", "all"] if device.kind == "cuda" and policy == "none" else ["none"])
+            for chunk in (0, chunk_for(base.model.padded_vocab, mb * T)))
+        if _valid(c)
     ]
-    everything = [c for c in (_evaluate(cfg, device, choice, memory, L) for choice in choices) if c is not None]
+    link = INTERCONNECTS[interconnect]
+    everything = [c for c in (_evaluate(cfg, device, choice, memory, L, gpus, link) for choice in choices)
+                  if c is not None]
     fitting = sorted((c for c in everything if c.fits), key=lambda c: (c.step_s, c.total_bytes))
     # Identical predictions (e.g. a budget plan that came out as 'none') are listed once.
     unique, seen = [], set()
@@ -274,8 +358,9 @@ def search(cfg, device, memory: int | None = None, global_batch_tokens: int = 0)
                 smallest=smallest, considered=len(choices))
 
 
-def _evaluate(cfg, device, choice: Choice, memory: int, L: int) -> Candidate | None:
-    job = job_for(choice.on(cfg), device, recompute_plan=("none",) * L)
+def _evaluate(cfg, device, choice: Choice, memory: int, L: int, gpus: int = 1, link: float | None = None
+              ) -> Candidate | None:
+    job = job_for(choice.on(cfg), device, recompute_plan=("none",) * L, world=gpus)
     if choice.recompute == "budget":
         plan = _fill_budget(job, device, memory)
         if plan is None:
@@ -286,7 +371,7 @@ def _evaluate(cfg, device, choice: Choice, memory: int, L: int) -> Candidate | N
         plan = recompute_plan(choice.recompute, L, choice.recompute_every)
     job = replace(job, recompute=plan)
     b = estimate(job)
-    return Candidate(choice, b, step_time(job, device), b.total_bytes <= memory)
+    return Candidate(choice, b, step_time(job, device, link), b.total_bytes <= memory)
 
 
 def _fill_budget(job: Job, device, memory: int):

@@ -1,17 +1,17 @@
 """The predicted step peak against live tensor bytes on CPU; the planner; `kiln memory` and `kiln plan`."""
 import json
+from dataclasses import replace
 
 import pytest
 import torch
 
 from kiln.cli.main import main
-from kiln.config import load_config
+from kiln.config import apply_overrides, load_config
 from kiln.memory.devices import get_device
 from kiln.memory.estimate import COMPONENTS, estimate, parse_bytes, peak_allocated
 from kiln.memory.levers import job_for
-from kiln.run.measure import measure_step
-from kiln.config import apply_overrides
 from kiln.memory.planner import search
+from kiln.run.measure import measure_step
 
 SMALL = ["--model.n_layer=3", "--model.d_model=96", "--model.n_head=4", "--data.seq_len=48",
          "--train.micro_batch_size=4", "--train.device=cpu"]
@@ -122,3 +122,40 @@ def test_train_with_plan_memory(small_config, tmp_path):
     assert "[plan]" in saved and "[memory]" in saved
     chosen = summary.cfg
     assert chosen.train.micro_batch_size * chosen.train.grad_accum_steps == 4  # the global batch is kept
+
+
+def test_collective_bytes_follow_the_ring_formulas():
+    from kiln.memory.estimate import parameter_numels
+    from kiln.memory.planner import INTERCONNECTS, communication
+
+    cfg = load_config(None, ["--model.preset=gpt2-124m", "--data.seq_len=1024", "--train.grad_accum_steps=3",
+                             "--precision.mode=bf16"])
+    n = sum(k for _, k in parameter_numels(cfg.model.resolve()))
+    base = job_for(cfg, get_device("H100"))
+    for N in (2, 8, 64):
+        f = (N - 1) / N
+        ddp = communication(replace(base, parallel="ddp", world=N), INTERCONNECTS["nvlink4"], 0.0)
+        assert ddp["bytes"] == pytest.approx(2 * f * 4 * n)  # all-reduce of fp32 gradients
+        zero1 = communication(replace(base, parallel="zero1", world=N), INTERCONNECTS["nvlink4"], 0.0)
+        assert zero1["bytes"] == pytest.approx(2 * f * 4 * n + f * 4 * n)  # + the updated shards' broadcast
+        fsdp = communication(replace(base, parallel="fsdp", world=N), INTERCONNECTS["nvlink4"], 0.0)
+        assert fsdp["bytes"] == pytest.approx(3 * 2 * f * 4 * n + f * 4 * n)  # 2 all-gathers per micro-batch + RS
+        assert ddp["exposed"] == ddp["seconds"] == pytest.approx(ddp["bytes"] / (450e9 * 0.7))
+    assert communication(replace(base, parallel="ddp", world=1), 1.0, 0.0)["bytes"] == 0
+
+
+def test_plan_for_several_gpus_searches_the_strategies():
+    cfg = load_config(None, ["--model.preset=llama-1b", "--data.seq_len=2048"])
+    fast = search(cfg, get_device("H100"), parse_bytes("40GiB"), 2048 * 256, gpus=8, interconnect="nvlink4")
+    assert {c.choice.parallel for c in fast.candidates} == {"ddp", "zero1", "fsdp"}
+    by = {}
+    for c in fast.candidates:
+        by.setdefault(c.choice.parallel, c)
+    # sharding what DDP replicates: FSDP's fastest fit holds the least model state per GPU
+    state = {k: sum(c.breakdown.components[x] for x in ("parameters", "gradients", "optimizer_states"))
+             for k, c in by.items()}
+    assert state["fsdp"] < state["zero1"] < state["ddp"]
+    slow = search(cfg, get_device("H100"), parse_bytes("40GiB"), 2048 * 256, gpus=8, interconnect="pcie4")
+    assert slow.best.step_s > fast.best.step_s  # the same work over a slower link
+    with pytest.raises(ValueError, match="cannot be shared by 3 GPUs"):
+        search(cfg, get_device("H100"), None, 2048 * 256, gpus=3)

@@ -106,6 +106,15 @@ def test_resume_on_another_world_size_and_strategy(launched, reference, source):
     assert_close_curves(losses(run_dir), losses(reference / "lm"))
 
 
+def test_levers_that_make_sense_with_sharding_run_under_fsdp(launched):
+    """FSDP2 with fp16 loss scaling and its per-tensor telemetry, every-2-blocks recompute and the chunked loss."""
+    run_dir = launched / "levers"
+    curve = losses(run_dir)
+    assert len(curve) == 4 and all(0 < v < 10 for v in curve.values())
+    telemetry = [e for e in records(run_dir, "numerics") if e["event"] == "fp16_grads"]
+    assert [e["step"] for e in telemetry] == [1, 2, 4]  # gradients of every shard measured
+
+
 def test_a_nan_on_one_rank_is_skipped_on_every_rank(launched):
     run_dir = launched / "nan"
     events = records(run_dir, "numerics")

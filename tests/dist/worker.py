@@ -18,6 +18,10 @@ for strategy in ("ddp", "zero1", "fsdp"):
 if os.environ["RANK"] == "0":
     (out / "state_bytes.json").write_text(json.dumps(measured))
 train(lm_config(source, "fsdp", steps=5), out / "resume_fsdp")  # resumed by one process with ddp
+levers = lm_config(source, "fsdp", steps=4)  # fp16 loss scaling (and its telemetry), recompute, chunked loss
+levers.precision.mode, levers.memory.recompute, levers.memory.chunked_loss = "fp16", "every_k", 64
+levers.numerics.fp16_telemetry_interval = 2
+train(levers, out / "levers")
 train(lm_config(source, "ddp", steps=8, nan_forward="blocks.1.attn@4", nan_rank=1, trace=True), out / "nan")
 try:
     train(lm_config(source, "ddp", steps=2, global_batch_size=4), out / "bad_global")

@@ -76,7 +76,8 @@ def run(args, overrides) -> int:
     for i, c in enumerate(plan.candidates[: args.top], 1):
         print(_row(i, c, args.gpus))
     best = plan.best
-    flags = " ".join(f"--{k}={v}" for k, v in best.overrides.items() if v not in ("", None))
+    flags = " ".join(f"--{k}={v}" for k, v in best.overrides.items()
+                     if v not in ("", None) and (k, v) != ("parallel.strategy", "none"))
     launch = f"torchrun --nproc_per_node={args.gpus} -m kiln train" if args.gpus > 1 else "kiln train"
     print(f"recommended: {launch} {args.config or ''} {flags}".replace("  ", " "))
     if args.gpus == 1:

@@ -3,7 +3,7 @@
 The library API (the `kiln` command is kiln.cli):
 
     fit(model, train_data, loss=..., config=..., eval_data=..., run_dir=..., resume=...)   any nn.Module
-    train(cfg, run_dir, resume=...)                                                      kiln's language models
+    kiln.run.lm.train(cfg, run_dir, resume=...)                                          kiln's language models
     load_config(path, overrides), Config                                                 the configuration
     losses: CrossEntropy, MSE, Huber, BCEWithLogits, NTXent, as_loss
     objectives: Supervised, Contrastive, LanguageModeling
@@ -11,7 +11,6 @@ The library API (the `kiln` command is kiln.cli):
 """
 from kiln.config import Config, load_config
 from kiln.run.fit import fit
-from kiln.run.lm import train
 from kiln.train.loop import Trainer, TrainResult
 from kiln.train.losses import MSE, BCEWithLogits, CrossEntropy, Huber, NTXent, as_loss
 from kiln.train.objective import Contrastive, LanguageModeling, Supervised
@@ -20,6 +19,7 @@ from kiln.train.state import TrainState, build_state
 
 __version__ = "0.1.0"
 
-__all__ = ["fit", "train", "Config", "load_config", "CrossEntropy", "MSE", "Huber", "BCEWithLogits", "NTXent",
+# (kiln's own language-model run is kiln.run.lm.train: exported here it would hide the kiln.train package.)
+__all__ = ["fit", "Config", "load_config", "CrossEntropy", "MSE", "Huber", "BCEWithLogits", "NTXent",
            "as_loss", "Supervised", "Contrastive", "LanguageModeling", "TrainState", "build_state", "Trainer",
            "TrainResult", "ModelPlan", "prepare_model"]

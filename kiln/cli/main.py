@@ -31,7 +31,15 @@ def main(argv=None) -> int:
     try:
         return importlib.import_module(COMMANDS[args.command]).run(args, extra)
     except (ConfigError, FileExistsError, FileNotFoundError, ValueError) as e:
+        if os.environ.get("KILN_DEBUG"):
+            raise
         print(f"kiln {args.command}: error: {e}", file=sys.stderr)
+        return 2
+    except OSError as e:  # a read-only directory, a full disk, a path that is a file: one line, not a traceback
+        if os.environ.get("KILN_DEBUG"):
+            raise
+        where = f" ({e.filename})" if getattr(e, "filename", None) else ""
+        print(f"kiln {args.command}: error: {e.strerror or e}{where}", file=sys.stderr)
         return 2
     except BrokenPipeError:  # `kiln ... | head`: the reader has gone, which is not an error
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())

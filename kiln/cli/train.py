@@ -37,5 +37,5 @@ def run(args, overrides) -> int:
         cfg = config_from(args, overrides)
         run_dir = Path(args.run_dir or f"runs/{cfg.model.preset}-{time.strftime('%Y%m%d-%H%M%S')}")
     print(f"run directory: {run_dir}")
-    train(cfg, run_dir, resume=bool(args.resume))
-    return 0
+    result = train(cfg, run_dir, resume=bool(args.resume))
+    return 128 + result.signal if result.signal is not None else 0  # 143 SIGTERM, 130 SIGINT, 138 SIGUSR1

@@ -36,7 +36,7 @@ from kiln.memory.estimate import recompute_plan
 from kiln.perf import device_peak_flops
 from kiln.perf.hardware import precision_notice, resolve_kernels, resolve_mode
 from kiln.run.lm import pick_device
-from kiln.train.checkpoint import Checkpointer
+from kiln.train.checkpoint import Checkpointer, RunLock
 from kiln.train.loop import TrainResult, Trainer, accumulation_for
 from kiln.train.losses import NTXent
 from kiln.train.objective import Contrastive, Supervised
@@ -109,7 +109,9 @@ def fit(model: nn.Module, train_data, *, loss="cross_entropy", config=None, eval
                               f"or choose another run_dir")
     world = init_world(cfg.parallel, pick_device(cfg.train.device).type)
     try:
-        return _fit(model, train_data, objective, cfg, eval_data, run_dir, resume, console, flops_per_sample, world)
+        with RunLock(run_dir, enabled=world.main):
+            return _fit(model, train_data, objective, cfg, eval_data, run_dir, resume, console, flops_per_sample,
+                        world)
     finally:
         world.close()
 
@@ -144,6 +146,10 @@ def _fit(model, train_data, objective, cfg, eval_data, run_dir, resume, console,
     if note:
         con.print(note, highlight=False)
     result = trainer.run()
+    if result.signal is not None:
+        con.print(f"stopped by signal {result.signal} at step {result.step}: checkpoint {result.checkpoint}; resume "
+                  f"with fit(..., resume=True)", highlight=False)
+        return result
     shown = f"{result.val_loss:.4f}" if result.val_loss is not None else "n/a (no eval_data)"
     con.print(f"done at step {result.step} ({result.stop_reason}): val_loss {shown} | checkpoint {result.checkpoint}",
               highlight=False)

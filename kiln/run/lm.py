@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import itertools
 import os
+import signal
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -28,7 +29,7 @@ from kiln.memory.planner import search
 from kiln.models import ModelConfig, Transformer, build_model
 from kiln.perf import device_peak_flops, flops_per_token
 from kiln.perf.hardware import precision_notice, resolve_kernels, resolve_mode
-from kiln.train.checkpoint import Checkpointer
+from kiln.train.checkpoint import Checkpointer, RunLock
 from kiln.train.loop import TrainResult, Trainer, accumulation_for
 from kiln.train.objective import LanguageModeling
 from kiln.train.pipeline import ModelPlan
@@ -161,13 +162,15 @@ def train(cfg: Config, run_dir: Path, resume: bool = False, console: Console | N
         raise FileExistsError(f"{run_dir} already holds a run with checkpoints; pass --resume {run_dir} to continue "
                               f"it, or choose another --run-dir")
     con = console or Console(soft_wrap=True)
-    if launched_by_torchrun() and int(os.environ["RANK"]) != 0:
+    main = not launched_by_torchrun() or int(os.environ["RANK"]) == 0
+    if not main:
         con = Console(quiet=True)  # rank 0 speaks for the run
-    lm = build_lm(cfg, run_dir, log=lambda msg: con.print(msg, highlight=False))
-    try:
-        return _train(lm, cfg, run_dir, resume, con)
-    finally:
-        lm.state.world.close()
+    with RunLock(run_dir, enabled=main):
+        lm = build_lm(cfg, run_dir, log=lambda msg: con.print(msg, highlight=False))
+        try:
+            return _train(lm, cfg, run_dir, resume, con)
+        finally:
+            lm.state.world.close()
 
 
 def _train(lm: LMRun, cfg: Config, run_dir: Path, resume: bool, con: Console) -> TrainResult:
@@ -187,6 +190,9 @@ def _train(lm: LMRun, cfg: Config, run_dir: Path, resume: bool, con: Console) ->
         con.print(note, highlight=False)
     result = trainer.run()
     lm.cfg = result.cfg  # a time-budgeted run has its max_steps now
+    if result.signal is not None:
+        con.print(stop_line(result, run_dir), highlight=False)
+        return result
     shown_val = f"{result.val_loss:.4f}" if result.val_loss is not None else "n/a (stopped before an evaluation)"
     con.print(f"done at step {result.step} ({result.stop_reason}): val_loss {shown_val} | unigram baseline "
               f"{lm.data.unigram_loss:.4f} | checkpoint {result.checkpoint}", highlight=False)
@@ -197,6 +203,12 @@ def _train(lm: LMRun, cfg: Config, run_dir: Path, resume: bool, con: Console) ->
         con.print(result.sample, markup=False, highlight=False)
         con.rule()
     return result
+
+
+def stop_line(result: TrainResult, run_dir: Path) -> str:
+    name = signal.Signals(result.signal).name
+    return (f"stopped by {name} at step {result.step}: checkpoint {result.checkpoint}; resume with `kiln train "
+            f"--resume {run_dir}` (exit status {128 + result.signal})")
 
 
 def generate_text(model: Transformer, tokenizer, prompt: str, max_new_tokens: int, temperature: float,

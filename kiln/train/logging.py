@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import sys
 import time
 from dataclasses import dataclass
@@ -46,8 +47,10 @@ def _clean(value):
 
 class MetricsLogger:
     def __init__(self, cfg: LogConfig, run_dir: Path, total_steps: int | None, start_step: int = 0,
-                 console: Console | None = None, enabled: bool = True):
-        """enabled=False (every rank but 0 under data parallelism): records, lines and the bar go nowhere."""
+                 console: Console | None = None, enabled: bool = True, resumed_at: int | None = None):
+        """enabled=False (every rank but 0 under data parallelism): records, lines and the bar go nowhere.
+        resumed_at: the step a resumed run continues from; records after it (written before a crash, and about to
+        be written again) move to metrics.stale-N.jsonl, and TensorBoard purges them."""
         self.cfg, self.enabled = cfg, enabled
         self.console = console or Console(file=sys.stdout)
         self.file = self.tb = self.progress = None
@@ -55,11 +58,14 @@ class MetricsLogger:
         if not enabled:
             return
         run_dir.mkdir(parents=True, exist_ok=True)
+        if resumed_at is not None:
+            self._drop_after(run_dir / "metrics.jsonl", resumed_at)
         self.file = open(run_dir / "metrics.jsonl", "a")
         if cfg.tensorboard:
-            from torch.utils.tensorboard import SummaryWriter
+            from torch.utils.tensorboard import SummaryWriter  # lazy: tensorboard only when log.tensorboard
 
-            self.tb = SummaryWriter(log_dir=str(run_dir / "tensorboard"))
+            purge = {"purge_step": resumed_at + 1} if resumed_at is not None else {}
+            self.tb = SummaryWriter(log_dir=str(run_dir / "tensorboard"), **purge)
         mode = cfg.progress
         if mode == "auto":
             mode = "bar" if self.console.is_terminal else "lines"
@@ -75,6 +81,31 @@ class MetricsLogger:
             )
             self.task = self.progress.add_task("train", total=total_steps, completed=start_step, stats="")
             self.progress.start()
+
+    def _drop_after(self, path: Path, step: int) -> None:
+        """Keep the records up to `step`; move the later ones aside with a note, so each step appears once."""
+        if not path.is_file():
+            return
+        keep, stale = [], []
+        for line in path.read_text().splitlines(keepends=True):
+            try:
+                record_step = json.loads(line).get("step", 0)
+            except json.JSONDecodeError:  # a line cut by the crash
+                stale.append(line)
+                continue
+            (stale if record_step > step else keep).append(line)
+        if not stale:
+            return
+        n = 1
+        while (path.parent / f"metrics.stale-{n}.jsonl").exists():
+            n += 1
+        aside = path.parent / f"metrics.stale-{n}.jsonl"
+        aside.write_text("".join(stale))
+        tmp = path.with_suffix(".jsonl.tmp")
+        tmp.write_text("".join(keep))
+        os.replace(tmp, path)
+        self.console.print(f"metrics: {len(stale)} records after step {step}, from before the interruption, moved "
+                           f"to {aside.name}", highlight=False)
 
     def print(self, *args, **kw):
         if self.enabled:

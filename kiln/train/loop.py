@@ -12,8 +12,11 @@ spent outside `advance` is not counted in the logged throughput.
 """
 from __future__ import annotations
 
+import contextlib
 import math
 import resource
+import signal
+import threading
 import time
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -34,6 +37,7 @@ from kiln.train.step import StepResult, micro_batch_losses, train_step
 # 30 while the warm-up lasts. Early steps still run slower than later ones (default job on a 2-core Xeon: 13,600
 # tok/s over steps 3-30, 17,000 after), so a run ends 10-20% under its budget rather than over it.
 CALIBRATION_STEPS, CALIBRATION_MAX = 10, 30
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1)
 KERNELS = ("torch", "triton", "auto")
 
 
@@ -97,6 +101,7 @@ class TrainResult:
     checkpoint: Path | None
     state: TrainState
     cfg: object = None  # the configuration trained (resolved; a time-budgeted run's max_steps filled in)
+    signal: int | None = None  # the stop signal that ended the run (exit status 128 + signal)
     unigram_loss: float | None = None  # language models on byte/BPE data: the loss of predicting token frequencies
     sample: str | None = None  # language models: text generated after training
 
@@ -129,7 +134,10 @@ class Trainer:
         self.con = console or Console(soft_wrap=True)
         self._evaluate_fn, self._config_toml = evaluate, config_toml
         self.flops_per_unit, self.peak = flops_per_unit, peak_flops
-        self.checkpointer = Checkpointer(cfg.checkpoint, self.run_dir)
+        self.checkpointer = Checkpointer(cfg.checkpoint, self.run_dir,
+                                         warn=lambda msg: self.con.print(msg, highlight=False))
+        self.resumed_at: int | None = None  # the step a resume started from: later metrics records are stale
+        self.signal: int | None = None  # a stop signal received (SIGTERM, SIGINT, SIGUSR1): the run ends at a step
         tc, sched = cfg.train, cfg.schedule
         self.budgeted = tc.max_steps == 0
         self._first = state.step  # a budgeted run resumed before it was sized measures from where it resumed
@@ -169,25 +177,32 @@ class Trainer:
         """Load the latest checkpoint of the run directory into the state (numerics monitor included)."""
         if self.state.world.sharded:
             return self.checkpointer.load_sharded(self.state)
-        path = self.checkpointer.latest()
-        if path is not None and (path / "sharded").is_dir():
+        state = self.checkpointer.load(map_location=self.state.device)
+        path = self.checkpointer.loaded
+        if (path / "sharded").is_dir():
             raise ValueError(f"{path} was written under parallel.strategy by several ranks; resume it with "
                              f"--parallel.strategy=ddp or fsdp (one process works without torchrun)")
-        self.state.load_state_dict(self.checkpointer.load(map_location=self.state.device))
+        self.state.load_state_dict(state)
+        self.resumed_at = self.state.step
         return path
 
     def _load_latest(self):
-        path = self.checkpointer.latest()
-        return None if path is None else (self.checkpointer.load(map_location=self.state.device), path)
+        try:
+            state = self.checkpointer.load(map_location=self.state.device)
+        except FileNotFoundError:
+            return None
+        return state, self.checkpointer.loaded
 
     def _start(self) -> None:
         if self.logger is None:
             main = self.state.world.main  # under data parallelism rank 0 writes the run directory, alone
             if main:
                 self.run_dir.mkdir(parents=True, exist_ok=True)
+                self.checkpointer.clean_leftovers()
             self._write_config()
             self.logger = MetricsLogger(self.cfg.log, self.run_dir, self.cfg.train.max_steps or None,
-                                        self.state.step, console=self.con, enabled=main)
+                                        self.state.step, console=self.con, enabled=main,
+                                        resumed_at=self.resumed_at)
             self.numerics.start()
 
     def _write_config(self) -> None:
@@ -212,6 +227,9 @@ class Trainer:
         state, numerics, logger = self.state, self.numerics, self.logger
         self.window_start, self.window_steps, self.window_units = time.perf_counter(), 0, 0
         while self.stop_reason is None and state.step < min(until, self.max_steps):
+            if self._stop_signalled():  # the step boundary: the only place a signal ends the run
+                self.stop_reason = f"signal {signal.Signals(self.signal).name}"
+                break
             cfg = self.cfg
             tc = cfg.train
             if self.budgeted:
@@ -319,14 +337,44 @@ class Trainer:
         if tc.early_stop_patience and state.evals_since_best >= tc.early_stop_patience and not last:
             self.stop_reason = f"early stop: no val improvement in {tc.early_stop_patience} evaluations"
 
-    def run(self) -> TrainResult:
-        """Train to the end, save the final checkpoint, close everything."""
+    def _stop_signalled(self) -> bool:
+        """Whether a stop signal arrived; under data parallelism whether it arrived on any rank (all agree)."""
+        if not self.state.world.sharded or self.state.world.size == 1:
+            return self.signal is not None
+        flag = torch.tensor([float(self.signal or 0)], device=self.state.device)
+        self.state.world.all_reduce(flag, op=torch.distributed.ReduceOp.MAX)
+        if flag.item():
+            self.signal = self.signal or int(flag.item())
+        return bool(flag.item())
+
+    @contextlib.contextmanager
+    def _stop_signals(self):
+        """SIGTERM, SIGINT, SIGUSR1 (what schedulers send before a kill) end the run at the next step boundary
+        with a checkpoint; a second SIGINT stops at once."""
+        def handler(signum, frame):
+            if self.signal is not None and signum == signal.SIGINT:
+                raise KeyboardInterrupt
+            self.signal = signum
+        if threading.current_thread() is not threading.main_thread():
+            yield  # signals reach the main thread only; a loop run elsewhere keeps the handlers it has
+            return
+        previous = {s: signal.signal(s, handler) for s in STOP_SIGNALS}
         try:
-            stop_reason = self.advance(self.max_steps)
-            path = self.save_checkpoint()
+            yield
+        finally:
+            for s, h in previous.items():
+                signal.signal(s, h)
+
+    def run(self) -> TrainResult:
+        """Train to the end (or a stop signal), save the final checkpoint, close everything."""
+        try:
+            with self._stop_signals():
+                stop_reason = self.advance(self.max_steps)
+                path = self.save_checkpoint()
         finally:
             self.close()
-        return TrainResult(self.state.step, self.val_loss, stop_reason, path, self.state, self.cfg)
+        return TrainResult(self.state.step, self.val_loss, stop_reason, path, self.state, self.cfg,
+                           signal=self.signal)
 
     def close(self) -> None:
         self.numerics.close()

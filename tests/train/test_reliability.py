@@ -1,0 +1,176 @@
+"""Runs survive signals, corrupt or missing checkpoints, failed writes, a second process and a crash's leftovers."""
+import errno
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from kiln.run.lm import train
+from kiln.train import checkpoint as ckpt
+from kiln.train.checkpoint import MANIFEST, Checkpointer, CheckpointWriteError, RunLock
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _train_losses(run_dir: Path) -> dict[int, float]:
+    lines = (run_dir / "metrics.jsonl").read_text().splitlines()
+    records = [json.loads(line) for line in lines]
+    steps = [r["step"] for r in records if r["kind"] == "train"]
+    assert len(steps) == len(set(steps)), "a step logged twice"
+    return {r["step"]: r["loss"] for r in records if r["kind"] == "train"}
+
+
+def _run_cli(args, **kw):
+    env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
+    return subprocess.Popen([sys.executable, "-m", "kiln", "train", *args], cwd=ROOT, env=env, text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, **kw)
+
+
+def _cli_args(corpus_file, run_dir, steps):
+    return ["--model.preset=tiny", "--model.n_layer=2", "--model.n_head=2", "--model.d_model=64",
+            "--model.max_seq_len=64", f"--data.source={corpus_file}", "--data.seq_len=32",
+            "--train.micro_batch_size=4", f"--train.max_steps={steps}", "--train.device=cpu",
+            "--precision.mode=fp32", "--log.interval=1", "--log.tensorboard=false", "--log.progress=lines",
+            "--train.sample_tokens=0", "--schedule.warmup_steps=2", "--schedule.total_steps=60",
+            f"--run-dir={run_dir}"]
+
+
+@pytest.mark.parametrize("sig, status", [(signal.SIGTERM, 143), (signal.SIGINT, 130), (signal.SIGUSR1, 138)])
+def test_a_signal_ends_the_run_with_a_checkpoint_and_resume_continues_the_curve(corpus_file, kiln_cache, tmp_path,
+                                                                                  sig, status):
+    run = tmp_path / "run"
+    proc = _run_cli(_cli_args(corpus_file, run, 60))
+    deadline = time.time() + 60
+    while time.time() < deadline:  # wait until a few steps are logged, then signal mid-run
+        if (run / "metrics.jsonl").exists() and len((run / "metrics.jsonl").read_text().splitlines()) >= 5:
+            break
+        time.sleep(0.05)
+    proc.send_signal(sig)
+    out, _ = proc.communicate(timeout=60)
+    assert proc.returncode == status, out
+    assert f"stopped by {sig.name} at step" in out and "Traceback" not in out
+    stopped = int(out.split("at step ")[1].split(":")[0])
+    assert (run / "checkpoints" / f"step_{stopped:06d}" / MANIFEST).is_file()
+    assert stopped < 60
+
+    resumed = _run_cli(["--resume", str(run), "--train.max_steps=60"])
+    out, _ = resumed.communicate(timeout=120)
+    assert resumed.returncode == 0, out
+    straight = _run_cli(_cli_args(corpus_file, tmp_path / "straight", 60))
+    out, _ = straight.communicate(timeout=120)
+    assert straight.returncode == 0, out
+    assert _train_losses(run) == _train_losses(tmp_path / "straight")
+
+
+@pytest.fixture
+def three_checkpoints(small_config, tmp_path):
+    run = tmp_path / "run"
+    train(small_config(train={"max_steps": 6}, checkpoint={"interval": 2}), run)
+    return run
+
+
+def _damage(path: Path, how: str):
+    state = path / "state.pt"
+    if how == "truncated":
+        state.write_bytes(state.read_bytes()[: state.stat().st_size // 2])
+    elif how == "flipped":
+        data = bytearray(state.read_bytes())
+        for i in range(1000, 1100):
+            data[i] ^= 0xFF
+        state.write_bytes(bytes(data))
+    elif how == "empty":
+        state.write_bytes(b"")
+    elif how == "deleted":
+        import shutil
+
+        shutil.rmtree(path)
+    elif how == "safetensors":
+        (path / "model.safetensors").write_bytes(b"garbage")
+
+
+@pytest.mark.parametrize("how", ["truncated", "flipped", "empty", "deleted", "safetensors"])
+def test_a_damaged_newest_checkpoint_falls_back_to_the_previous_good_one(three_checkpoints, how):
+    ckpts = three_checkpoints / "checkpoints"
+    _damage(ckpts / "step_000006", how)
+    said = []
+    checkpointer = Checkpointer(ckpt.CheckpointConfig(), three_checkpoints, warn=said.append)
+    state = checkpointer.load()
+    assert state["step"] == 4 and checkpointer.loaded.name == "step_000004"
+    assert len(said) == 1 and ("step_000006" in said[0])
+
+
+def test_a_garbage_latest_pointer_and_a_named_bad_checkpoint(three_checkpoints):
+    ckpts = three_checkpoints / "checkpoints"
+    (ckpts / "latest").write_text("../../etc\n")
+    said = []
+    assert Checkpointer(ckpt.CheckpointConfig(), three_checkpoints, warn=said.append).load()["step"] == 6
+    assert "not a checkpoint here" in said[0]
+    _damage(ckpts / "step_000004", "flipped")
+    with pytest.raises(ckpt.CheckpointCorrupt, match="step_000004/state.pt does not match its checksum"):
+        Checkpointer(ckpt.CheckpointConfig(), three_checkpoints).load(path=ckpts / "step_000004")
+
+
+def test_resume_after_a_crash_logs_each_step_once(small_config, tmp_path):
+    """A crash after step 6 was logged but before its checkpoint: resume re-runs 5-6 and the metrics say so once."""
+    cfg = dict(train={"max_steps": 6}, checkpoint={"interval": 4}, schedule={"total_steps": 6})
+    train(small_config(**cfg), tmp_path / "run")
+    import shutil
+
+    shutil.rmtree(tmp_path / "run" / "checkpoints" / "step_000006")  # the crash
+    train(small_config(**cfg), tmp_path / "run", resume=True)
+    train(small_config(**cfg), tmp_path / "straight")
+    assert _train_losses(tmp_path / "run") == _train_losses(tmp_path / "straight")
+    stale = [json.loads(line) for line in (tmp_path / "run" / "metrics.stale-1.jsonl").read_text().splitlines()]
+    assert {r["step"] for r in stale} == {5, 6}
+
+
+def test_a_failed_write_names_the_disk_and_keeps_earlier_checkpoints(three_checkpoints, monkeypatch):
+    def full_disk(*args, **kwargs):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    monkeypatch.setattr(ckpt.torch, "save", full_disk)
+    checkpointer = Checkpointer(ckpt.CheckpointConfig(), three_checkpoints)
+    with pytest.raises(CheckpointWriteError, match="No space left on device.*earlier checkpoints are intact"):
+        checkpointer.save(8, {"step": 8}, "")
+    ckpts = three_checkpoints / "checkpoints"
+    assert not list(ckpts.glob(".tmp-*"))
+    assert sorted(p.name for p in ckpts.glob("step_*")) == ["step_000002", "step_000004", "step_000006"]
+    for p in ckpts.glob("step_*"):
+        ckpt.verify(p)
+
+
+def test_leftovers_of_an_interrupted_save_are_cleaned_or_restored(three_checkpoints):
+    ckpts = three_checkpoints / "checkpoints"
+    (ckpts / ".tmp-step_000008-999").mkdir()
+    os.replace(ckpts / "step_000006", ckpts / ".old-step_000006-999")  # a re-save killed after moving it aside
+    said = []
+    done = Checkpointer(ckpt.CheckpointConfig(), three_checkpoints, warn=said.append).clean_leftovers()
+    assert done == [".old-step_000006-999 restored as step_000006", ".tmp-step_000008-999"]
+    assert (ckpts / "step_000006" / "state.pt").exists() and not list(ckpts.glob(".tmp-*"))
+    assert "removed 2 leftover" in said[0]
+
+
+def test_a_second_run_on_a_directory_in_use_is_refused(tmp_path):
+    with RunLock(tmp_path / "run"):
+        started = time.time()
+        with pytest.raises(FileExistsError, match=f"in use by process {os.getpid()}"):
+            with RunLock(tmp_path / "run"):
+                pass
+        assert time.time() - started < 5
+    with RunLock(tmp_path / "run"):  # released: the next run gets it
+        pass
+
+
+def test_an_os_error_at_the_cli_is_one_line(tmp_path):
+    blocker = tmp_path / "file"
+    blocker.write_text("not a directory")
+    proc = subprocess.run([sys.executable, "-m", "kiln", "train", f"--run-dir={blocker}/run", "--train.max_steps=1"],
+                          cwd=ROOT, env=dict(os.environ, PYTHONPATH=str(ROOT)), capture_output=True, text=True)
+    assert proc.returncode == 2
+    assert proc.stderr.count("\n") == 1 and "Not a directory" in proc.stderr and "Traceback" not in proc.stderr

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import math
 import inspect
 import re
 import tomllib
@@ -117,6 +118,8 @@ def _coerce(key: str, value, tp):
         value = float(value)
     if not isinstance(value, allowed):
         raise ConfigError(f"{key} expects {_type_names(allowed)}, got {value!r} ({type(value).__name__})")
+    if isinstance(value, float) and not math.isfinite(value):
+        raise ConfigError(f"{key}={value} is not a finite number; give a real value")
     if isinstance(value, list) and tuple in allowed:
         value = tuple(value)
     return value

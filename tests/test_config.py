@@ -80,6 +80,9 @@ def test_bad_toml_types_are_rejected(tmp_path):
     (["--faults.spike=5", "--train.compile=true"], "--train.compile=false"),
     (["--memory.offload_blocks=0-7"], "blocks run 0..1"),  # the nano preset has 2 blocks
     (["--model.kernels=triton"], "model.kernels .* is now train.kernels"),
+    (["--optim.lr=inf"], "optim.lr=inf is not a finite number"),
+    (["--optim.lr=nan"], "optim.lr=nan is not a finite number"),
+    (["--optim.grad_clip=nan"], "optim.grad_clip=nan is not a finite number"),
 ])
 def test_cross_section_rules_are_checked_when_the_config_is_loaded(overrides, message):
     with pytest.raises(ConfigError, match=message):

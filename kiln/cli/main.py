@@ -15,6 +15,7 @@ COMMANDS = {
     "memory": "kiln.cli.memory",
     "plan": "kiln.cli.plan",
     "doctor": "kiln.cli.doctor",
+    "checkpoints": "kiln.cli.checkpoints",
 }
 
 

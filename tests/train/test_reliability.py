@@ -174,3 +174,14 @@ def test_an_os_error_at_the_cli_is_one_line(tmp_path):
                           cwd=ROOT, env=dict(os.environ, PYTHONPATH=str(ROOT)), capture_output=True, text=True)
     assert proc.returncode == 2
     assert proc.stderr.count("\n") == 1 and "Not a directory" in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_kiln_checkpoints_lists_and_marks_the_corrupt_one(three_checkpoints, capsys):
+    from kiln.cli.main import main
+
+    _damage(three_checkpoints / "checkpoints" / "step_000006", "truncated")
+    assert main(["checkpoints", str(three_checkpoints)]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert out[0].startswith("step_000006") and "CORRUPT" in out[0] and "(latest)" in out[0]
+    assert out[1].startswith("step_000004") and out[1].endswith("ok")
+    assert out[-1] == "resume takes: step_000004"

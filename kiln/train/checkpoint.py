@@ -38,10 +38,16 @@ class CheckpointConfig:
     interval: int = 0  # save every N steps (0: only at the end of training)
     keep_last: int = 3  # number of checkpoints kept on disk (oldest deleted first)
     safetensors: bool = True  # also export the weights as model.safetensors in each checkpoint
+    every_minutes: float = 30.0  # also save when this much wall-clock time passed since the last save (0: off)
+    on_error: str = "stop"  # a save that fails (full disk, quota): stop the run cleanly, or warn and train on
 
     def validate(self):
         if self.interval < 0:
             raise ValueError(f"checkpoint.interval must be ≥ 0, got {self.interval}")
+        if self.every_minutes < 0:
+            raise ValueError(f"checkpoint.every_minutes must be ≥ 0 (0: off), got {self.every_minutes}")
+        if self.on_error not in ("stop", "warn"):
+            raise ValueError(f"checkpoint.on_error={self.on_error!r}; use 'stop' or 'warn'")
         if self.keep_last < 1:
             raise ValueError(f"checkpoint.keep_last must be ≥ 1 (otherwise nothing could resume), got {self.keep_last}")
 

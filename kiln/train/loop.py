@@ -14,7 +14,9 @@ from __future__ import annotations
 
 import contextlib
 import math
+import re
 import resource
+import shutil
 import signal
 import threading
 import time
@@ -27,7 +29,7 @@ from rich.console import Console
 
 from kiln.numerics.monitor import Handles, Numerics
 from kiln.perf import mfu
-from kiln.train.checkpoint import Checkpointer
+from kiln.train.checkpoint import Checkpointer, CheckpointWriteError
 from kiln.train.logging import MetricsLogger
 from kiln.train.schedule import lr_factor
 from kiln.train.state import TrainState
@@ -56,6 +58,7 @@ class TrainConfig:
     device: str = "auto"  # "auto" (cuda when available, else cpu) | "cpu" | "cuda" | "cuda:N"
     compile: bool = False  # wrap the model in torch.compile
     kernels: str = "torch"  # "torch" | "triton" | "auto" (Triton on CUDA compute capability ≥ 8.0 when importable)
+    max_time: str = ""  # wall-clock limit, e.g. 3h50m or 90s: the run saves and ends at the step that crosses it
     sample_tokens: int = 200  # tokens generated after training (0: no sample)
     sample_prompt: str = "def "  # prompt of the sample printed after training
 
@@ -75,8 +78,20 @@ class TrainConfig:
         if self.global_batch_size % self.micro_batch_size:
             raise ValueError(f"train.global_batch_size={self.global_batch_size} is not a multiple of "
                              f"train.micro_batch_size={self.micro_batch_size}")
+        parse_duration(self.max_time)
         if self.kernels not in KERNELS:
             raise ValueError(f"train.kernels={self.kernels!r} is unknown; use one of {KERNELS}")
+
+
+def parse_duration(text: str) -> float | None:
+    """'3h50m', '90s', '1.5h', '45m' -> seconds; '' -> None."""
+    if not text:
+        return None
+    parts = re.fullmatch(r"\s*(?:(\d+(?:\.\d+)?)h)?\s*(?:(\d+(?:\.\d+)?)m)?\s*(?:(\d+(?:\.\d+)?)s)?\s*", text)
+    if not parts or not any(parts.groups()):
+        raise ValueError(f"train.max_time={text!r}: write a duration such as 3h50m, 45m or 90s")
+    h, m, sec = (float(g) if g else 0.0 for g in parts.groups())
+    return 3600 * h + 60 * m + sec
 
 
 def accumulation_for(tc: TrainConfig, world_size: int) -> int:
@@ -138,6 +153,8 @@ class Trainer:
                                          warn=lambda msg: self.con.print(msg, highlight=False))
         self.resumed_at: int | None = None  # the step a resume started from: later metrics records are stale
         self.signal: int | None = None  # a stop signal received (SIGTERM, SIGINT, SIGUSR1): the run ends at a step
+        self._started = self._last_save = time.monotonic()
+        self._first_save = True
         tc, sched = cfg.train, cfg.schedule
         self.budgeted = tc.max_steps == 0
         self._first = state.step  # a budgeted run resumed before it was sized measures from where it resumed
@@ -209,11 +226,40 @@ class Trainer:
         if self._config_toml is not None and self.state.world.main:
             (self.run_dir / "config.toml").write_text(self._config_toml(self.cfg))
 
-    def save_checkpoint(self) -> Path:
+    def save_checkpoint(self) -> Path | None:
         text = self._config_toml(self.cfg) if self._config_toml is not None else ""
-        if self.state.world.sharded:
-            return self.checkpointer.save_sharded(self.state.step, self.state, text)
-        return self.checkpointer.save(self.state.step, self.state.state_dict(), text, self.state.model)
+        if self._first_save:
+            self._first_save = False
+            self._check_free_space()
+        try:
+            if self.state.world.sharded:
+                path = self.checkpointer.save_sharded(self.state.step, self.state, text)
+            else:
+                path = self.checkpointer.save(self.state.step, self.state.state_dict(), text, self.state.model)
+        except CheckpointWriteError as e:
+            if self.cfg.checkpoint.on_error != "warn":
+                raise
+            self.con.print(f"checkpoint: {e}; training on (checkpoint.on_error=warn)", highlight=False)
+            return None
+        self._last_save = time.monotonic()
+        return path
+
+    def _check_free_space(self) -> None:
+        """Before the first save: warn when keep_last checkpoints of this size will not fit on the disk."""
+        if not self.state.world.main:
+            return
+        tensors = [*self.state.model.state_dict().values()]
+        tensors += [v for s in self.state.optimizer.state.values() for v in s.values() if isinstance(v, torch.Tensor)]
+        size = sum(t.numel() * t.element_size() for t in tensors)
+        size += sum(p.numel() * p.element_size() for p in self.state.model.parameters())  # model.safetensors
+        target = self.checkpointer.dir if self.checkpointer.dir.exists() else self.run_dir
+        target.mkdir(parents=True, exist_ok=True)
+        free = shutil.disk_usage(target).free
+        need = size * (self.cfg.checkpoint.keep_last + 1)  # the kept ones and the one being written
+        if free < need:
+            self.con.print(f"checkpoint: {self.cfg.checkpoint.keep_last} checkpoints of ~{size:,} bytes (and the "
+                           f"one being written) need {need:,} bytes, {free:,} are free on {target}; lower "
+                           f"checkpoint.keep_last or free space", highlight=False)
 
     # -- the loop -----------------------------------------------------------------------------------------
 
@@ -229,6 +275,9 @@ class Trainer:
         while self.stop_reason is None and state.step < min(until, self.max_steps):
             if self._stop_signalled():  # the step boundary: the only place a signal ends the run
                 self.stop_reason = f"signal {signal.Signals(self.signal).name}"
+                break
+            if self._out_of_time():
+                self.stop_reason = f"max_time: train.max_time={self.cfg.train.max_time} reached"
                 break
             cfg = self.cfg
             tc = cfg.train
@@ -254,7 +303,8 @@ class Trainer:
             last = state.step == tc.max_steps
             log_due = state.step % cfg.log.interval == 0 or last
             eval_due = (tc.eval_interval and state.step % tc.eval_interval == 0) or last
-            checkpoint_due = cfg.checkpoint.interval and state.step % cfg.checkpoint.interval == 0 and not last
+            checkpoint_due = not last and ((cfg.checkpoint.interval and state.step % cfg.checkpoint.interval == 0)
+                                           or self._save_due_by_time())
             verdict = None
             if log_due or eval_due or checkpoint_due:
                 # A sync point: numerics reads back the steps since the last one (spikes, NaN/Inf, loss scale)
@@ -336,6 +386,20 @@ class Trainer:
         self.window_start = time.perf_counter()  # evaluation time is not training throughput
         if tc.early_stop_patience and state.evals_since_best >= tc.early_stop_patience and not last:
             self.stop_reason = f"early stop: no val improvement in {tc.early_stop_patience} evaluations"
+
+    def _out_of_time(self) -> bool:
+        limit = parse_duration(self.cfg.train.max_time)
+        if limit is None:
+            return False
+        over = time.monotonic() - self._started >= limit
+        return self.state.world.broadcast_object(over) if self.state.world.size > 1 else over  # rank 0's clock
+
+    def _save_due_by_time(self) -> bool:
+        minutes = self.cfg.checkpoint.every_minutes
+        if not minutes:
+            return False
+        due = time.monotonic() - self._last_save >= 60 * minutes
+        return self.state.world.broadcast_object(due) if self.state.world.size > 1 else due
 
     def _stop_signalled(self) -> bool:
         """Whether a stop signal arrived; under data parallelism whether it arrived on any rank (all agree)."""

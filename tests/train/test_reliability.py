@@ -185,3 +185,31 @@ def test_kiln_checkpoints_lists_and_marks_the_corrupt_one(three_checkpoints, cap
     assert out[0].startswith("step_000006") and "CORRUPT" in out[0] and "(latest)" in out[0]
     assert out[1].startswith("step_000004") and out[1].endswith("ok")
     assert out[-1] == "resume takes: step_000004"
+
+
+def test_max_time_ends_the_run_with_a_checkpoint(small_config, tmp_path):
+    result = train(small_config(train={"max_steps": 10_000, "max_time": "1s"}), tmp_path / "run")
+    assert result.stop_reason.startswith("max_time") and 0 < result.step < 10_000
+    assert (result.checkpoint / MANIFEST).is_file()
+
+
+def test_a_wall_clock_interval_saves_between_step_intervals(small_config, tmp_path):
+    train(small_config(train={"max_steps": 6}, checkpoint={"every_minutes": 1e-6, "keep_last": 10}), tmp_path / "run")
+    saved = sorted(p.name for p in (tmp_path / "run" / "checkpoints").glob("step_*"))
+    assert saved == [f"step_{i:06d}" for i in range(1, 7)]  # every step, since the interval is ~0
+
+
+def test_on_error_warn_trains_on_when_a_save_fails(small_config, tmp_path, monkeypatch):
+    real_save = ckpt.torch.save
+
+    def fails_at_step_2(obj, f, *args, **kwargs):
+        if isinstance(obj, dict) and obj.get("step") == 2:
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        return real_save(obj, f, *args, **kwargs)
+
+    monkeypatch.setattr(ckpt.torch, "save", fails_at_step_2)
+    cfg = small_config(train={"max_steps": 4}, checkpoint={"interval": 2, "on_error": "warn"})
+    result = train(cfg, tmp_path / "run")
+    assert result.step == 4 and result.checkpoint.name == "step_000004"
+    with pytest.raises(CheckpointWriteError):
+        train(small_config(train={"max_steps": 4}, checkpoint={"interval": 2}), tmp_path / "stop")

@@ -213,3 +213,19 @@ def test_on_error_warn_trains_on_when_a_save_fails(small_config, tmp_path, monke
     assert result.step == 4 and result.checkpoint.name == "step_000004"
     with pytest.raises(CheckpointWriteError):
         train(small_config(train={"max_steps": 4}, checkpoint={"interval": 2}), tmp_path / "stop")
+
+
+def _prepare(source: str, cache: str) -> int:
+    from kiln.data import DataConfig, prepare_data
+
+    return len(prepare_data(DataConfig(source=source, cache_dir=cache, seq_len=32), None, log=lambda m: None).train)
+
+
+def test_two_cold_runs_racing_on_one_token_cache_both_get_a_valid_one(corpus_file, tmp_path):
+    import multiprocessing
+
+    with multiprocessing.get_context("spawn").Pool(2) as pool:
+        sizes = pool.starmap(_prepare, [(str(corpus_file), str(tmp_path / "cache"))] * 2)
+    assert sizes[0] == sizes[1] > 0
+    assert len(list((tmp_path / "cache").iterdir())) == 1  # one cache directory, no scratch left behind
+    assert _prepare(str(corpus_file), str(tmp_path / "cache")) == sizes[0]  # and it reads back

@@ -34,7 +34,7 @@ LAZY_HINT = "move it to the top, or mark it '# lazy: <reason>' if it keeps an op
 class Import:
     where: str  # "kiln/memory/levers.py:59"
     source: str | None  # the importing package; None for the root modules
-    target: str  # the module imported, resolved: "kiln.train.trainer"
+    target: str  # the module imported, resolved: "kiln.train.loop"
     package: str | None  # the target's package, "train"; None when the target is the root package itself
     in_function: bool
     lazy: bool  # a comment containing `lazy:` sits on the import or on the line above it

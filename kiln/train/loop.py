@@ -154,6 +154,7 @@ class Trainer:
         self.resumed_at: int | None = None  # the step a resume started from: later metrics records are stale
         self.signal: int | None = None  # a stop signal received (SIGTERM, SIGINT, SIGUSR1): the run ends at a step
         self._started = self._last_save = time.monotonic()
+        self._max_time = parse_duration(cfg.train.max_time)
         self._first_save = True
         tc, sched = cfg.train, cfg.schedule
         self.budgeted = tc.max_steps == 0
@@ -273,12 +274,6 @@ class Trainer:
         state, numerics, logger = self.state, self.numerics, self.logger
         self.window_start, self.window_steps, self.window_units = time.perf_counter(), 0, 0
         while self.stop_reason is None and state.step < min(until, self.max_steps):
-            if self._stop_signalled():  # the step boundary: the only place a signal ends the run
-                self.stop_reason = f"signal {signal.Signals(self.signal).name}"
-                break
-            if self._out_of_time():
-                self.stop_reason = f"max_time: train.max_time={self.cfg.train.max_time} reached"
-                break
             cfg = self.cfg
             tc = cfg.train
             if self.budgeted:
@@ -303,8 +298,10 @@ class Trainer:
             last = state.step == tc.max_steps
             log_due = state.step % cfg.log.interval == 0 or last
             eval_due = (tc.eval_interval and state.step % tc.eval_interval == 0) or last
-            checkpoint_due = not last and ((cfg.checkpoint.interval and state.step % cfg.checkpoint.interval == 0)
-                                           or self._save_due_by_time())
+            # The step boundary: the only place a signal or the clock ends the run (the final save follows).
+            stop_now, save_due = self._host_decisions(sync=log_due)
+            checkpoint_due = not last and not stop_now and (
+                (cfg.checkpoint.interval and state.step % cfg.checkpoint.interval == 0) or save_due)
             verdict = None
             if log_due or eval_due or checkpoint_due:
                 # A sync point: numerics reads back the steps since the last one (spikes, NaN/Inf, loss scale)
@@ -323,6 +320,8 @@ class Trainer:
             if checkpoint_due:
                 self.save_checkpoint()
                 self.window_start = time.perf_counter()
+            if stop_now and self.stop_reason is None:
+                self.stop_reason = stop_now
         if self.stop_reason is None and state.step >= self.max_steps:
             self.stop_reason = "max_steps"
         return self.stop_reason
@@ -387,29 +386,28 @@ class Trainer:
         if tc.early_stop_patience and state.evals_since_best >= tc.early_stop_patience and not last:
             self.stop_reason = f"early stop: no val improvement in {tc.early_stop_patience} evaluations"
 
-    def _out_of_time(self) -> bool:
-        limit = parse_duration(self.cfg.train.max_time)
-        if limit is None:
-            return False
-        over = time.monotonic() - self._started >= limit
-        return self.state.world.broadcast_object(over) if self.state.world.size > 1 else over  # rank 0's clock
-
-    def _save_due_by_time(self) -> bool:
-        minutes = self.cfg.checkpoint.every_minutes
-        if not minutes:
-            return False
-        due = time.monotonic() - self._last_save >= 60 * minutes
-        return self.state.world.broadcast_object(due) if self.state.world.size > 1 else due
-
-    def _stop_signalled(self) -> bool:
-        """Whether a stop signal arrived; under data parallelism whether it arrived on any rank (all agree)."""
-        if not self.state.world.sharded or self.state.world.size == 1:
-            return self.signal is not None
-        flag = torch.tensor([float(self.signal or 0)], device=self.state.device)
-        self.state.world.all_reduce(flag, op=torch.distributed.ReduceOp.MAX)
-        if flag.item():
-            self.signal = self.signal or int(flag.item())
-        return bool(flag.item())
+    def _host_decisions(self, sync: bool) -> tuple[str | None, bool]:
+        """(why to stop after this step, whether to save by the wall clock), from what only the host knows: a stop
+        signal, train.max_time, checkpoint.every_minutes. Under data parallelism every rank must decide the same,
+        so the three are combined in one all-reduce, made only at sync points (log intervals): no other step
+        waits on the host for it."""
+        world = self.state.world
+        if world.size > 1 and not sync:
+            return None, False
+        now, every = time.monotonic(), self.cfg.checkpoint.every_minutes
+        flags = [float(self.signal or 0), float(self._max_time is not None and now - self._started >= self._max_time),
+                 float(bool(every) and now - self._last_save >= 60 * every)]
+        if world.size > 1:
+            reduced = torch.tensor(flags, device=self.state.device)
+            world.all_reduce(reduced, op=torch.distributed.ReduceOp.MAX)
+            flags = reduced.tolist()
+        signalled, out_of_time, save_due = flags
+        if signalled:
+            self.signal = self.signal or int(signalled)
+            return f"signal {signal.Signals(self.signal).name}", False
+        if out_of_time:
+            return f"max_time: train.max_time={self.cfg.train.max_time} reached", False
+        return None, bool(save_due)
 
     @contextlib.contextmanager
     def _stop_signals(self):

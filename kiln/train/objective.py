@@ -18,6 +18,7 @@ from typing import Protocol
 import torch
 import torch.nn as nn
 
+from kiln.data.batches import map_tensors
 from kiln.models.transformer import IGNORE_INDEX
 from kiln.train.losses import NTXent, as_loss
 
@@ -43,13 +44,7 @@ def _like_model(x, model: nn.Module):
     """Floating inputs in the model's parameter dtype (bf16-master and fp64 runs keep their weights in it; autocast
     runs keep fp32 weights and leave the inputs alone)."""
     dtype = next(model.parameters()).dtype
-    if isinstance(x, torch.Tensor):
-        return x.to(dtype) if x.is_floating_point() and x.dtype != dtype else x
-    if isinstance(x, (tuple, list)):
-        return type(x)(_like_model(v, model) for v in x)
-    if isinstance(x, dict):
-        return {k: _like_model(v, model) for k, v in x.items()}
-    return x
+    return map_tensors(x, lambda t: t.to(dtype) if t.is_floating_point() else t)
 
 
 def _first_dim(x) -> int:

@@ -172,8 +172,11 @@ def load_config(path: str | Path | None = None, overrides: typing.Iterable[str] 
     cfg = Config()
     if path is not None:
         path = Path(path)
+        if path.is_dir():
+            raise ConfigError(f"config file {path} is a directory; give a TOML file (or --resume {path} for a run)")
         if not path.is_file():
-            raise ConfigError(f"config file {path} does not exist")
+            hint = "; overrides are written --section.key=value" if "=" in str(path) else ""
+            raise ConfigError(f"config file {path} does not exist{hint}")
         try:
             data = tomllib.loads(path.read_text())
         except tomllib.TOMLDecodeError as e:

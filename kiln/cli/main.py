@@ -2,8 +2,10 @@
 from __future__ import annotations
 
 import argparse
+import errno
 import importlib
 import os
+import re
 import sys
 
 from kiln.config import ConfigError
@@ -19,8 +21,20 @@ COMMANDS = {
 }
 
 
+# `--section.key=value`: taken out of argv before argparse sees it, because argparse reads any argument holding a
+# space (`--train.sample_prompt="def f"`, a data path with a space) as a positional, i.e. as CONFIG.
+OVERRIDE = re.compile(r"--[A-Za-z_]\w*\.[A-Za-z_]\w*=")
+
+
+class Parser(argparse.ArgumentParser):
+    """argparse whose errors are one line, like every other kiln error (its usage block is one --help away)."""
+
+    def error(self, message):
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="kiln", description="Train transformer language models on one GPU or a CPU.")
+    parser = Parser(prog="kiln", description="Train transformer language models on one GPU or a CPU.")
     sub = parser.add_subparsers(dest="command", required=True)
     for module in COMMANDS.values():
         importlib.import_module(module).add_parser(sub)
@@ -28,24 +42,42 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv=None) -> int:
-    args, extra = build_parser().parse_known_args(argv)
+    argv = sys.argv[1:] if argv is None else list(argv)
+    overrides = [a for a in argv if OVERRIDE.match(a)]
+    args, extra = build_parser().parse_known_args([a for a in argv if not OVERRIDE.match(a)])
+    extra = overrides + extra  # anything argparse did not know is an override or, if not, reported as unrecognized
     try:
         return importlib.import_module(COMMANDS[args.command]).run(args, extra)
-    except (ConfigError, FileExistsError, FileNotFoundError, ValueError) as e:
-        if os.environ.get("KILN_DEBUG"):
-            raise
-        print(f"kiln {args.command}: error: {e}", file=sys.stderr)
-        return 2
-    except OSError as e:  # a read-only directory, a full disk, a path that is a file: one line, not a traceback
-        if os.environ.get("KILN_DEBUG"):
-            raise
-        where = f" ({e.filename})" if getattr(e, "filename", None) else ""
-        print(f"kiln {args.command}: error: {e.strerror or e}{where}", file=sys.stderr)
-        return 2
     except BrokenPipeError:  # `kiln ... | head`: the reader has gone, which is not an error
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 0
+    except (ConfigError, ValueError, OSError) as e:
+        if os.environ.get("KILN_DEBUG"):
+            raise
+        print(f"kiln {args.command}: error: {_one_line(e)}", file=sys.stderr)
+        return 2
 
+
+# What to do about the errors the OS reports while kiln reads or writes a path.
+ERRNO_FIX = {
+    errno.EEXIST: "a file is where kiln needs a directory; move it or choose another path",
+    errno.ENOTDIR: "a part of the path is a file, not a directory; choose another path",
+    errno.EISDIR: "a directory is where kiln expects a file; give the file's path",
+    errno.EACCES: "no permission; choose a directory you can write, or fix its permissions",
+    errno.EPERM: "operation not permitted; choose a directory you can write",
+    errno.EROFS: "read-only file system; choose a directory on a writable disk",
+    errno.ENOSPC: "the disk is full; free space or choose another disk",
+    errno.EDQUOT: "disk quota exceeded; free space or choose another disk",
+}
+
+
+def _one_line(e: Exception) -> str:
+    """kiln's own messages as they are; the OS's as its meaning, the path and the fix."""
+    if not isinstance(e, OSError) or e.errno is None:
+        return " ".join(str(e).split("\n"))
+    where = f": {e.filename}" if e.filename else ""
+    fix = f" ({ERRNO_FIX[e.errno]})" if e.errno in ERRNO_FIX else ""
+    return f"{e.strerror or e}{where}{fix}"
 
 if __name__ == "__main__":
     sys.exit(main())

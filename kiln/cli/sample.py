@@ -1,6 +1,7 @@
 """`kiln sample RUN_DIR --prompt TEXT --max-new-tokens N --temperature T --top-k K`."""
 from __future__ import annotations
 
+import math
 from pathlib import Path
 
 from kiln.config import ConfigError
@@ -23,6 +24,8 @@ def run(args, overrides) -> int:
         raise ConfigError(f"unrecognized arguments: {' '.join(overrides)}")
     if args.max_new_tokens < 0 or args.top_k < 0:
         raise ConfigError("--max-new-tokens and --top-k must be ≥ 0")
+    if not math.isfinite(args.temperature) or args.temperature < 0:
+        raise ConfigError(f"--temperature={args.temperature} must be a finite number ≥ 0 (0: greedy)")
     print(sample_from_run(Path(args.run_dir), args.prompt, args.max_new_tokens, args.temperature, args.top_k,
                           args.seed, args.device))
     return 0

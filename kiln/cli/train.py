@@ -2,12 +2,14 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import time
 from pathlib import Path
 
 from kiln.cli.common import add_config_arguments, config_from
-from kiln.config import ConfigError, describe
+from kiln.config import ConfigError, describe, load_config
 from kiln.run.lm import train
+from kiln.run.oom import OOM_EXIT, OutOfMemory
 
 
 def add_parser(sub) -> None:
@@ -20,6 +22,8 @@ def add_parser(sub) -> None:
     add_config_arguments(p)
     p.add_argument("--run-dir", help="where config, metrics, checkpoints go (default runs/PRESET-TIME)")
     p.add_argument("--resume", metavar="RUN_DIR", help="continue the run in RUN_DIR from its latest checkpoint")
+    p.add_argument("--force", action="store_true", help="train even when the predicted peak exceeds the free RAM "
+                                                        "(CPU)")
 
 
 def run(args, overrides) -> int:
@@ -33,9 +37,22 @@ def run(args, overrides) -> int:
             raise ConfigError(f"{run_dir} has no config.toml; is it a kiln run directory?")
         args.config = run_dir / "config.toml"
         cfg = config_from(args, overrides)
+        _same_model(load_config(args.config).model, cfg.model)
     else:
         cfg = config_from(args, overrides)
         run_dir = Path(args.run_dir or f"runs/{cfg.model.preset}-{time.strftime('%Y%m%d-%H%M%S')}")
     print(f"run directory: {run_dir}")
-    result = train(cfg, run_dir, resume=bool(args.resume))
+    try:
+        result = train(cfg, run_dir, resume=bool(args.resume), force=args.force)
+    except OutOfMemory:  # the report is printed
+        return OOM_EXIT
     return 128 + result.signal if result.signal is not None else 0  # 143 SIGTERM, 130 SIGINT, 138 SIGUSR1
+
+
+def _same_model(saved, asked) -> None:
+    """A checkpoint loads only into the shape it was saved from: say so before building anything."""
+    changed = [f"--model.{f.name}={getattr(asked, f.name)} (the run has {getattr(saved, f.name)})"
+               for f in dataclasses.fields(saved) if getattr(saved, f.name) != getattr(asked, f.name)]
+    if changed:
+        raise ConfigError(f"--resume keeps the run's model, but {', '.join(changed)}; drop the model overrides, or "
+                          f"train the new shape in a new --run-dir")

@@ -73,8 +73,12 @@ def file_format(path: Path, fmt: str) -> str:
 
 
 def read_text(path: Path) -> str:
+    data = path.read_bytes()
+    if b"\0" in data[:1 << 16]:  # text never holds NUL; an image, archive or token file does
+        raise CorpusError(f"data.source: {path} looks binary (it holds NUL bytes); kiln trains on UTF-8 text or JSONL: "
+                          f"point data.source (or data.pattern) at text files")
     # errors="replace": one stray Latin-1 byte should not stop a run; it becomes U+FFFD, which is visible.
-    return path.read_bytes().decode("utf-8", errors="replace")
+    return data.decode("utf-8", errors="replace")
 
 
 def read_jsonl(path: Path, text_field: str, root: Path) -> list[Document]:

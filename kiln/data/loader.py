@@ -93,8 +93,9 @@ class TokenLoader:
         threaded: bool | None = None,
         rank: int = 0,
         world: int = 1,
+        what: str = "TokenLoader",  # how errors name the tokens: the user's data.source
     ) -> None:
-        _check_length(tokens, seq_len, "TokenLoader")
+        _check_length(tokens, seq_len, what)
         if batch_size < 1:
             raise ValueError(f"TokenLoader: batch_size={batch_size} must be >= 1")
         if prefetch < 0:

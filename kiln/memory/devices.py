@@ -81,6 +81,17 @@ def _meminfo_total() -> int:
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
 
+def available_memory() -> int:
+    """RAM a new allocation can have without swapping (Linux MemAvailable; elsewhere, all of it)."""
+    try:
+        for line in open("/proc/meminfo"):
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return _meminfo_total()
+
+
 _cpu_cache: dict = {}
 
 

@@ -25,19 +25,21 @@ class FaultsConfig:
     unshifted_labels: bool = False  # targets equal the inputs, not the next tokens (doctor check 4 fails)
     frozen_module: str = ""  # MODULE: its output is detached, so its parameters get no gradient (doctor check 3)
     skip_zero_grad: bool = False  # gradients stay in .grad between steps, as if zero_grad were forgotten (check 7)
+    oom: int = 0  # STEP: the model's forward raises torch.OutOfMemoryError in that step (the OOM report; 0: off)
     rank: int = -1  # data parallelism: plant nan_forward / inf_backward on this rank only (-1: on every rank)
 
     def validate(self):
         for key in ("nan_forward", "inf_backward"):
             if getattr(self, key):
                 parse_spec(getattr(self, key), f"faults.{key}")
-        if self.spike < 0:
-            raise ValueError(f"faults.spike must be a step ≥ 1 (0: off), got {self.spike}")
+        for key in ("spike", "oom"):
+            if getattr(self, key) < 0:
+                raise ValueError(f"faults.{key} must be a step ≥ 1 (0: off), got {getattr(self, key)}")
 
     @property
     def any(self) -> bool:
         return bool(self.nan_forward or self.inf_backward or self.spike or self.unshifted_labels
-                    or self.frozen_module or self.skip_zero_grad)
+                    or self.frozen_module or self.skip_zero_grad or self.oom)
 
 
 def parse_spec(spec: str, key: str = "fault") -> tuple[str, int, int]:
@@ -87,6 +89,8 @@ class FaultInjector:
             name, first, last = parse_spec(cfg.nan_forward, "faults.nan_forward")
             self._handles.append(_module(model, name, "faults.nan_forward").register_forward_hook(
                 self._nan_output(first, last)))
+        if cfg.oom and here:
+            self._handles.append(model.register_forward_pre_hook(self._out_of_memory))
         if cfg.inf_backward and here:
             name, first, last = parse_spec(cfg.inf_backward, "faults.inf_backward")
             module = _module(model, name, "faults.inf_backward")
@@ -119,6 +123,11 @@ class FaultInjector:
 
     def _keep_grad(self, p: torch.Tensor) -> None:
         self._leftover[p] = p.grad
+
+    def _out_of_memory(self, module, args):
+        if self.step == self.cfg.oom:
+            raise torch.OutOfMemoryError(f"planted by faults.oom={self.cfg.oom}: the allocator could not find memory "
+                                         f"for the forward")
 
     def begin_step(self, step: int) -> None:
         """Arm the step-keyed faults for `step`; with skip_zero_grad, put last step's gradients back."""

@@ -29,6 +29,7 @@ from kiln.memory.planner import search
 from kiln.models import ModelConfig, Transformer, build_model
 from kiln.perf import device_peak_flops, flops_per_token
 from kiln.perf.hardware import precision_notice, resolve_kernels, resolve_mode
+from kiln.run.oom import OomContext, OutOfMemory, oom_report, ram_check
 from kiln.train.checkpoint import Checkpointer, RunLock
 from kiln.train.loop import TrainResult, Trainer, accumulation_for
 from kiln.train.objective import LanguageModeling
@@ -148,15 +149,20 @@ def _build_lm(cfg: Config, run_dir, log, device: torch.device, with_data: bool, 
     loader = None
     if data is not None:
         loader = TokenLoader(data.train, cfg.train.micro_batch_size, cfg.data.seq_len, cfg.data.seed, device,
-                             cfg.data.prefetch, rank=world.rank, world=world.size)
+                             cfg.data.prefetch, rank=world.rank, world=world.size,
+                             what=f"data.source={cfg.data.source!r}, train split")
     state = build_state(model, LanguageModeling(), loader, device=device, precision=precision,
                         precision_cfg=cfg.precision, optim=cfg.optim,
                         plan=model_plan(cfg, cfg.model, precision, device), world=world)
     return LMRun(cfg, state, data)
 
 
-def train(cfg: Config, run_dir: Path, resume: bool = False, console: Console | None = None) -> TrainResult:
-    """Train (or resume) a language-model run; returns the result with the final validation loss and a sample."""
+def train(cfg: Config, run_dir: Path, resume: bool = False, console: Console | None = None,
+          force: bool = False) -> TrainResult:
+    """Train (or resume) a language-model run; returns the result with the final validation loss and a sample.
+
+    On a CPU the predicted peak is checked against the free RAM first (force: warn instead of refusing). A step
+    that runs out of memory raises OutOfMemory after printing its report."""
     run_dir = Path(run_dir)
     if not resume and Checkpointer(cfg.checkpoint, run_dir).latest() is not None:
         raise FileExistsError(f"{run_dir} already holds a run with checkpoints; pass --resume {run_dir} to continue "
@@ -165,6 +171,7 @@ def train(cfg: Config, run_dir: Path, resume: bool = False, console: Console | N
     main = not launched_by_torchrun() or int(os.environ["RANK"]) == 0
     if not main:
         con = Console(quiet=True)  # rank 0 speaks for the run
+    ram_check(cfg, pick_device(cfg.train.device), force, log=lambda msg: con.print(msg, highlight=False))
     with RunLock(run_dir, enabled=main):
         lm = build_lm(cfg, run_dir, log=lambda msg: con.print(msg, highlight=False))
         try:
@@ -188,7 +195,13 @@ def _train(lm: LMRun, cfg: Config, run_dir: Path, resume: bool, con: Console) ->
     note = precision_notice(cfg.precision.mode, state.device)  # why auto chose it, or that bf16 is emulated here
     if note:
         con.print(note, highlight=False)
-    result = trainer.run()
+    try:
+        result = trainer.run()
+    except torch.OutOfMemoryError as e:
+        report = oom_report(OomContext(c, state.device, state.step + 1, trainer.checkpointer.latest()), e, run_dir)
+        for line in report:
+            con.print(line, highlight=False, markup=False)
+        raise OutOfMemory(report) from None
     lm.cfg = result.cfg  # a time-budgeted run has its max_steps now
     if result.signal is not None:
         con.print(stop_line(result, run_dir), highlight=False)

@@ -57,7 +57,13 @@ class TrainState:
             | self.shared_state_dict()
 
     def load_state_dict(self, state: dict) -> None:
-        self.model.load_state_dict(state["model"])
+        try:
+            self.model.load_state_dict(state["model"])
+        except RuntimeError as e:  # torch lists every key; the first one says enough
+            detail = next((line.strip() for line in str(e).splitlines()[1:] if line.strip()), str(e))
+            raise ValueError(f"the checkpoint holds a model of another shape than this config builds ({detail[:160]}"
+                             f"); resume with the run's own model settings (drop the model.* overrides) or start "
+                             f"a new run directory") from None
         self.optimizer.load_state_dict(state["optimizer"])
         self.load_shared_state_dict(state)
         set_rng_state(state["rng"])

@@ -7,10 +7,12 @@ import signal
 import subprocess
 import sys
 import time
+import zlib
 from pathlib import Path
 
 import pytest
 import torch
+import xxhash
 from rich.console import Console
 
 from kiln.memory import devices
@@ -66,7 +68,7 @@ def test_a_signal_ends_the_run_with_a_checkpoint_and_resume_continues_the_curve(
     resumed = _run_cli(["--resume", str(run), "--train.max_steps=60"])
     out, _ = resumed.communicate(timeout=120)
     assert resumed.returncode == 0, out
-    straight = _run_cli(_cli_args(corpus_file, tmp_path / "straight", steps))
+    straight = _run_cli(_cli_args(corpus_file, tmp_path / "straight", 60))
     out, _ = straight.communicate(timeout=120)
     assert straight.returncode == 0, out
     assert _train_losses(run) == _train_losses(tmp_path / "straight")
@@ -293,3 +295,25 @@ def test_the_ram_check_refuses_before_any_data_is_prepared_and_force_warns(small
     assert result.step == 2 and "training anyway (--force)" in console.export_text()
     monkeypatch.setattr(oom, "available_memory", devices.available_memory)
     assert need < devices.available_memory()  # the real check passes this small job
+
+
+def test_manifests_of_either_checksum_catch_one_flipped_byte(three_checkpoints):
+    """Manifests hold xxh3 checksums; those written with CRC-32 (before xxh3) still verify. Either catches a single
+    flipped byte, and both checksums agree with independent implementations (zlib, xxhash over read bytes)."""
+    path = three_checkpoints / "checkpoints" / "step_000006"
+    manifest = json.loads((path / MANIFEST).read_text())
+    data = (path / "state.pt").read_bytes()
+    assert manifest["state.pt"]["xxh3"] == xxhash.xxh3_64(data).hexdigest()
+    ckpt.verify(path)
+    old = {name: {"bytes": e["bytes"], "crc32": f"{zlib.crc32((path / name).read_bytes()):08x}"}
+           for name, e in manifest.items()}
+    (path / MANIFEST).write_text(json.dumps(old))
+    ckpt.verify(path)
+    for entries in (old, manifest):
+        (path / MANIFEST).write_text(json.dumps(entries))
+        flipped = bytearray(data)
+        flipped[len(data) // 2] ^= 0x01
+        (path / "state.pt").write_bytes(bytes(flipped))
+        with pytest.raises(ckpt.CheckpointCorrupt, match="does not match its checksum"):
+            ckpt.verify(path)
+        (path / "state.pt").write_bytes(data)

@@ -215,6 +215,28 @@ def _millions(n: int) -> str:
     return f"{n / 1e6:.1f}M" if n >= 100_000 else f"{n / 1e3:.1f}k"
 
 
+def _open_cache(final: Path):
+    """(meta, tokenizer, train, val) of a complete cache directory; ShardError (or the loader's own error) when a
+    file is missing, unreadable, truncated or holds another number of tokens than meta.json says."""
+    meta = json.loads((final / "meta.json").read_text())
+    if not (final / TOKENIZER_FILE).is_file():
+        raise ShardError(f"{final / TOKENIZER_FILE} is missing from the shard cache")
+    tok = load_tokenizer(final)
+    train = read_shard(final / "train.bin", tok.fingerprint)
+    val = read_shard(final / "val.bin", tok.fingerprint)
+    for name, tokens in (("train", train), ("val", val)):
+        if len(tokens) != meta[f"{name}_tokens"]:
+            raise ShardError(f"{name}.bin holds {len(tokens)} tokens, meta.json says {meta[f'{name}_tokens']}")
+    return meta, tok, train, val
+
+
+def _discard(final: Path) -> None:
+    """Move a damaged cache out of the way in one rename (a concurrent reader never sees half of it), then delete."""
+    aside = final.with_name(f"{final.name}.damaged-{os.getpid()}")
+    os.rename(final, aside)
+    shutil.rmtree(aside, ignore_errors=True)
+
+
 def prepare_data(cfg: DataConfig, run_dir: Path | None = None, log: Callable[[str], None] = print) -> PreparedData:
     """Token shards for cfg, built on the first call and reused while the source and settings are unchanged."""
     cfg.validate()
@@ -222,12 +244,16 @@ def prepare_data(cfg: DataConfig, run_dir: Path | None = None, log: Callable[[st
     built = not (final / "meta.json").is_file()
     if built:
         _build(cfg, final, log)
-    meta = json.loads((final / "meta.json").read_text())
-    if not (final / TOKENIZER_FILE).is_file():
-        raise ShardError(f"{final / TOKENIZER_FILE} is missing from the shard cache; delete {final} and re-run")
-    tok = load_tokenizer(final)
-    train = read_shard(final / "train.bin", tok.fingerprint)
-    val = read_shard(final / "val.bin", tok.fingerprint)
+    try:
+        meta, tok, train, val = _open_cache(final)
+    except (ShardError, ValueError, OSError) as e:
+        if built:
+            raise
+        log(f"data: the cache at {_home_relative(final)} is damaged ({e}); rebuilding it")
+        _discard(final)
+        _build(cfg, final, log)
+        built = True
+        meta, tok, train, val = _open_cache(final)
     if run_dir is not None:
         tok.save(Path(run_dir))
     log(

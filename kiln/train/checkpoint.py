@@ -116,6 +116,10 @@ def _digest(path: Path, kind: str = "xxh3") -> str:
                 data.close()
 
 
+def _dir_bytes(directory: Path) -> int:
+    return sum(f.stat().st_size for f in directory.rglob("*") if f.is_file())
+
+
 def seal(directory: Path) -> None:
     """Make a written checkpoint directory durable and checkable: a manifest (name, size, xxh3 of each file),
     then every file and the manifest fsynced, then the directories. The manifest need not be written after the
@@ -206,15 +210,19 @@ class Checkpointer:
                 export_safetensors(model, tmp / "model.safetensors")
             seal(tmp)
         except (OSError, RuntimeError) as e:
-            written = sum(f.stat().st_size for f in tmp.rglob("*") if f.is_file()) if tmp.exists() else 0
+            written = _dir_bytes(tmp) if tmp.exists() else 0
             shutil.rmtree(tmp, ignore_errors=True)
             if isinstance(e, RuntimeError) and "inline_container" not in str(e) and "write" not in str(e):
                 raise
             free = shutil.disk_usage(self.dir).free
             why = os.strerror(e.errno) if isinstance(e, OSError) and e.errno else "the write failed"
+            previous = self.latest()
+            need = (f"; one checkpoint of this run takes {_dir_bytes(previous):,} bytes" if previous is not None
+                    else "")
             raise CheckpointWriteError(f"could not write checkpoint {final} ({why}): {written:,} bytes written "
-                                       f"before it failed, {free:,} bytes free on that disk; earlier checkpoints "
-                                       f"are intact; free space (or lower checkpoint.keep_last) and resume") from None
+                                       f"before it failed, {free:,} bytes free on that disk{need}; earlier "
+                                       f"checkpoints are intact; free space (or lower checkpoint.keep_last) and "
+                                       f"resume") from None
         self._publish(tmp, final)
         return final
 

@@ -130,13 +130,33 @@ def test_jsonl_source(tmp_path):
     assert text.count("record ") == 50 and '"body"' not in text
 
 
-def test_damaged_cache_names_the_file_and_the_fix(tmp_path):
+@pytest.mark.parametrize("damage", ["truncated shard", "extra bytes", "garbage tokenizer", "no tokenizer",
+                                    "garbage meta", "wrong count"])
+def test_a_damaged_cache_is_detected_and_rebuilt(tmp_path, damage):
     write_corpus(tmp_path / "corpus", n_files=4)
     cfg = DataConfig(source=str(tmp_path / "corpus"), cache_dir=str(tmp_path / "cache"))
-    shard = prepare_data(cfg, log=Log()).cache_dir / "val.bin"
-    shard.write_bytes(shard.read_bytes()[:-1])
-    with pytest.raises(ShardError, match=r"val\.bin is truncated.*delete it and re-run"):
-        prepare_data(cfg, log=Log())
+    good = prepare_data(cfg, log=Log())
+    cache = good.cache_dir
+    train, val = np.array(good.train), np.array(good.val)
+    if damage == "truncated shard":
+        (cache / "val.bin").write_bytes((cache / "val.bin").read_bytes()[:-1])
+    elif damage == "extra bytes":
+        (cache / "train.bin").write_bytes((cache / "train.bin").read_bytes() + b"\0\0")
+    elif damage == "garbage tokenizer":
+        (cache / "tokenizer.json").write_text("{not json")
+    elif damage == "no tokenizer":
+        (cache / "tokenizer.json").unlink()
+    elif damage == "garbage meta":
+        (cache / "meta.json").write_text("{not json")
+    else:
+        meta = json.loads((cache / "meta.json").read_text())
+        (cache / "meta.json").write_text(json.dumps(meta | {"train_tokens": meta["train_tokens"] + 7}))
+    log = Log()
+    again = prepare_data(cfg, log=log)
+    assert "is damaged" in log[0] and "rebuilding it" in log[0], log
+    assert "built at" in log[-1]
+    assert np.array_equal(again.train, train) and np.array_equal(again.val, val)
+    assert sorted(p.name for p in cache.parent.iterdir()) == [cache.name]  # nothing left aside
 
 
 def test_cache_dir_defaults_to_kiln_cache_env(tmp_path, monkeypatch):

@@ -142,7 +142,9 @@ def test_a_failed_write_names_the_disk_and_keeps_earlier_checkpoints(three_check
 
     monkeypatch.setattr(ckpt.torch, "save", full_disk)
     checkpointer = Checkpointer(ckpt.CheckpointConfig(), three_checkpoints)
-    with pytest.raises(CheckpointWriteError, match="No space left on device.*earlier checkpoints are intact"):
+    size = sum(f.stat().st_size for f in (three_checkpoints / "checkpoints" / "step_000006").rglob("*") if f.is_file())
+    with pytest.raises(CheckpointWriteError, match=f"No space left on device.*one checkpoint of this run takes "
+                                                   f"{size:,} bytes; earlier checkpoints are intact"):
         checkpointer.save(8, {"step": 8}, "")
     ckpts = three_checkpoints / "checkpoints"
     assert not list(ckpts.glob(".tmp-*"))

@@ -21,7 +21,7 @@ _UNITS = {"": 1, "b": 1, "k": 1e3, "kb": 1e3, "m": 1e6, "mb": 1e6, "g": 1e9, "gb
           "kib": KiB, "mib": MiB, "gib": GiB, "tib": 1024**4}
 
 COMPONENTS = ("parameters", "gradients", "master_weights", "optimizer_states", "activations", "logits",
-              "weight_casts", "temporaries", "buffers", "device_overhead")
+              "weight_casts", "temporaries", "comm_buffers", "buffers", "device_overhead")
 
 
 def parse_bytes(text: str | int | float) -> int:
@@ -130,6 +130,7 @@ class Job:
     optimizer_offload: str = "none"  # "none" | "host" | "host-async"
     parallel: str = "none"  # data parallelism: "none" | "ddp" | "zero1" | "fsdp" (kiln.dist)
     world: int = 1  # ranks sharing the model state; the breakdown is one rank's
+    reshard_after_forward: bool = True  # fsdp: gathered parameters freed after each block's forward (ZeRO-3)
 
     @property
     def num(self) -> Numerics:
@@ -480,6 +481,63 @@ def block_flops(cfg: ModelConfig, B: int, T: int, causal_kernel: bool) -> tuple[
     return matmul, attn
 
 
+def grad_shares(job: Job) -> dict:
+    """Gradient elements one rank keeps per part of the model (block index, "embed", "pos_embed", "norm", "head"):
+    everything under DDP and ZeRO-1; under FSDP2 each parameter's padded shard, ceil(dim0 / world) rows."""
+    fsdp, W = job.parallel == "fsdp" and job.world > 1, job.world
+    out: dict = {"embed": 0, "pos_embed": 0, "norm": 0, "head": 0}
+    for name, shape in parameter_shapes(job.model):
+        key = int(name.split(".")[1]) if name.startswith("blocks.") else name.split(".")[0]
+        rows = math.ceil(shape[0] / W) if fsdp else shape[0]
+        out[key] = out.get(key, 0) + rows * math.prod(shape[1:])
+    return out
+
+
+@dataclass
+class CommBuffers:
+    """Bytes the collectives hold on one rank (kiln.dist's strategies, docs/memory.md):
+
+    ddp, zero1  DDP's gradient buckets: a second copy of every gradient, made when DDP wraps the model
+                (gradient_as_bucket_view=False, torch's default), alive for the whole run.
+    fsdp        FSDP2's all-gathered parameters: the root's (embeddings, final norm, head) from the start of the
+                forward to the end of the backward, and each block's while it runs, plus the next block's
+                prefetch; with reshard_after_forward=false a block's stay from its forward to its backward.
+                Gathered in the compute dtype under bf16 autocast (MixedPrecisionPolicy), else the parameter's.
+                Backward also holds each block's unsharded fp32 gradient as the reduce-scatter input.
+    """
+
+    persistent: int = 0  # held all step
+    gathered: dict = field(default_factory=dict)  # block index -> its all-gathered parameter bytes (fsdp)
+    reduce_scatter: dict = field(default_factory=dict)  # block index -> the reduce-scatter input of its backward
+    keep_gathered: bool = False  # reshard_after_forward=false: gathered blocks stay until their backward
+
+    def forward(self, i: int) -> range:
+        """Blocks whose gathered parameters are alive while block i's forward runs."""
+        if not self.gathered:
+            return range(0)
+        upto = min(i + 2, len(self.gathered))  # the block and the next one's prefetch
+        return range(upto) if self.keep_gathered else range(i, upto)
+
+    def backward(self, i: int) -> range:
+        if not self.gathered:
+            return range(0)
+        return range(i + 1) if self.keep_gathered else range(max(i - 1, 0), i + 1)
+
+
+def _comm_buffers(job: Job, block_params: dict) -> CommBuffers:
+    W, num = job.world, job.num
+    if W == 1 or job.parallel == "none":
+        return CommBuffers()
+    if job.parallel in ("ddp", "zero1"):
+        return CommBuffers(persistent=sum(block_params.values()) * num.grad)
+    element = num.compute if num.autocast else num.param
+    blocks = range(job.model.n_layer)
+    return CommBuffers(persistent=sum(v for k, v in block_params.items() if not isinstance(k, int)) * element,
+                       gathered={i: block_params[i] * element for i in blocks},
+                       reduce_scatter={i: block_params[i] * 4 for i in blocks},
+                       keep_gathered=not job.reshard_after_forward)
+
+
 def estimate(job: Job) -> Breakdown:
     cfg, num, tgt = job.model, job.num, job.target
     B, T, L = job.micro_batch, job.seq_len, cfg.n_layer
@@ -519,6 +577,8 @@ def estimate(job: Job) -> Breakdown:
     head_params = block_params.get("head", 0) + block_params.get("norm", 0)
     embed_params = block_params.get("embed", 0) + block_params.get("pos_embed", 0)
     tied_head = cfg.padded_vocab * cfg.d_model if cfg.tie_embeddings else 0
+    comm = _comm_buffers(job, block_params)
+    held = grad_shares(job)  # what a gradient leaves behind once made (FSDP: the rank's padded shard)
 
     casts_cached = 2 * block_matmul_numel(cfg) if num.autocast else 0  # autocast's cache during forward
     loss_fwd, loss_bwd = _loss_transients(cfg, N, num, job.chunked_loss)
@@ -540,9 +600,10 @@ def estimate(job: Job) -> Breakdown:
         live = {"activations": 0, "logits": 0, "weight_casts": 0}
         cache = 0
 
-        def snap(name, temporaries=0, extra_casts=0):
+        def snap(name, temporaries=0, extra_casts=0, gathered=()):
             comp = {**state, **live, "temporaries": temporaries}
             comp["weight_casts"] += extra_casts
+            comp["comm_buffers"] = comm.persistent + sum(comm.gathered[i] for i in gathered)
             events.append((name, comp))
 
         def add(kinds, sign=1):
@@ -556,7 +617,8 @@ def estimate(job: Job) -> Breakdown:
             recomputed = job.policy(i) != "none"
             if (recomputed or i in offloaded) and num.autocast:
                 cache += casts_cached  # not saved on the device, but in autocast's cache until forward ends
-            snap(f"forward: block {i}", temporaries=fwd_tmp if recomputed else N * cfg.d_model * 4, extra_casts=cache)
+            snap(f"forward: block {i}", temporaries=fwd_tmp if recomputed else N * cfg.d_model * 4, extra_casts=cache,
+                 gathered=comm.forward(i))
         add(head)
         snap("forward: loss", temporaries=loss_fwd, extra_casts=cache)
         snap("forward: end", extra_casts=cache)
@@ -564,7 +626,7 @@ def estimate(job: Job) -> Breakdown:
         snap("backward: loss", temporaries=loss_bwd)
         add(head, sign=-1)
         if not accumulating:
-            state["gradients"] += (head_params + tied_head) * num.grad
+            state["gradients"] += (held["head"] + held["norm"] + (held["embed"] if tied_head else 0)) * num.grad
         snap("backward: head", temporaries=N * cfg.d_model * (num.compute + num.residual)
              + cfg.padded_vocab * cfg.d_model * (num.compute + 4 if num.autocast else 0))
         for first, stop, policy in reversed(job.segments()):
@@ -573,14 +635,15 @@ def estimate(job: Job) -> Breakdown:
             work = (stop - first) * per_block_work
             for i in reversed(range(first, stop)):
                 casts = 2 * block_matmul_numel(cfg) if (num.autocast and policy != "none") else 0
-                snap(f"backward: block {i}", temporaries=work + grad_tmp, extra_casts=casts)
+                snap(f"backward: block {i}", temporaries=work + grad_tmp + comm.reduce_scatter.get(i, 0), extra_casts=casts,
+                     gathered=comm.backward(i))
                 if not accumulating:
-                    state["gradients"] += block_params.get(i, 0) * num.grad
+                    state["gradients"] += held[i] * num.grad
                 add(device_blocks[i], sign=-1)
                 work -= per_block_work
         add(embed, sign=-1)
-        if not accumulating:
-            state["gradients"] += (embed_params - tied_head) * num.grad  # a tied embedding got its grad at the head
+        if not accumulating:  # a tied embedding got its grad at the head
+            state["gradients"] += (held["pos_embed"] + (0 if tied_head else held["embed"])) * num.grad
         # a tied embedding's dense gradient is made, then added to the head's: a second V x d for a moment
         snap("backward: embeddings", temporaries=tied_head * num.grad)
         # optimizer step (after the last micro-batch): bf16-master moves gradients to fp32 masters first
@@ -613,6 +676,8 @@ def estimate(job: Job) -> Breakdown:
         elif policy == "selective":
             recompute += n * attn_flops
     model_state = {"parameters": P, "gradients": G, "master_weights": M, "optimizer_states": S, "buffers": buffers}
+    if comm.persistent:
+        model_state["comm_buffers"] = comm.persistent
     return Breakdown(job=job, param_count=n_params, components=components, total_bytes=sum(components.values()),
                      peak_phase=peak_name, host=host, activations_saved=all_saved,
                      per_block=[dict(b) for b in blocks], model_state=model_state, timeline=steady,

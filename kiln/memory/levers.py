@@ -75,7 +75,8 @@ def make_job(cfg, model, precision: str, target: Target, recompute_plan: tuple[s
               grad_accum=cfg.train.grad_accum_steps, precision=precision, target=target,
               offload=parse_blocks(m.offload_blocks, model.n_layer), chunked_loss=m.chunked_loss,
               optimizer=cfg.optim.name, sgd_momentum=cfg.optim.momentum, optimizer_offload=cfg.optim.offload,
-              parallel=cfg.parallel.strategy, world=world)
+              parallel=cfg.parallel.strategy, world=world,
+              reshard_after_forward=cfg.parallel.reshard_after_forward)
     if recompute_plan is None:
         recompute_plan = plan_for(m.recompute, m.recompute_every, m.recompute_budget, job)
     return replace(job, recompute=tuple(recompute_plan))

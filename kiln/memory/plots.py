@@ -8,6 +8,7 @@ from kiln.memory.estimate import COMPONENTS, GiB
 COLORS = {
     "parameters": "#4c72b0", "gradients": "#dd8452", "master_weights": "#8172b3", "optimizer_states": "#c44e52",
     "activations": "#55a868", "logits": "#937860", "weight_casts": "#da8bc3", "temporaries": "#8c8c8c",
+    "comm_buffers": "#2a9d8f",
     "buffers": "#ccb974", "device_overhead": "#64b5cd",
 }
 

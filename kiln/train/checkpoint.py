@@ -31,8 +31,9 @@ import numpy as np
 import torch
 import torch.distributed.checkpoint as dcp
 import xxhash
-from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict, get_state_dict,
-                                                     set_model_state_dict, set_optimizer_state_dict)
+from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
+                                                     get_optimizer_state_dict, get_state_dict, set_model_state_dict,
+                                                     set_optimizer_state_dict)
 
 
 @dataclass
@@ -263,8 +264,8 @@ class Checkpointer:
         if path is None:
             raise FileNotFoundError(f"no checkpoint in {self.dir}: nothing to resume (train first, or check the path)")
         if not (path / "sharded").is_dir():
-            raise ValueError(f"{path} was written by one process without parallel.strategy; resume it the same way "
-                             f"(kiln train --resume without torchrun), or start the parallel run from step 0")
+            self._load_whole(path, state)
+            return path
         zero1 = (path / "optimizer.pt").exists()
         if zero1 != (state.world.strategy == "zero1"):
             raise ValueError(f"{path} holds {'ZeRO-1' if zero1 else 'per-parameter'} optimizer state; resume it "
@@ -283,6 +284,20 @@ class Checkpointer:
         if mine.exists():  # a rank the writing world did not have keeps the RNG streams it was seeded with
             set_rng_state(torch.load(mine, weights_only=True)["rng"])
         return path
+
+    def _load_whole(self, path: Path, state) -> None:
+        """A checkpoint one process wrote, into a data-parallel run: every rank reads the whole state.pt and keeps
+        its part (FSDP2 shards the full tensors; ZeRO-1 takes its partition of the optimizer state)."""
+        saved = self.load(map_location="cpu", path=path)
+        full = StateDictOptions(full_state_dict=True)
+        set_model_state_dict(state.model, saved["model"], options=full)
+        if type(state.optimizer).__name__ == "ZeroRedundancyOptimizer":
+            state.optimizer.load_state_dict(saved["optimizer"])  # the consolidated layout one process writes
+        else:
+            set_optimizer_state_dict(state.model, state.optimizer, _by_name(saved["optimizer"], state), options=full)
+        state.load_shared_state_dict(saved)
+        if state.world.rank == 0:  # the other ranks keep the RNG streams they were seeded with
+            set_rng_state(saved["rng"])
 
     def _publish(self, tmp: Path, final: Path) -> None:
         aside = None
@@ -372,6 +387,20 @@ class Checkpointer:
                                     f"check the path)")
         self.loaded = found
         return state
+
+
+def _by_name(saved: dict, state) -> dict:
+    """A torch optimizer state dict keyed by parameter position (what one process saves), re-keyed by the parameter
+    names torch.distributed.checkpoint uses, read off this run's optimizer, which lists its parameters in the same
+    groups and order (kiln builds both from the same model)."""
+    names = get_optimizer_state_dict(state.model, state.optimizer,
+                                     options=StateDictOptions(full_state_dict=True))["param_groups"]
+    if [len(g["params"]) for g in names] != [len(g["params"]) for g in saved["param_groups"]]:
+        raise ValueError("the checkpoint's optimizer groups its parameters differently from this run's; resume with "
+                         "the optimizer settings it was saved with (optim.*)")
+    key = {i: n for old, new in zip(saved["param_groups"], names) for i, n in zip(old["params"], new["params"])}
+    return {"state": {key[i]: v for i, v in saved["state"].items()},
+            "param_groups": [{**old, "params": new["params"]} for old, new in zip(saved["param_groups"], names)]}
 
 
 def _sharded_state_dicts(state):

@@ -250,7 +250,8 @@ class Trainer:
         if not self.state.world.main:
             return
         tensors = [*self.state.model.state_dict().values()]
-        tensors += [v for s in self.state.optimizer.state.values() for v in s.values() if isinstance(v, torch.Tensor)]
+        tensors += [v for s in self.state.optimizer.state.values() if s  # ZeRO-1 keeps None for others' parameters
+                    for v in s.values() if isinstance(v, torch.Tensor)]
         size = sum(t.numel() * t.element_size() for t in tensors)
         size += sum(p.numel() * p.element_size() for p in self.state.model.parameters())  # model.safetensors
         target = self.checkpointer.dir if self.checkpointer.dir.exists() else self.run_dir

@@ -40,6 +40,8 @@ def source(tmp_path_factory):
 def launched(tmp_path_factory, source, kiln_cache):
     """One torchrun launch of tests/dist/worker.py: every 2-process scenario."""
     out = tmp_path_factory.mktemp("dist")
+    for strategy in ("fsdp", "zero1"):  # one process writes 5 steps; the launch resumes them on 2 ranks
+        train(lm_config(source, "none", steps=5), out / f"from_one_{strategy}")
     env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
     proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
                            str(ROOT / "tests" / "dist" / "worker.py"), str(out), source],
@@ -104,6 +106,15 @@ def test_resume_on_another_world_size_and_strategy(launched, reference, source):
     run_dir = launched / "resume_fsdp"
     train(lm_config(source, "ddp", steps=10), run_dir, resume=True)
     assert_close_curves(losses(run_dir), losses(reference / "lm"))
+
+
+@pytest.mark.parametrize("strategy", ["fsdp", "zero1"])
+def test_a_single_process_checkpoint_resumes_on_two_ranks(launched, reference, strategy):
+    """One process (no torchrun) for 5 steps, then fsdp × 2 or zero1 × 2 to step 10: the straight run's curve and
+    weights (every rank reads the whole checkpoint and keeps its shard)."""
+    run_dir = launched / f"from_one_{strategy}"
+    assert_close_curves(losses(run_dir), losses(reference / "lm"))
+    assert_close_weights(run_dir, reference / "lm")
 
 
 def test_levers_that_make_sense_with_sharding_run_under_fsdp(launched):

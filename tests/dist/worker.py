@@ -18,6 +18,8 @@ for strategy in ("ddp", "zero1", "fsdp"):
 if os.environ["RANK"] == "0":
     (out / "state_bytes.json").write_text(json.dumps(measured))
 train(lm_config(source, "fsdp", steps=5), out / "resume_fsdp")  # resumed by one process with ddp
+for strategy in ("fsdp", "zero1"):  # written by one process before the launch
+    train(lm_config(source, strategy, steps=10), out / f"from_one_{strategy}", resume=True)
 levers = lm_config(source, "fsdp", steps=4)  # fp16 loss scaling (and its telemetry), recompute, chunked loss
 levers.precision.mode, levers.memory.recompute, levers.memory.chunked_loss = "fp16", "every_k", 64
 levers.numerics.fp16_telemetry_interval = 2

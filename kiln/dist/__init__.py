@@ -14,11 +14,13 @@ from __future__ import annotations
 import atexit
 import contextlib
 import os
+import time
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
+from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
 STRATEGIES = ("none", "ddp", "zero1", "fsdp")
 BACKENDS = ("auto", "nccl", "gloo")
@@ -43,12 +45,37 @@ class ParallelConfig:
             raise ValueError("parallel.cpu_offload is FSDP2's CPU offload: it needs --parallel.strategy=fsdp")
 
 
+class CommTimer:
+    """Seconds DDP's gradient all-reduces were in flight, from launch to completion, summed over its buckets (they
+    overlap the backward, so this is communication time, not time the step waited for it)."""
+
+    def __init__(self):
+        self.seconds = 0.0
+
+    def take(self) -> float:
+        """The seconds since the last take."""
+        seconds, self.seconds = self.seconds, 0.0
+        return seconds
+
+
+def _timed_allreduce(timer, bucket):  # no annotations: DDP checks them, and these modules' are strings
+    """DDP's own all-reduce (torch's default hook: average over the ranks) of one dist.GradBucket, timed."""
+    start = time.perf_counter()
+
+    def done(fut):
+        timer.seconds += time.perf_counter() - start
+        return fut.value()
+
+    return default_hooks.allreduce_hook(None, bucket).then(done)
+
+
 @dataclass
 class World:
     rank: int = 0
     size: int = 1
     local_rank: int = 0
     strategy: str = "none"
+    comm: CommTimer | None = None  # ddp, zero1: the gradient all-reduces timed (FSDP2 offers no hook to time)
 
     @property
     def main(self) -> bool:
@@ -149,7 +176,10 @@ def parallelize(model: nn.Module, cfg: ParallelConfig, world: World, device: tor
         return model
     if cfg.strategy in ("ddp", "zero1"):
         ids = [device.index] if device.type == "cuda" else None
-        return nn.parallel.DistributedDataParallel(model, device_ids=ids)
+        ddp = nn.parallel.DistributedDataParallel(model, device_ids=ids)
+        world.comm = CommTimer()
+        ddp.register_comm_hook(world.comm, _timed_allreduce)
+        return ddp
     from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard  # lazy: fsdp only
 
     kw = {"reshard_after_forward": cfg.reshard_after_forward}

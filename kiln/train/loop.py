@@ -367,6 +367,8 @@ class Trainer:
             # per device: the global rate shared by the ranks
             "mfu": mfu(self.flops_per_unit, rate / state.world.size, self.peak) if self.flops_per_unit else None,
             "skipped_steps": int(skipped), "loss_scale": scale if state.scaler.enabled else None,
+            # ddp, zero1: seconds per step the gradient all-reduces were in flight (overlapping the backward)
+            "comm_s": state.world.comm.take() / self.window_steps if state.world.comm is not None else None,
         }, kind="train")
         self.window_start, self.window_steps, self.window_units = time.perf_counter(), 0, 0
 

@@ -92,6 +92,11 @@ def test_two_ranks_train_as_one_process(launched, reference, strategy):
     assert_close_weights(launched / f"lm_{strategy}", reference / "lm")
     got, want = records(launched / f"lm_{strategy}", "eval"), records(reference / "lm", "eval")
     assert got[-1]["val_loss"] == pytest.approx(want[-1]["val_loss"], rel=RTOL)  # validation sharded, summed
+    train_records = records(launched / f"lm_{strategy}", "train")
+    if strategy == "fsdp":  # FSDP2 has no hook to time its collectives
+        assert all("comm_s" not in r for r in train_records)
+    else:  # DDP's all-reduces, timed through its comm hook: in flight for part of every step
+        assert all(0 < r["comm_s"] < r["step_time_s"] for r in train_records)
 
 
 @pytest.mark.parametrize("strategy", STRATEGIES)

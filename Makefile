@@ -6,7 +6,7 @@ PIP := $(PY) -m pip
 # Pinned so pip picks the CPU wheel; an unpinned torch pulls several GB of CUDA wheels.
 TORCH_PIN ?= torch==2.13.0
 
-.PHONY: train test install install-test clean bench gpu-check gpu-merge
+.PHONY: train test install install-test clean bench gpu-check gpu-merge gpu-wheels
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -39,7 +39,14 @@ bench: install
 # often offline, and `make install` would pull the CPU wheel); `make gpu-check GPU_PYTHON=...` picks another.
 GPU_PYTHON ?= python3
 gpu-check:
-	PYTHONPATH=. $(GPU_PYTHON) benchmarks/gpu_suite.py --out gpu-results
+	if ls .whl/*.whl >/dev/null 2>&1; then $(GPU_PYTHON) -m pip install -q --no-index --no-deps --target .whl/site .whl/*.whl; fi
+	PYTHONPATH=.:.whl/site $(GPU_PYTHON) benchmarks/gpu_suite.py --out gpu-results
+
+# The GPU machine has no network and no torchao: its wheel (pure Python, abi3) is fetched here into .whl/ (ignored by
+# git) and carried; gpu-check puts it on the path when it is there, else the suite's fp8 part records why it did not run.
+gpu-wheels:
+	$(PYTHON) -m pip download --quiet --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+		--platform manylinux_2_28_x86_64 --platform manylinux_2_24_x86_64 -d .whl torchao
 
 # Then: gpu-results' tables into docs/benchmarks.md between its gpu-suite markers (refuses dry-run results).
 gpu-merge:

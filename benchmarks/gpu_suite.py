@@ -11,6 +11,9 @@ writing OUT/<part>.json and OUT/<part>.md the moment it ends (a run cut off late
   memory      the estimator's peak vs torch.cuda.max_memory_allocated over GPT-2 124M/350M, Llama-1B x
               {fp32, bf16, bf16-master} x {none, full, selective}; OOM points recorded, not fatal
   kernels     benchmarks/kernels.py --quick --no-write in a subprocess, its output captured
+  fp8         precision.mode=fp8 (torchao's float8 linears) against bf16 at GPT-2 350M, both compiled: tokens/s,
+              peak memory and the training loss after the same steps; torchao must be importable there (carry its
+              wheel: docs/benchmarks.md)
 
     .venv/bin/python benchmarks/gpu_suite.py --out gpu-results [--budget-min 20] [--compile] [--parts tests,memory]
     .venv/bin/python benchmarks/gpu_suite.py --out /tmp/r --dry-run   # same code paths, toy sizes, CPU, < 60 s
@@ -47,8 +50,8 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 
 # Seconds per part on a GPU, in the order they run; the overall budget cuts the later ones first. 420 s of tests:
 # the gpu-marked suite is ~60 cases, most a few seconds, the 1B estimator points ~20 s each.
-BOXES = {"tests": 420, "throughput": 360, "memory": 300, "kernels": 240}
-DRY_BOXES = {"tests": 60, "throughput": 30, "memory": 30, "kernels": 30}
+BOXES = {"tests": 420, "throughput": 360, "memory": 300, "kernels": 240, "fp8": 240}
+DRY_BOXES = {"tests": 60, "throughput": 30, "memory": 30, "kernels": 30, "fp8": 30}
 
 GPT2 = dict(n_layer=12, n_head=12, d_model=768, seq_len=1024, batch=16, preset="gpt2-124m")  # kiln's preset of it
 TOY = dict(n_layer=2, n_head=2, d_model=64, seq_len=32, batch=2)
@@ -408,7 +411,51 @@ def part_kernels(s: Suite, box: float) -> None:
     (s.out / "kernels.md").open("a").write("\n```\n" + out[-20000:] + "\n```\n")
 
 
-PARTS = {"tests": part_tests, "throughput": part_throughput, "memory": part_memory, "kernels": part_kernels}
+def part_fp8(s: Suite, box: float) -> None:
+    """bf16, then fp8, each built alone, compiled, timed after a warm-up block; the loss of the last step."""
+    from throughput import kiln_loop
+
+    dev, t_end = s.device, time.monotonic() + box
+    shape = dict(TOY if s.dry else dict(preset="gpt2-350m", seq_len=1024, batch=8))
+    vocab = 256 if s.dry else 50257
+    steps, block = (4, 2) if s.dry else (40, 10)
+    result = {"shape": shape, "vocab": vocab, "steps": steps, "block": block, "compile": not s.dry, "modes": {}}
+    try:
+        import torchao  # noqa: F401  (only whether it is there)
+
+        result["torchao"] = torchao.__version__
+    except ImportError:
+        result["torchao"] = None
+    table = [["precision", "tokens/s", "vs bf16", "peak MiB", f"loss at step {steps}"]]
+    for mode in ("bf16", "fp8"):
+        if time.monotonic() > t_end:
+            result["modes"][mode] = {"skipped": "time box spent"}
+            continue
+        extra = ["--log.interval=1", "--log.tensorboard=false"] + ([] if s.dry else ["--train.compile=true"])
+        try:
+            with tempfile.TemporaryDirectory() as tmp:
+                run = f"{tmp}/{mode}"
+                rate, peak = time_alone(lambda: kiln_loop(mode, steps, run, kiln_overrides(shape, vocab, dev, extra)),
+                                        dev, block, steps)
+                lines = Path(run, "metrics.jsonl").read_text().splitlines()
+                train = [r for r in map(json.loads, lines) if r["kind"] == "train"]
+                result["modes"][mode] = {"tokens_per_s": rate * shape["batch"] * shape["seq_len"], "peak_bytes": peak,
+                                         "final_loss": train[-1]["loss"], "final_step": train[-1]["step"]}
+        except Exception as e:  # fp8 refused (CPU, an older GPU) or torchao missing: recorded, not fatal
+            result["modes"][mode] = {"error": f"{type(e).__name__}: {e}"[:500]}
+        release(dev)
+    base = result["modes"].get("bf16", {}).get("tokens_per_s")
+    for mode, r in result["modes"].items():
+        if "tokens_per_s" in r:
+            table.append([mode, r["tokens_per_s"], r["tokens_per_s"] / base if base else "", mib(r["peak_bytes"]),
+                          r["final_loss"]])
+        else:
+            table.append([mode, r.get("error") or r.get("skipped"), "", "", ""])
+    s.write("fp8", result, table)
+
+
+PARTS = {"tests": part_tests, "throughput": part_throughput, "memory": part_memory, "kernels": part_kernels,
+         "fp8": part_fp8}
 
 
 # ---------------------------------------------------------------- merge into docs/benchmarks.md
@@ -644,10 +691,33 @@ def render_kernels(data: dict) -> tuple[list, list, list, list]:
     return header, rows, notes, []
 
 
+def render_fp8(data: dict) -> tuple[list, list, list, list]:
+    header = ["precision", "tokens/s", "vs bf16", "peak MiB", "loss at the last step"]
+    modes = data.get("modes", {})
+    base = modes.get("bf16", {}).get("tokens_per_s")
+    rows = []
+    for mode in ("bf16", "fp8"):
+        r = modes.get(mode)
+        if r is None:
+            rows.append([mode, NOT_REACHED])
+        elif "tokens_per_s" in r:
+            rows.append([mode, _cell(r["tokens_per_s"]), times(r["tokens_per_s"] / base) if base else "",
+                         mib(r["peak_bytes"]), f"{r['final_loss']:.4f} (step {r['final_step']})"])
+        else:
+            rows.append([mode, f"not run: {r.get('error') or r.get('skipped')}"])
+    shape = data.get("shape", {})
+    notes = [f"{shape.get('preset', 'toy shape')}, seq {shape.get('seq_len')}, batch {shape.get('batch')}, "
+             f"{data.get('steps')} steps from the same seed, timed after a {data.get('block')}-step warm-up, "
+             f"torch.compile {'on' if data.get('compile') else 'off'}; torchao {data.get('torchao') or 'not installed'}."
+             ] if data else []
+    return header, rows, notes, []
+
+
 RENDERERS = {"tests": ("GPU tests (`pytest -m gpu`)", render_tests),
              "throughput": ("Throughput: kiln vs the plain loop", render_throughput),
              "memory": ("Memory estimator vs the measured peak", render_memory),
-             "kernels": ("Kernels (`benchmarks/kernels.py --quick`)", render_kernels)}
+             "kernels": ("Kernels (`benchmarks/kernels.py --quick`)", render_kernels),
+             "fp8": ("fp8 (torchao float8 linears) vs bf16", render_fp8)}
 assert list(RENDERERS) == list(PARTS), "every part the suite runs has a merge renderer"
 
 

@@ -40,7 +40,7 @@ def finite_positive(x) -> bool:
 
 def test_summary_all_done(results):
     summary = json.loads((results / "summary.json").read_text())
-    assert summary["parts"] == {p: "done" for p in ("tests", "throughput", "memory", "kernels")}
+    assert summary["parts"] == {p: "done" for p in ("tests", "throughput", "memory", "kernels", "fp8")}
 
 
 def test_tests_part_reads_junit(results):
@@ -106,6 +106,16 @@ def test_memory_part_numbers_match_an_independent_measurement(results):
     assert point["predicted_bytes"] == peak_allocated(estimate(job_for(cfg, local_device(cpu))))
     # CPU peaks are live-tensor byte counts (kiln/memory/measure.py), deterministic for a fixed seed and shape.
     assert point["measured_bytes"] == measure_step(cfg, cpu, steps=3).step_peaks[-1]
+
+
+def test_fp8_part_runs_bf16_and_records_why_fp8_cannot_run_here(results):
+    """On CPU the dry run trains bf16 at the toy shape and records fp8's refusal (no fp8 tensor cores) as that
+    mode's error: the part's code paths run, and a GPU run fills the same rows with numbers."""
+    data = load(results, "fp8")
+    bf16, fp8 = data["modes"]["bf16"], data["modes"]["fp8"]
+    assert finite_positive(bf16["tokens_per_s"]) and math.isfinite(bf16["final_loss"]) and bf16["final_step"] == 4
+    assert "compute capability ≥ 8.9" in fp8["error"]
+    assert "| fp8 | ValueError: precision.mode='fp8' needs" in (results / "fp8.md").read_text()
 
 
 def test_kernels_part_captures_output(results):
@@ -184,7 +194,7 @@ def as_gpu_run(src: Path, dst: Path) -> dict:
     """A copy of the dry run's results that says it came from an H100, for the paths a CPU cannot produce."""
     shutil.copytree(src, dst)
     parts = {}
-    for part in ("tests", "throughput", "memory", "kernels"):
+    for part in ("tests", "throughput", "memory", "kernels", "fp8"):
         data = json.loads((dst / f"{part}.json").read_text())
         data["dry_run"] = False
         data["env"].update(device="cuda", gpu="NVIDIA H100 80GB HBM3", driver="550.54.15", cuda="12.4")
@@ -200,8 +210,8 @@ def save(dst: Path, parts: dict) -> None:
 def test_merge_tables_hold_the_json_numbers(results, tmp_path):
     body = between(merged(tmp_path, results))
     tests, tp, mem = load(results, "tests"), load(results, "throughput"), load(results, "memory")
-    assert body.count("### ") == 4
-    assert body.count(f"torch {tests['env']['torch']}, triton {tests['env']['triton']}, **DRY RUN") == 4
+    assert body.count("### ") == 5
+    assert body.count(f"torch {tests['env']['torch']}, triton {tests['env']['triton']}, **DRY RUN") == 5
 
     assert table(body, "GPU tests") == [[str(tests[k]) for k in ("tests", "passed", "failed", "errors", "skipped")]
                                         + [f"{tests['seconds']:.0f}"]]
@@ -228,6 +238,11 @@ def test_merge_tables_hold_the_json_numbers(results, tmp_path):
         assert float(r[4]) == pytest.approx(p["measured_bytes"] / 2**20, abs=5e-4)
         assert r[5] == f"{p['rel_error']:+.2%}"
     assert f"**reached** (max |error| {mem['max_abs_rel_error']:.2%} at toy fp32" in body  # toy errors < 1%
+
+    fp8 = load(results, "fp8")["modes"]
+    rows = {r[0]: r for r in table(body, "fp8")}
+    assert rows["bf16"][4] == f"{fp8['bf16']['final_loss']:.4f} (step 4)" and rows["bf16"][2] == "1.000×"
+    assert rows["fp8"][1].startswith("not run: ValueError: precision.mode='fp8' needs")
 
     (row,) = table(body, "Kernels")
     assert row[0].startswith("failed (exit 1): benchmarks/kernels.py needs a CUDA GPU")
@@ -288,7 +303,7 @@ def test_gpu_results_merge_without_flag_and_cut_off_parts_are_rows(results, tmp_
     doc.write_bytes(SAMPLE_DOC.encode())
     assert merge_into(doc, run) == 0  # no --allow-dry-run: these say CUDA
     body = between(doc.read_bytes().decode())
-    assert "DRY RUN" not in body and body.count("NVIDIA H100 80GB HBM3, driver 550.54.15, CUDA 12.4,") == 4
+    assert "DRY RUN" not in body and body.count("NVIDIA H100 80GB HBM3, driver 550.54.15, CUDA 12.4,") == 5
     assert "**The run did not finish**" in body
     assert table(body, "GPU tests") == [["cut off by its time box after 420 s (pytest killed, no junit XML)"]
                                         + [""] * 5]

@@ -15,6 +15,7 @@ import torch
 from kiln.memory.estimate import GiB, Target
 from kiln.memory.measure import rss_bytes
 from kiln.perf.flops import DEVICE_PEAKS, cpu_peak, names_gpu
+from kiln.perf.hardware import FP8_MIN_CAPABILITY
 from kiln.util import closest
 
 
@@ -32,7 +33,8 @@ class Device:
     kind: str = "cuda"
 
     def flops(self, precision: str) -> float:
-        key = {"bf16-master": "bf16", "tf32": "tf32"}.get(precision, precision)
+        # fp8 counts against bf16's peak, as torchtitan and torchao report it: its speed-up is measured, not assumed
+        key = {"bf16-master": "bf16", "tf32": "tf32", "fp8": "bf16"}.get(precision, precision)
         if key not in self.peak_flops:
             key = "fp32"
         return self.peak_flops[key]
@@ -44,6 +46,8 @@ class Device:
             return "fp16" in self.peak_flops
         if precision == "tf32":
             return "tf32" in self.peak_flops
+        if precision == "fp8":
+            return self.kind == "cuda" and self.capability >= FP8_MIN_CAPABILITY
         return True
 
     @property

@@ -15,7 +15,7 @@ import torch
 from kiln.memory.estimate import Job, Target, parse_bytes
 from kiln.memory.offload import parse_blocks
 from kiln.memory.recompute import POLICIES, plan_for
-from kiln.perf.hardware import auto_mode
+from kiln.perf.hardware import auto_mode, fp8_refusal
 from kiln.util import closest
 
 
@@ -59,6 +59,8 @@ def precision_for(mode: str, device) -> str:
     (kiln.perf.hardware.auto_mode), from the device's capability or its measured matmul rates."""
     if mode == "auto":
         return auto_mode(device.kind, device.capability, device.peak_flops)[0]
+    if mode == "fp8" and not device.supports(mode):
+        raise ValueError(fp8_refusal(device.kind, device.capability, device.name))
     if not device.supports(mode):
         raise ValueError(f"precision.mode={mode!r} does not run on {device.name}; its table has "
                          f"{', '.join(device.peak_flops)} (use one of those, or auto)")

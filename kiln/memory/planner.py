@@ -293,6 +293,8 @@ def _precisions(device) -> list[str]:
         modes = ["bf16", "bf16-master", "fp32"] if "bf16" in device.peak_flops else ["fp32"]
     elif device.capability >= 8.0:
         modes = ["bf16", "bf16-master", "tf32"]
+        if device.supports("fp8"):  # ranked at bf16's rate (its speed-up is measured, not assumed): bf16 wins ties
+            modes.append("fp8")
     else:
         modes = ["fp16", "fp32"]  # no bf16 before Ampere
     return modes

@@ -86,7 +86,7 @@ def names_gpu(name: str, model: str) -> bool:
 
 def peak_flops_for(name: str, precision: str) -> float | None:
     """Datasheet peak FLOP/s of the CUDA device called `name` for a precision mode; None when not in the table."""
-    key = {"bf16-master": "bf16", "auto": "fp32"}.get(precision, precision)
+    key = {"bf16-master": "bf16", "fp8": "bf16", "auto": "fp32"}.get(precision, precision)  # fp8: MFU vs bf16
     for model, peaks in DEVICE_PEAKS.items():
         if names_gpu(name, model):
             return peaks.get(key)

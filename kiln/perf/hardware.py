@@ -109,7 +109,29 @@ def resolve_mode(mode: str, device: torch.device) -> str:
         return auto_mode(device.type)[0]
     if mode == "tf32" and device.type != "cuda":
         raise ValueError("precision.mode='tf32' needs a CUDA device; use fp32 or bf16 on CPU")
+    if mode == "fp8":
+        capability = 0.0
+        if device.type == "cuda":
+            major, minor = torch.cuda.get_device_capability(device)
+            capability = float(f"{major}.{minor}")
+        why = fp8_refusal(device.type, capability)
+        if why:
+            raise ValueError(why)
     return mode
+
+
+FP8_MIN_CAPABILITY = 8.9  # Ada and Hopper have fp8 tensor cores
+
+
+def fp8_refusal(kind: str, capability: float, name: str = "this GPU") -> str | None:
+    """Why precision.mode=fp8 cannot run on this device, or None when it can (CUDA, compute capability ≥ 8.9)."""
+    if kind != "cuda":
+        return (f"precision.mode='fp8' needs a CUDA GPU with fp8 tensor cores (compute capability ≥ 8.9: Ada, "
+                f"Hopper); this run is on {kind}: use bf16")
+    if capability < FP8_MIN_CAPABILITY:
+        return (f"precision.mode='fp8' needs compute capability ≥ 8.9 (Ada, Hopper); {name} is {capability:.1f}: "
+                f"use bf16")
+    return None
 
 
 def precision_notice(requested: str, device: torch.device) -> str | None:

@@ -66,7 +66,7 @@ def model_plan(cfg: Config, model_cfg: ModelConfig, precision: str, device: torc
         kernels = "torch"  # train.kernels=auto with dropout: FlashAttention has none (explicit triton is refused)
     job = runtime_job(cfg, model_cfg, precision, device)
     loss = "chunked" if cfg.memory.chunked_loss else ("fused" if kernels == "triton" else "plain")
-    return ModelPlan(kernels=kernels, recompute=job.recompute, offload=job.offload, loss=loss,
+    return ModelPlan(kernels=kernels, fp8=precision == "fp8", recompute=job.recompute, offload=job.offload, loss=loss,
                      loss_chunk=cfg.memory.chunked_loss, compile=cfg.train.compile, parallel=cfg.parallel)
 
 

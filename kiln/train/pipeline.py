@@ -1,7 +1,8 @@
 """The model pipeline: every transformation of a built model, in one function and one written order.
 
-    kernels → recompute → activation offload → loss → parallelize → compile
+    fp8 → kernels → recompute → activation offload → loss → parallelize → compile
 
+0. fp8         precision.mode=fp8: the block linears become torchao's Float8Linear (kiln.train.precision).
 1. kernels     Triton norms, activations, attention core and RoPE swapped in by exact module type
                (kiln.kernels.apply); the model's loss is left for step 4.
 2. recompute   per-block plan (kiln.memory.recompute): the block's class is swapped, it stays a module.
@@ -28,6 +29,7 @@ from kiln.memory.chunked_loss import ChunkedLMLoss
 from kiln.memory.offload import apply_offload
 from kiln.memory.recompute import apply_recompute
 from kiln.models.transformer import IGNORE_INDEX, LMLoss
+from kiln.train.precision import convert_fp8
 
 LOSSES = ("plain", "fused", "chunked")
 
@@ -37,6 +39,7 @@ class ModelPlan:
     """What the pipeline does to a model; built from the config by the caller (kiln.run), or by hand."""
 
     kernels: str = "torch"  # "torch" | "triton" (resolved: kiln.perf.hardware.resolve_kernels)
+    fp8: bool = False  # precision.mode=fp8: torchao's float8 linears in the blocks
     recompute: tuple[str, ...] = ()  # one policy per block (kiln.memory.recompute); () = none
     offload: frozenset[int] = frozenset()  # blocks whose saved activations go to the host (CUDA)
     loss: str = "plain"  # plain | fused | chunked
@@ -72,6 +75,8 @@ def prepare_model(model: nn.Module, plan: ModelPlan, device: torch.device | None
 
     param_dtype: FSDP2's compute dtype for parameters (bf16 autocast runs), None to keep theirs."""
     applied = {}
+    if plan.fp8:
+        applied["fp8"] = convert_fp8(model)
     if plan.kernels == "triton":
         from kiln.kernels.apply import apply_kernels  # lazy: triton is imported only by runs that use the kernels
 

@@ -9,12 +9,12 @@ from dataclasses import dataclass
 
 import torch
 
-MODES = ("auto", "fp32", "tf32", "bf16", "fp16", "bf16-master", "fp64")
+MODES = ("auto", "fp32", "tf32", "bf16", "fp16", "bf16-master", "fp8", "fp64")
 
 
 @dataclass
 class PrecisionConfig:
-    mode: str = "auto"  # auto (bf16 where measured faster, else fp32) | fp32 | tf32 | bf16 | fp16 | bf16-master | fp64 (reference runs)
+    mode: str = "auto"  # auto (bf16 where measured faster, else fp32) | fp32 | tf32 | bf16 | fp16 | bf16-master | fp8 (torchao's float8 linears, CUDA ≥ 8.9) | fp64 (reference runs)
     init_scale: float = 65536.0  # fp16: initial loss scale
     growth_factor: float = 2.0  # fp16: scale multiplier after growth_interval clean steps
     backoff_factor: float = 0.5  # fp16: scale multiplier on an inf/NaN gradient (the step is skipped)
@@ -34,7 +34,8 @@ class Precision:
 
     def __init__(self, mode: str, device: torch.device):
         self.mode, self.device = mode, device
-        self.autocast_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(mode)
+        # fp8: the block linears run torchao's float8 matmuls; everything else runs as under bf16 autocast
+        self.autocast_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp8": torch.bfloat16}.get(mode)
         self.param_dtype = {"bf16-master": torch.bfloat16, "fp64": torch.float64}.get(mode, torch.float32)
         self.loss_scaling = mode == "fp16"
         if mode == "tf32":
@@ -45,6 +46,26 @@ class Precision:
         if self.autocast_dtype is None:
             return contextlib.nullcontext()
         return torch.autocast(self.device.type, dtype=self.autocast_dtype)
+
+
+def fp8_linear(module: torch.nn.Module, fqn: str) -> bool:
+    """The linears fp8 converts: those of the transformer blocks whose both dimensions are multiples of 16 (what
+    fp8 matmuls need). kiln's LM head is a parameter of the loss, not an nn.Linear: it stays bf16, as is usual."""
+    return (isinstance(module, torch.nn.Linear) and module.in_features % 16 == 0 and module.out_features % 16 == 0)
+
+
+def convert_fp8(model: torch.nn.Module) -> list[str]:
+    """Swap the eligible linears for torchao's Float8Linear (dynamic tensorwise scaling); returns their names."""
+    try:
+        from torchao.float8 import convert_to_float8_training  # lazy: torchao only for precision.mode=fp8
+    except ImportError:
+        raise ValueError("precision.mode=fp8 trains through torchao's float8 linears; install it "
+                         "(pip install torchao) or use precision.mode=bf16") from None
+    names = [name for name, m in model.named_modules() if fp8_linear(m, name)]
+    if not names:
+        raise ValueError("precision.mode=fp8 found no linear whose dimensions are multiples of 16; use bf16")
+    convert_to_float8_training(model, module_filter_fn=fp8_linear)
+    return names
 
 
 class LossScaler:

@@ -638,8 +638,8 @@ def estimate(job: Job) -> Breakdown:
             work = (stop - first) * per_block_work
             for i in reversed(range(first, stop)):
                 casts = 2 * block_matmul_numel(cfg) if (num.autocast and policy != "none") else 0
-                snap(f"backward: block {i}", temporaries=work + grad_tmp + comm.reduce_scatter.get(i, 0), extra_casts=casts,
-                     gathered=comm.backward(i))
+                snap(f"backward: block {i}", temporaries=work + grad_tmp + comm.reduce_scatter.get(i, 0),
+                     extra_casts=casts, gathered=comm.backward(i))
                 if not accumulating:
                     state["gradients"] += held[i] * num.grad
                 add(device_blocks[i], sign=-1)

@@ -14,7 +14,7 @@ MODES = ("auto", "fp32", "tf32", "bf16", "fp16", "bf16-master", "fp8", "fp64")
 
 @dataclass
 class PrecisionConfig:
-    mode: str = "auto"  # auto (bf16 where measured faster, else fp32) | fp32 | tf32 | bf16 | fp16 | bf16-master | fp8 (torchao's float8 linears, CUDA ≥ 8.9) | fp64 (reference runs)
+    mode: str = "auto"  # auto (bf16 where measured faster, else fp32) | fp32 | tf32 | bf16 | fp16 | bf16-master | fp8 (CUDA ≥ 8.9, torchao) | fp64 (reference runs)
     init_scale: float = 65536.0  # fp16: initial loss scale
     growth_factor: float = 2.0  # fp16: scale multiplier after growth_interval clean steps
     backoff_factor: float = 0.5  # fp16: scale multiplier on an inf/NaN gradient (the step is skipped)

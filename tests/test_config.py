@@ -47,7 +47,7 @@ def test_resolved_config_round_trips(tmp_path):
     ("--train.max_steps=-1", r"train\.max_steps must be ≥ 0"),
     ("--train.time_budget=0", r"train\.max_steps=0 sizes the run by train\.time_budget"),
     ("--optim.lr=-1", r"optim\.lr must be > 0"),
-    ("--precision.mode=fp8", r"precision\.mode='fp8' is unknown"),
+    ("--precision.mode=fp4", r"precision\.mode='fp4' is unknown"),
     ("--schedule.name=cosin", r"schedule\.name='cosin' is unknown"),
     ("--model.preset=gpt2-125m", r"did you mean 'gpt2-124m'"),
     ("--data.seq_len=0", r"data\.seq_len"),

@@ -16,6 +16,7 @@ COMMANDS = {
     "plan": "kiln.cli.plan",
     "doctor": "kiln.cli.doctor",
     "checkpoints": "kiln.cli.checkpoints",
+    "report": "kiln.cli.report",
 }
 
 

@@ -34,7 +34,8 @@ from kiln.data.tokenizer import (
 
 __all__ = [
     "DataConfig", "PreparedData", "prepare_data", "Tokenizer", "ByteTokenizer", "BPETokenizer", "load_tokenizer",
-    "TokenLoader", "val_batches", "ShardError", "CorpusError", "unigram_entropy", "cache_root",
+    "TokenLoader", "val_batches", "ShardError", "CorpusError", "unigram_entropy", "cache_root", "cache_dir_for",
+    "cached_unigram_loss",
 ]
 
 FORMATS = ("auto", "text", "jsonl")
@@ -215,10 +216,31 @@ def _millions(n: int) -> str:
     return f"{n / 1e6:.1f}M" if n >= 100_000 else f"{n / 1e3:.1f}k"
 
 
+def cache_dir_for(cfg: DataConfig) -> Path:
+    """The shard directory of cfg's tokens (it may not be built yet)."""
+    return cache_root(cfg) / f"{_source_label(cfg.source)}-{cfg.tokenizer}-{cache_key(cfg)}"
+
+
+def cached_unigram_loss(cfg: DataConfig) -> float | None:
+    """The unigram baseline of cfg's training split when its shards are already cached, else None (nothing is
+    built: a reader of a finished run should not tokenize a corpus)."""
+    try:
+        final = cache_dir_for(cfg)
+    except (CorpusError, OSError):  # the source is gone or unreadable here
+        return None
+    if not (final / "meta.json").is_file() or not (final / TOKENIZER_FILE).is_file():
+        return None
+    try:
+        tok = load_tokenizer(final)
+        return unigram_entropy(read_shard(final / "train.bin", tok.fingerprint), tok.vocab_size)
+    except (ShardError, OSError):  # a damaged cache: `kiln train` says how to rebuild it; a reader just goes without
+        return None
+
+
 def prepare_data(cfg: DataConfig, run_dir: Path | None = None, log: Callable[[str], None] = print) -> PreparedData:
     """Token shards for cfg, built on the first call and reused while the source and settings are unchanged."""
     cfg.validate()
-    final = cache_root(cfg) / f"{_source_label(cfg.source)}-{cfg.tokenizer}-{cache_key(cfg)}"
+    final = cache_dir_for(cfg)
     built = not (final / "meta.json").is_file()
     if built:
         _build(cfg, final, log)

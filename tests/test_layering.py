@@ -21,7 +21,7 @@ LAYERS = [  # bottom to top; a package imports only from packages in lower layer
     ("memory", "numerics"),
     ("train",),
     ("config",),
-    ("run",),
+    ("run", "report"),
     ("cli",),
 ]
 

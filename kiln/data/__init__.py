@@ -34,7 +34,8 @@ from kiln.data.tokenizer import (
 
 __all__ = [
     "DataConfig", "PreparedData", "prepare_data", "Tokenizer", "ByteTokenizer", "BPETokenizer", "load_tokenizer",
-    "TokenLoader", "val_batches", "ShardError", "CorpusError", "unigram_entropy", "cache_root",
+    "TokenLoader", "val_batches", "ShardError", "CorpusError", "unigram_entropy", "cache_root", "cache_dir_for",
+    "cached_unigram_loss",
 ]
 
 FORMATS = ("auto", "text", "jsonl")
@@ -237,10 +238,28 @@ def _discard(final: Path) -> None:
     shutil.rmtree(aside, ignore_errors=True)
 
 
+def cache_dir_for(cfg: DataConfig) -> Path:
+    """The shard directory of cfg's tokens (it may not be built yet)."""
+    return cache_root(cfg) / f"{_source_label(cfg.source)}-{cfg.tokenizer}-{cache_key(cfg)}"
+
+
+def cached_unigram_loss(cfg: DataConfig) -> float | None:
+    """The unigram baseline of cfg's training split when its shards are already cached, else None (nothing is
+    built: a reader of a finished run should not tokenize a corpus)."""
+    try:
+        final = cache_dir_for(cfg)
+        if not (final / "meta.json").is_file():
+            return None
+        _, tok, train, _ = _open_cache(final)
+    except (CorpusError, ShardError, ValueError, OSError):  # the source is gone here, or the cache is damaged
+        return None
+    return unigram_entropy(train, tok.vocab_size)
+
+
 def prepare_data(cfg: DataConfig, run_dir: Path | None = None, log: Callable[[str], None] = print) -> PreparedData:
     """Token shards for cfg, built on the first call and reused while the source and settings are unchanged."""
     cfg.validate()
-    final = cache_root(cfg) / f"{_source_label(cfg.source)}-{cfg.tokenizer}-{cache_key(cfg)}"
+    final = cache_dir_for(cfg)
     built = not (final / "meta.json").is_file()
     if built:
         _build(cfg, final, log)

@@ -37,6 +37,25 @@ def flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
     return 6 * matmul_params(cfg) + 12 * cfg.n_layer * seq_len * cfg.n_head * cfg.head_dim
 
 
+def recompute_flops_per_token(cfg: ModelConfig, seq_len: int, plan: tuple[str, ...]) -> float:
+    """Forward FLOPs per token that recomputation runs a second time in the backward: HFU counts them, MFU does
+    not. Per block of the plan (kiln.memory.recompute): "selective" the attention core (QKᵀ and PV; the matmuls'
+    outputs are kept); "full" and "seg" the whole forward, except that a "full" segment's last block never runs
+    its MLP output projection again: nothing in the segment saves that output, and torch's checkpoint stops
+    recomputing once it has every saved tensor back (checked against torch's FLOP counter)."""
+    attention = 4 * seq_len * cfg.n_head * cfg.head_dim
+    block = 2 * (matmul_params(cfg) - cfg.padded_vocab * cfg.d_model) / cfg.n_layer + attention
+    total = 0.0
+    for i, policy in enumerate(plan):
+        if policy == "selective":
+            total += attention
+        elif policy in ("full", "seg"):
+            total += block
+            if i + 1 == len(plan) or plan[i + 1] != "seg":  # the segment's last block
+                total -= 2 * cfg.d_ff * cfg.d_model
+    return total
+
+
 _cpu_peak_cache: dict[torch.dtype, float] = {}
 # The matmul dtype of each precision mode on a CPU (bf16-master multiplies bf16 weights; tf32 is CUDA-only).
 CPU_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "bf16-master": torch.bfloat16, "fp16": torch.float16,

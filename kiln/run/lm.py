@@ -28,6 +28,7 @@ from kiln.memory.levers import runtime_job
 from kiln.memory.planner import search
 from kiln.models import ModelConfig, Transformer, build_model
 from kiln.perf import device_peak_flops, flops_per_token
+from kiln.perf.flops import recompute_flops_per_token
 from kiln.perf.hardware import precision_notice, resolve_kernels, resolve_mode
 from kiln.run.oom import OomContext, OutOfMemory, oom_report, ram_check
 from kiln.train.checkpoint import Checkpointer, RunLock
@@ -107,8 +108,11 @@ class LMRun:
 
     def trainer(self, run_dir: Path, console: Console | None = None) -> Trainer:
         c, state = self.cfg, self.state
+        model_flops = flops_per_token(c.model, c.data.seq_len)
+        recomputed = recompute_flops_per_token(c.model, c.data.seq_len, self.state.applied.get("recompute", ()))
         return Trainer(state, c, run_dir, console, evaluate=self.evaluate if self.data is not None else None,
-                       config_toml=to_toml, flops_per_unit=flops_per_token(c.model, c.data.seq_len),
+                       config_toml=to_toml, flops_per_unit=model_flops,
+                       hardware_flops_per_unit=model_flops + recomputed,
                        peak_flops=device_peak_flops(state.device, state.precision.mode),
                        vocab_size=self.data.tokenizer.vocab_size if self.data is not None else None)
 

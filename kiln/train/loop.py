@@ -141,14 +141,17 @@ class Trainer:
     def __init__(self, state: TrainState, cfg, run_dir: Path, console: Console | None = None, *,
                  evaluate: Callable[[torch.nn.Module], float] | None = None,
                  config_toml: Callable[[object], str] | None = None, flops_per_unit: float | None = None,
-                 peak_flops: float | None = None, vocab_size: int | None = None):
+                 peak_flops: float | None = None, vocab_size: int | None = None,
+                 hardware_flops_per_unit: float | None = None):
         """evaluate(model) -> mean validation loss; config_toml(cfg) -> the text saved as config.toml (and in
-        every checkpoint); flops_per_unit and peak_flops give MFU (per token or sample); vocab_size arms the
-        data faults of language models."""
+        every checkpoint); flops_per_unit and peak_flops give MFU (per token or sample), and with
+        hardware_flops_per_unit (the same plus what recomputation runs again) HFU; vocab_size arms the data faults
+        of language models."""
         self.state, self.cfg, self.run_dir = state, cfg, Path(run_dir)
         self.con = console or Console(soft_wrap=True)
         self._evaluate_fn, self._config_toml = evaluate, config_toml
         self.flops_per_unit, self.peak = flops_per_unit, peak_flops
+        self.hardware_flops_per_unit = hardware_flops_per_unit or flops_per_unit  # + recomputation (HFU)
         self.checkpointer = Checkpointer(cfg.checkpoint, self.run_dir,
                                          warn=lambda msg: self.con.print(msg, highlight=False))
         self.resumed_at: int | None = None  # the step a resume started from: later metrics records are stale
@@ -366,6 +369,8 @@ class Trainer:
             "peak_mem_bytes": peak_memory_bytes(state.device),
             # per device: the global rate shared by the ranks
             "mfu": mfu(self.flops_per_unit, rate / state.world.size, self.peak) if self.flops_per_unit else None,
+            "hfu": mfu(self.hardware_flops_per_unit, rate / state.world.size, self.peak) if self.flops_per_unit
+            else None,
             "skipped_steps": int(skipped), "loss_scale": scale if state.scaler.enabled else None,
             # ddp, zero1: seconds per step the gradient all-reduces were in flight (overlapping the backward)
             "comm_s": state.world.comm.take() / self.window_steps if state.world.comm is not None else None,

@@ -6,7 +6,8 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from kiln.memory.devices import DEVICES, cuda_device
 from kiln.models import ModelConfig, build_model
-from kiln.perf.flops import flops_per_token, names_gpu, peak_flops_for
+from kiln.perf.flops import flops_per_token, names_gpu, peak_flops_for, recompute_flops_per_token
+from kiln.train.pipeline import ModelPlan, prepare_model
 
 
 @pytest.mark.parametrize("arch", [
@@ -47,3 +48,47 @@ def test_cuda_names_find_their_table_entry(name, model):
 def test_names_gpu_is_whole_word():
     assert names_gpu("NVIDIA L4", "L4") and not names_gpu("NVIDIA L40S", "L4")
     assert not names_gpu("NVIDIA H200", "H100") and names_gpu("nvidia h100 pcie", "H100")
+
+
+@pytest.mark.parametrize("plan", [("none", "none", "none"), ("full", "full", "full"), ("full", "seg", "none"),
+                                  ("selective", "selective", "selective"), ("selective", "full", "none")],
+                         ids=["none", "full", "every_k-segment", "selective", "mixed-budget"])
+@pytest.mark.parametrize("arch", [
+    dict(preset="tiny", n_layer=3, n_head=4, d_model=64, max_seq_len=32, vocab_size=259),
+    dict(preset="llama-125m", n_layer=3, n_head=4, n_kv_head=2, d_model=64, d_ff=96, max_seq_len=32,
+         vocab_size=300),
+], ids=["gpt2", "llama-gqa"])
+def test_hardware_flops_equal_counted_flops_with_each_recompute_plan(arch, plan):
+    """HFU's numerator: the model's FLOPs plus what recomputation runs again, against torch's FLOP counter over a
+    real forward and backward of the model with that recompute plan installed."""
+    cfg = ModelConfig(**arch).resolve()
+    model = build_model(cfg)
+    prepare_model(model, ModelPlan(recompute=plan))
+    B, T = 2, 32
+    x = torch.randint(0, cfg.vocab_size, (B, T))
+    counter = FlopCounterMode(display=False)
+    with counter, sdpa_kernel(SDPBackend.MATH):
+        model(x, x).backward()
+    expected = (flops_per_token(cfg, T) + recompute_flops_per_token(cfg, T, plan)) * B * T
+    assert counter.get_total_flops() == expected
+    if plan != ("none",) * 3:
+        assert recompute_flops_per_token(cfg, T, plan) > 0
+
+
+def test_metrics_log_hfu_beside_mfu(small_config, tmp_path):
+    """A run with full recomputation logs HFU above MFU by exactly the recomputed share; without recompute the two
+    are equal."""
+    import json
+
+    from kiln.run.lm import resolve_model, train
+
+    for policy in ("none", "full"):
+        cfg = small_config(train={"max_steps": 3}, memory={"recompute": policy})
+        train(cfg, tmp_path / policy)
+        records = [json.loads(line) for line in (tmp_path / policy / "metrics.jsonl").read_text().splitlines()]
+        model = resolve_model(cfg, 256)
+        extra = recompute_flops_per_token(model, cfg.data.seq_len, (policy,) * model.n_layer)
+        for r in (r for r in records if r["kind"] == "train"):
+            assert r["hfu"] / r["mfu"] == pytest.approx(1 + extra / flops_per_token(model, cfg.data.seq_len),
+                                                        rel=1e-12)
+        assert (extra > 0) == (policy == "full")

@@ -18,6 +18,7 @@ COMMANDS = {
     "plan": "kiln.cli.plan",
     "doctor": "kiln.cli.doctor",
     "checkpoints": "kiln.cli.checkpoints",
+    "estimate": "kiln.cli.estimate",
     "report": "kiln.cli.report",
 }
 

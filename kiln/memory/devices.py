@@ -31,6 +31,7 @@ class Device:
     context_bytes: int = 0  # outside the allocator
     fragmentation: float = 0.05  # allocated-to-reserved allowance, as a share of the peak
     kind: str = "cuda"
+    power_w: float | None = None  # board power (TDP) from the datasheet, for energy estimates; None: unknown
 
     def flops(self, precision: str) -> float:
         # fp8 counts against bf16's peak, as torchtitan and torchao report it: its speed-up is measured, not assumed
@@ -55,20 +56,20 @@ class Device:
         return Target(self.kind, self.capability, self.context_bytes, self.fragmentation)
 
 
-def _gpu(name, mem_gib, bw_tbs, link_gbs, capability, peaks_key=None):
+def _gpu(name, mem_gib, bw_tbs, link_gbs, capability, power_w, peaks_key=None):
     return Device(name=name, memory=int(mem_gib * GiB), peak_flops=DEVICE_PEAKS[peaks_key or name],
                   bandwidth=bw_tbs * 1e12, host_link=link_gbs * 1e9, host_bandwidth=50e9, capability=capability,
-                  context_bytes=int(0.5 * GiB))
+                  context_bytes=int(0.5 * GiB), power_w=power_w)
 
 
-DEVICES = {
-    "H100": _gpu("H100", 79.2, 3.35, 50, 9.0),  # SXM, HBM3, PCIe Gen5 x16
-    "H200": _gpu("H200", 139.8, 4.8, 50, 9.0),
-    "A100-80GB": _gpu("A100-80GB", 79.2, 2.04, 25, 8.0, "A100"),
-    "A100-40GB": _gpu("A100-40GB", 39.4, 1.555, 25, 8.0, "A100"),
-    "V100-32GB": _gpu("V100-32GB", 31.7, 0.9, 12, 7.0, "V100"),
-    "L4": _gpu("L4", 22.5, 0.3, 25, 8.9),
-    "RTX 4090": _gpu("RTX 4090", 23.6, 1.008, 25, 8.9),
+DEVICES = {  # memory as torch reports it; bandwidth, host link and board power (W) from the datasheets
+    "H100": _gpu("H100", 79.2, 3.35, 50, 9.0, 700),  # SXM, HBM3, PCIe Gen5 x16
+    "H200": _gpu("H200", 139.8, 4.8, 50, 9.0, 700),
+    "A100-80GB": _gpu("A100-80GB", 79.2, 2.04, 25, 8.0, 400, "A100"),  # SXM
+    "A100-40GB": _gpu("A100-40GB", 39.4, 1.555, 25, 8.0, 400, "A100"),
+    "V100-32GB": _gpu("V100-32GB", 31.7, 0.9, 12, 7.0, 300, "V100"),
+    "L4": _gpu("L4", 22.5, 0.3, 25, 8.9, 72),
+    "RTX 4090": _gpu("RTX 4090", 23.6, 1.008, 25, 8.9, 450),
 }
 ALIASES = {"h100": "H100", "h200": "H200", "a100": "A100-80GB", "a100-80gb": "A100-80GB", "a100-40gb": "A100-40GB",
            "v100": "V100-32GB", "v100-32gb": "V100-32GB", "l4": "L4", "rtx4090": "RTX 4090", "4090": "RTX 4090",

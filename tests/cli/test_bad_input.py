@@ -144,6 +144,13 @@ def _cases():
         ("sample: negative tokens", ["sample", "{run}", "--max-new-tokens=-3"], ["--max-new-tokens"]),
         ("sample: nan temperature", ["sample", "{run}", "--temperature=nan"], ["--temperature"]),
         ("checkpoints: missing run", ["checkpoints", "{root}/nowhere"], ["nowhere"]),
+        ("estimate: zero GPUs", ["estimate", "--tokens=1B", "--device=H100", "--gpus=0"], ["--gpus"]),
+        ("estimate: unknown device", ["estimate", "--tokens=1B", "--device=H1000"], ["H1000", "H100"]),
+        ("estimate: tokens not a number", ["estimate", "--tokens=lots", "--device=H100"], ["lots", "2T"]),
+        ("estimate: MFU over 1", ["estimate", "--tokens=1B", "--device=H100", "--mfu=1.5"], ["MFU", "1.5"]),
+        ("estimate: no token count", ["estimate", "--device=H100"], ["--tokens", "--chinchilla"]),
+        ("estimate: a run without MFU", ["estimate", "--tokens=1B", "--device=H100", "--from-run={root}/not a run"],
+         ["not a run", "metrics.jsonl"]),
         ("unknown command", ["trian"], ["trian"]),
     ]
 

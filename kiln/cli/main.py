@@ -19,6 +19,7 @@ COMMANDS = {
     "doctor": "kiln.cli.doctor",
     "checkpoints": "kiln.cli.checkpoints",
     "estimate": "kiln.cli.estimate",
+    "profile": "kiln.cli.profile",
     "report": "kiln.cli.report",
 }
 

@@ -6,6 +6,7 @@ knows about them. Steps are 1-based, as in metrics.jsonl.
 from __future__ import annotations
 
 import re
+import time
 from dataclasses import dataclass
 
 import torch
@@ -26,6 +27,7 @@ class FaultsConfig:
     frozen_module: str = ""  # MODULE: its output is detached, so its parameters get no gradient (doctor check 3)
     skip_zero_grad: bool = False  # gradients stay in .grad between steps, as if zero_grad were forgotten (check 7)
     oom: int = 0  # STEP: the model's forward raises torch.OutOfMemoryError in that step (the OOM report; 0: off)
+    data_delay_ms: float = 0.0  # every batch waits this long before the loader hands it over: a slow data source
     rank: int = -1  # data parallelism: plant nan_forward / inf_backward on this rank only (-1: on every rank)
 
     def validate(self):
@@ -35,6 +37,8 @@ class FaultsConfig:
         for key in ("spike", "oom"):
             if getattr(self, key) < 0:
                 raise ValueError(f"faults.{key} must be a step ≥ 1 (0: off), got {getattr(self, key)}")
+        if self.data_delay_ms < 0:
+            raise ValueError(f"faults.data_delay_ms must be ≥ 0 (0: off), got {self.data_delay_ms}")
 
     @property
     def any(self) -> bool:
@@ -67,6 +71,20 @@ def _poison(t: torch.Tensor, value: float) -> torch.Tensor:
     mask = torch.zeros_like(t, dtype=torch.bool)
     mask.view(-1)[0] = True
     return t.masked_fill(mask, value)
+
+
+class DelayedLoader:
+    """faults.data_delay_ms: a loader whose every batch arrives `delay_ms` late (a slow disk, a remote source)."""
+
+    def __init__(self, loader, delay_ms: float):
+        self.loader, self.delay = loader, delay_ms / 1000
+
+    def next(self):
+        time.sleep(self.delay)
+        return self.loader.next()
+
+    def __getattr__(self, name):  # batches_served, skip, state_dict, close: the loader's own
+        return getattr(self.loader, name)
 
 
 class FaultInjector:

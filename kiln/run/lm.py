@@ -27,6 +27,7 @@ from kiln.memory.estimate import fmt_bytes, parse_bytes
 from kiln.memory.levers import runtime_job
 from kiln.memory.planner import search
 from kiln.models import ModelConfig, Transformer, build_model
+from kiln.numerics.faults import DelayedLoader
 from kiln.perf import device_peak_flops, flops_per_token
 from kiln.perf.flops import recompute_flops_per_token
 from kiln.perf.hardware import precision_notice, resolve_kernels, resolve_mode
@@ -155,6 +156,8 @@ def _build_lm(cfg: Config, run_dir, log, device: torch.device, with_data: bool, 
         loader = TokenLoader(data.train, cfg.train.micro_batch_size, cfg.data.seq_len, cfg.data.seed, device,
                              cfg.data.prefetch, rank=world.rank, world=world.size,
                              what=f"data.source={cfg.data.source!r}, train split")
+        if cfg.faults.data_delay_ms:
+            loader = DelayedLoader(loader, cfg.faults.data_delay_ms)
     state = build_state(model, LanguageModeling(), loader, device=device, precision=precision,
                         precision_cfg=cfg.precision, optim=cfg.optim,
                         plan=model_plan(cfg, cfg.model, precision, device), world=world)

@@ -11,6 +11,8 @@ writing OUT/<part>.json and OUT/<part>.md the moment it ends (a run cut off late
   memory      the estimator's peak vs torch.cuda.max_memory_allocated over GPT-2 124M/350M, Llama-1B x
               {fp32, bf16, bf16-master} x {none, full, selective}; OOM points recorded, not fatal
   kernels     benchmarks/kernels.py --quick --no-write in a subprocess, its output captured
+  profile     `kiln profile` of GPT-2 124M in bf16 (kiln.run.profile): the step's parts, device idle, the top
+              operations and the verdict
   fp8         precision.mode=fp8 (torchao's float8 linears) against bf16 at GPT-2 350M, both compiled: tokens/s,
               peak memory and the training loss after the same steps; torchao must be importable there (carry its
               wheel: docs/benchmarks.md)
@@ -50,8 +52,8 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 
 # Seconds per part on a GPU, in the order they run; the overall budget cuts the later ones first. 420 s of tests:
 # the gpu-marked suite is ~60 cases, most a few seconds, the 1B estimator points ~20 s each.
-BOXES = {"tests": 420, "throughput": 360, "memory": 300, "kernels": 240, "fp8": 240}
-DRY_BOXES = {"tests": 60, "throughput": 30, "memory": 30, "kernels": 30, "fp8": 30}
+BOXES = {"tests": 420, "throughput": 360, "memory": 300, "kernels": 240, "profile": 120, "fp8": 240}
+DRY_BOXES = {"tests": 60, "throughput": 30, "memory": 30, "kernels": 30, "profile": 30, "fp8": 30}
 
 GPT2 = dict(n_layer=12, n_head=12, d_model=768, seq_len=1024, batch=16, preset="gpt2-124m")  # kiln's preset of it
 TOY = dict(n_layer=2, n_head=2, d_model=64, seq_len=32, batch=2)
@@ -411,6 +413,23 @@ def part_kernels(s: Suite, box: float) -> None:
     (s.out / "kernels.md").open("a").write("\n```\n" + out[-20000:] + "\n```\n")
 
 
+def part_profile(s: Suite, box: float) -> None:
+    """`kiln profile` of the throughput part's kiln configuration: its step breakdown and verdict."""
+    from kiln.config import load_config
+    from kiln.run.profile import profile_run, report_lines
+
+    shape, vocab = (dict(TOY), 256) if s.dry else (dict(GPT2), 50257)
+    precision = "fp32" if s.dry else "bf16"
+    cfg = load_config(None, kiln_overrides(shape, vocab, s.device, [f"--precision.mode={precision}"]))
+    steps, warmup = (3, 1) if s.dry else (20, 5)
+    with tempfile.TemporaryDirectory() as tmp:
+        r = profile_run(cfg, Path(tmp) / "run", steps=steps, warmup=warmup, log=lambda m: None)
+        summary = {k: v for k, v in r.summary().items() if k != "files"}
+    table = [["part", "ms per step", "share"]] + [[name, 1000 * sec, f"{sec / summary['step_s']:.1%}"]
+                                                   for name, sec in summary["breakdown"].items()]
+    s.write("profile", {"shape": shape, "precision": precision, "summary": summary, "report": report_lines(r)}, table)
+
+
 def part_fp8(s: Suite, box: float) -> None:
     """bf16, then fp8, each built alone, compiled, timed after a warm-up block; the loss of the last step."""
     from throughput import kiln_loop
@@ -455,7 +474,7 @@ def part_fp8(s: Suite, box: float) -> None:
 
 
 PARTS = {"tests": part_tests, "throughput": part_throughput, "memory": part_memory, "kernels": part_kernels,
-         "fp8": part_fp8}
+         "profile": part_profile, "fp8": part_fp8}
 
 
 # ---------------------------------------------------------------- merge into docs/benchmarks.md
@@ -691,6 +710,20 @@ def render_kernels(data: dict) -> tuple[list, list, list, list]:
     return header, rows, notes, []
 
 
+def render_profile(data: dict) -> tuple[list, list, list, list]:
+    header = ["part", "ms per step", "share of the step"]
+    summary = data.get("summary")
+    if not summary:
+        return header, [[NOT_REACHED if not data.get("error") else f"failed: {data['error'].splitlines()[-1]}"]], [], []
+    rows = [[name, f"{1000 * sec:.2f}", f"{sec / summary['step_s']:.1%}"] for name, sec in summary["breakdown"].items()]
+    rows.append(["step", f"{1000 * summary['step_s']:.2f}", "100%"])
+    idle = summary.get("device_idle_share")
+    notes = [f"{data['shape'].get('preset', 'toy shape')}, {data['precision']}: verdict **{summary['verdict']}**: "
+             f"{summary['why']}" + (f"; device idle {idle:.1%} of the traced steps" if idle is not None else "")]
+    notes += [f"Advice: {a}" for a in summary.get("advice", [])]
+    return header, rows, notes, []
+
+
 def render_fp8(data: dict) -> tuple[list, list, list, list]:
     header = ["precision", "tokens/s", "vs bf16", "peak MiB", "loss at the last step"]
     modes = data.get("modes", {})
@@ -717,6 +750,7 @@ RENDERERS = {"tests": ("GPU tests (`pytest -m gpu`)", render_tests),
              "throughput": ("Throughput: kiln vs the plain loop", render_throughput),
              "memory": ("Memory estimator vs the measured peak", render_memory),
              "kernels": ("Kernels (`benchmarks/kernels.py --quick`)", render_kernels),
+             "profile": ("Profile: kiln's GPT-2 124M step (`kiln profile`)", render_profile),
              "fp8": ("fp8 (torchao float8 linears) vs bf16", render_fp8)}
 assert list(RENDERERS) == list(PARTS), "every part the suite runs has a merge renderer"
 

@@ -40,7 +40,7 @@ def finite_positive(x) -> bool:
 
 def test_summary_all_done(results):
     summary = json.loads((results / "summary.json").read_text())
-    assert summary["parts"] == {p: "done" for p in ("tests", "throughput", "memory", "kernels", "fp8")}
+    assert summary["parts"] == {p: "done" for p in ("tests", "throughput", "memory", "kernels", "profile", "fp8")}
 
 
 def test_tests_part_reads_junit(results):
@@ -116,6 +116,13 @@ def test_fp8_part_runs_bf16_and_records_why_fp8_cannot_run_here(results):
     assert finite_positive(bf16["tokens_per_s"]) and math.isfinite(bf16["final_loss"]) and bf16["final_step"] == 4
     assert "compute capability ≥ 8.9" in fp8["error"]
     assert "| fp8 | ValueError: precision.mode='fp8' needs" in (results / "fp8.md").read_text()
+
+
+def test_profile_part_holds_the_breakdown_and_verdict(results):
+    summary = load(results, "profile")["summary"]
+    assert summary["verdict"] in ("data-bound", "communication-bound", "host-overhead-bound", "compute-bound",
+                                  "memory-bandwidth-bound")
+    assert abs(sum(summary["breakdown"].values()) - summary["step_s"]) < 1e-9 * summary["step_s"] + 1e-12
 
 
 def test_kernels_part_captures_output(results):
@@ -194,7 +201,7 @@ def as_gpu_run(src: Path, dst: Path) -> dict:
     """A copy of the dry run's results that says it came from an H100, for the paths a CPU cannot produce."""
     shutil.copytree(src, dst)
     parts = {}
-    for part in ("tests", "throughput", "memory", "kernels", "fp8"):
+    for part in ("tests", "throughput", "memory", "kernels", "profile", "fp8"):
         data = json.loads((dst / f"{part}.json").read_text())
         data["dry_run"] = False
         data["env"].update(device="cuda", gpu="NVIDIA H100 80GB HBM3", driver="550.54.15", cuda="12.4")
@@ -210,8 +217,8 @@ def save(dst: Path, parts: dict) -> None:
 def test_merge_tables_hold_the_json_numbers(results, tmp_path):
     body = between(merged(tmp_path, results))
     tests, tp, mem = load(results, "tests"), load(results, "throughput"), load(results, "memory")
-    assert body.count("### ") == 5
-    assert body.count(f"torch {tests['env']['torch']}, triton {tests['env']['triton']}, **DRY RUN") == 5
+    assert body.count("### ") == 6
+    assert body.count(f"torch {tests['env']['torch']}, triton {tests['env']['triton']}, **DRY RUN") == 6
 
     assert table(body, "GPU tests") == [[str(tests[k]) for k in ("tests", "passed", "failed", "errors", "skipped")]
                                         + [f"{tests['seconds']:.0f}"]]
@@ -238,6 +245,10 @@ def test_merge_tables_hold_the_json_numbers(results, tmp_path):
         assert float(r[4]) == pytest.approx(p["measured_bytes"] / 2**20, abs=5e-4)
         assert r[5] == f"{p['rel_error']:+.2%}"
     assert f"**reached** (max |error| {mem['max_abs_rel_error']:.2%} at toy fp32" in body  # toy errors < 1%
+
+    rows = table(body, "Profile")
+    profile = load(results, "profile")["summary"]
+    assert [r[0] for r in rows] == [*profile["breakdown"], "step"] and f"**{profile['verdict']}**" in body
 
     fp8 = load(results, "fp8")["modes"]
     rows = {r[0]: r for r in table(body, "fp8")}
@@ -303,7 +314,7 @@ def test_gpu_results_merge_without_flag_and_cut_off_parts_are_rows(results, tmp_
     doc.write_bytes(SAMPLE_DOC.encode())
     assert merge_into(doc, run) == 0  # no --allow-dry-run: these say CUDA
     body = between(doc.read_bytes().decode())
-    assert "DRY RUN" not in body and body.count("NVIDIA H100 80GB HBM3, driver 550.54.15, CUDA 12.4,") == 5
+    assert "DRY RUN" not in body and body.count("NVIDIA H100 80GB HBM3, driver 550.54.15, CUDA 12.4,") == 6
     assert "**The run did not finish**" in body
     assert table(body, "GPU tests") == [["cut off by its time box after 420 s (pytest killed, no junit XML)"]
                                         + [""] * 5]

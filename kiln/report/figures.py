@@ -12,8 +12,8 @@ from dataclasses import dataclass, field
 from kiln.report.runs import Run, number
 
 # Train keys with a chart of their own (or an axis of one); any other numeric key gets a chart named after it.
-CHARTED_TRAIN = {"step", "kind", "loss", "lr", "grad_norm", "tokens_per_s", "samples_per_s", "step_time_s",
-                 "tokens_seen", "samples_seen", "peak_mem_bytes", "mfu", "hfu", "skipped_steps", "loss_scale"}
+CHARTED_TRAIN = {"step", "kind", "loss", "lr", "grad_norm", "clip_threshold", "tokens_per_s", "samples_per_s",
+                 "step_time_s", "tokens_seen", "samples_seen", "peak_mem_bytes", "mfu", "hfu", "skipped_steps", "loss_scale"}
 CHARTED_EVAL = {"step", "kind", "val_loss", "val_ppl"}  # val_ppl is exp(val_loss): the summary gives it
 # Numerics events marked on the loss-vs-step chart (and loss_scale events of an overflow, whose step the scaler
 # skipped); each also has a row in the events table, as do all others.
@@ -179,6 +179,8 @@ def build_charts(runs: list[Run], clip_thresholds: list[float | None]) -> list[C
         grad.lines.append(Line(i, run.name, *series(run.train, "grad_norm")))
         if clip_thresholds[i]:
             grad.hlines.append((clip_thresholds[i], name(run, f"clip at {clip_thresholds[i]:g}")))
+        elif len({r.get("clip_threshold") for r in run.train} - {None}) > 1:  # adaptive: a threshold that moves
+            grad.lines.append(Line(i, name(run, "clip threshold"), *series(run.train, "clip_threshold"), "dashed"))
         rate.lines.append(Line(i, run.name, *series(run.train, f"{run.unit}_per_s")))
         step_time.lines.append(Line(i, run.name, *series(run.train, "step_time_s")))
         util.lines.append(Line(i, name(run, "MFU"), *series(run.train, "mfu", scale=100)))

@@ -289,7 +289,7 @@ class Trainer:
             units = sum(state.objective.size(b) for b in batches)
             result = train_step(state.step_model, batches, state.objective, state.optimizer, state.precision,
                                 state.scaler, cfg.optim, state.masters, numerics.guard,
-                                state.world if state.world.sharded else None)
+                                state.world if state.world.sharded else None, state.adaptive_clip)
             self.skipped_total += result.skipped
             state.step += 1
             state.tokens_seen += units
@@ -357,13 +357,17 @@ class Trainer:
     def _log(self, result: StepResult, lr: float) -> None:
         state = self.state
         # The one host-device transfer per log interval.
-        loss, grad_norm, skipped, scale = torch.stack([
-            result.loss.double(), result.grad_norm.double(), self.skipped_total.double(), state.scaler.scale.double()
-        ]).tolist()
+        threshold = result.clip_threshold if result.clip_threshold is not None else result.grad_norm.new_tensor(
+            self.cfg.optim.grad_clip if self.cfg.optim.clip_mode == "norm" else math.nan)
+        loss, grad_norm, skipped, scale, threshold = torch.stack([
+            result.loss.double(), result.grad_norm.double(), self.skipped_total.double(), state.scaler.scale.double(),
+            threshold.double()]).tolist()
         elapsed = time.perf_counter() - self.window_start
         rate = self.window_units * state.world.size / elapsed  # global: every rank served as many
         self.logger.log({
             "step": state.step, "loss": loss, "lr": lr, "grad_norm": grad_norm,
+            # the global-norm threshold in force (norm: optim.grad_clip; adaptive: this step's percentile)
+            "clip_threshold": threshold if math.isfinite(threshold) and threshold > 0 else None,
             f"{self.unit}_per_s": rate, "step_time_s": elapsed / self.window_steps,
             f"{self.unit}_seen": state.tokens_seen * state.world.size,
             "peak_mem_bytes": peak_memory_bytes(state.device),

@@ -17,6 +17,9 @@ OPTIMIZERS = ("adamw", "adam", "sgd", "adamw8bit")
 OFFLOAD_MODES = ("none", "host", "host-async")
 
 
+CLIP_MODES = ("norm", "value", "adaptive")
+
+
 @dataclass
 class OptimConfig:
     name: str = "adamw"  # "adamw" | "adam" | "sgd" | "adamw8bit" (block-wise 8-bit moments, ~4x less state)
@@ -28,8 +31,10 @@ class OptimConfig:
     momentum: float = 0.9  # SGD momentum
     nesterov: bool = False  # SGD Nesterov momentum
     implementation: str = "auto"  # "auto" (fused when supported, else foreach) | "fused" | "foreach" | "loop"
-    grad_clip: float = 1.0  # clip threshold; 0 disables clipping
-    clip_mode: str = "norm"  # "norm" (global L2 norm) | "value" (elementwise)
+    grad_clip: float = 1.0  # clip threshold (norm, value); 0 disables clipping
+    clip_mode: str = "norm"  # "norm" (global L2 norm) | "value" (elementwise) | "adaptive" (AutoClip: a percentile of the norms so far)
+    clip_percentile: float = 10.0  # adaptive: clip the global norm at this percentile of the pre-clip norms seen so far
+    clip_history: int = 10000  # adaptive: the most recent norms the percentile is taken over
     offload: str = "none"  # Adam state + fp32 masters on the host: none | host | host-async (1 update stale)
 
     def validate(self):
@@ -42,8 +47,12 @@ class OptimConfig:
                 raise ValueError(f"optim.{key} must be in [0, 1), got {getattr(self, key)}")
         if self.weight_decay < 0 or self.eps <= 0 or self.grad_clip < 0:
             raise ValueError("optim.weight_decay and optim.grad_clip must be ≥ 0 and optim.eps > 0")
-        if self.clip_mode not in ("norm", "value"):
-            raise ValueError(f"optim.clip_mode={self.clip_mode!r}; use 'norm' or 'value'")
+        if self.clip_mode not in CLIP_MODES:
+            raise ValueError(f"optim.clip_mode={self.clip_mode!r}; use one of {CLIP_MODES}")
+        if not 0 < self.clip_percentile <= 100:
+            raise ValueError(f"optim.clip_percentile must be in (0, 100], got {self.clip_percentile}")
+        if self.clip_history < 1:
+            raise ValueError(f"optim.clip_history must be ≥ 1, got {self.clip_history}")
         if self.implementation not in ("auto", "fused", "foreach", "loop"):
             raise ValueError(f"optim.implementation={self.implementation!r}; use auto, fused, foreach or loop")
         if self.offload not in OFFLOAD_MODES:
@@ -116,12 +125,57 @@ def build_optimizer(params_or_model, cfg: OptimConfig) -> torch.optim.Optimizer:
     return MaskedSGD(groups, lr=cfg.lr, momentum=cfg.momentum, nesterov=nesterov, foreach=foreach)
 
 
-def clip_gradients(params, cfg: OptimConfig) -> torch.Tensor:
-    """Clip in place; returns the global L2 norm before clipping, as a device tensor (no sync)."""
+class AdaptiveClip:
+    """AutoClip (Seetharaman et al. 2020): the global norm is clipped at the p-th percentile of the pre-clip norms
+    seen so far (the last `history` of them), the current one included, so a threshold need not be known upfront.
+    The history lives on the device (no host sync) and in the checkpoint (resume is exact); a non-finite norm,
+    whose step is withheld anyway, does not enter it."""
+
+    def __init__(self, percentile: float, history: int, device):
+        self.q = percentile / 100
+        self.norms = torch.full((history,), float("nan"), device=device)
+        self.seen = torch.zeros((), dtype=torch.long, device=device)
+
+    def threshold(self, norm: torch.Tensor) -> torch.Tensor:
+        norm = norm.detach().float().reshape(1)
+        finite = torch.isfinite(norm)
+        slot = (self.seen % len(self.norms)).reshape(1)
+        self.norms.index_put_((slot,), torch.where(finite, norm, self.norms.index_select(0, slot)))
+        self.seen += finite.long().squeeze(0)  # a non-finite norm neither enters nor pushes out a finite one
+        return torch.nanquantile(self.norms, self.q)
+
+    def state_dict(self) -> dict:
+        return {"norms": self.norms.clone(), "seen": self.seen.clone()}
+
+    def load_state_dict(self, state: dict) -> None:
+        if state["norms"].shape != self.norms.shape:
+            raise ValueError(f"the checkpoint's adaptive clipping history holds {len(state['norms'])} norms, this run "
+                             f"{len(self.norms)}; resume with its optim.clip_history")
+        self.norms.copy_(state["norms"])
+        self.seen.copy_(state["seen"])
+
+
+def clip_gradients(params, cfg: OptimConfig, adaptive: AdaptiveClip | None = None):
+    """Clip in place; returns (the global L2 norm before clipping, the threshold in force or None), both device
+    tensors (no sync)."""
     params = [p for p in params if p.grad is not None]
+    if cfg.clip_mode == "adaptive":
+        if adaptive is None:
+            raise ValueError("optim.clip_mode=adaptive needs its norm history (kiln builds it with the TrainState)")
+        norm = torch.nn.utils.get_total_norm([p.grad for p in params], foreach=True)
+        full = norm.full_tensor() if hasattr(norm, "full_tensor") else norm  # FSDP2: the norm over every shard
+        threshold = adaptive.threshold(full)
+        # torch's clip_grads_with_norm_ takes the threshold as a Python float (a host sync): scale here instead
+        coef = torch.clamp(threshold / (full.float() + 1e-6), max=1.0)
+        grads = [p.grad for p in params]
+        for dtype in {g.dtype for g in grads}:
+            group = [g for g in grads if g.dtype == dtype]
+            torch._foreach_mul_(group, coef.to(dtype))
+        return norm, threshold
     if cfg.grad_clip > 0 and cfg.clip_mode == "norm":
-        return torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip, foreach=True)
+        norm = torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip, foreach=True)
+        return norm, None
     norm = torch.nn.utils.get_total_norm([p.grad for p in params], foreach=True)
     if cfg.grad_clip > 0:
         torch.nn.utils.clip_grad_value_(params, cfg.grad_clip, foreach=True)
-    return norm
+    return norm, None

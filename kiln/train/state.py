@@ -21,7 +21,7 @@ import torch.nn as nn
 
 from kiln.dist import World
 from kiln.train.checkpoint import rng_state, set_rng_state
-from kiln.train.optim import OptimConfig, build_optimizer, param_groups
+from kiln.train.optim import AdaptiveClip, OptimConfig, build_optimizer, param_groups
 from kiln.train.pipeline import ModelPlan, prepare_model
 from kiln.train.precision import LossScaler, MasterWeights, Precision, PrecisionConfig
 
@@ -50,6 +50,7 @@ class TrainState:
     evals_since_best: int = 0
     numerics: object | None = None  # the numerics monitor, attached by the Trainer; its state is saved too
     world: World = field(default_factory=World)  # this process's place in data parallelism (a world of one)
+    adaptive_clip: AdaptiveClip | None = None  # optim.clip_mode=adaptive: the norm history the threshold comes from
 
     def state_dict(self) -> dict:
         """Everything, in one process's hands (a world of one, and the in-memory rollback snapshot)."""
@@ -83,6 +84,8 @@ class TrainState:
             state["masters"] = self.masters.state_dict()
         if self.numerics is not None:
             state["numerics"] = self.numerics.state_dict()
+        if self.adaptive_clip is not None:
+            state["adaptive_clip"] = self.adaptive_clip.state_dict()
         return state
 
     def load_shared_state_dict(self, state: dict) -> None:
@@ -95,6 +98,8 @@ class TrainState:
             self.loader.load_state_dict(state["data"])
         if self.numerics is not None and "numerics" in state:
             self.numerics.load_state_dict(state["numerics"])
+        if self.adaptive_clip is not None and "adaptive_clip" in state:  # else its history starts here
+            self.adaptive_clip.load_state_dict(state["adaptive_clip"])
 
     @property
     def n_params(self) -> int:
@@ -132,8 +137,10 @@ def build_state(model: nn.Module, objective, loader, *, device: torch.device, pr
     else:
         optimizer = build_optimizer(groups, optim)
     scaler = LossScaler(precision_cfg, device, enabled=mode.loss_scaling)
+    adaptive = AdaptiveClip(optim.clip_percentile, optim.clip_history, device) if optim.clip_mode == "adaptive" \
+        else None
     return TrainState(prepared.model, prepared.step_model, objective, optimizer, scaler, masters, mode, device,
-                      loader, prepared.applied, world=world)
+                      loader, prepared.applied, world=world, adaptive_clip=adaptive)
 
 
 class _ZeroInner:

@@ -16,7 +16,7 @@ from kiln.data.batches import to_device
 from kiln.dist import World, gradient_sync
 from kiln.numerics.spikes import StepGuard
 from kiln.train.masked import optimizer_step
-from kiln.train.optim import clip_gradients
+from kiln.train.optim import AdaptiveClip, clip_gradients
 from kiln.train.precision import LossScaler, MasterWeights, Precision
 
 
@@ -26,6 +26,7 @@ class StepResult:
     grad_norm: torch.Tensor  # global gradient norm before clipping
     skipped: torch.Tensor  # 1.0 when the update was not applied (inf/NaN gradient, withheld spike)
     count: torch.Tensor  # tokens or samples the loss is normalised by
+    clip_threshold: torch.Tensor | None = None  # optim.clip_mode=adaptive: the threshold this step was clipped at
 
 
 def micro_batch_losses(model, batches, objective, precision: Precision, world: World | None = None):
@@ -61,7 +62,7 @@ def accumulate_gradients(model, batches, objective, precision: Precision, scaler
 
 def train_step(model, batches, objective, optimizer, precision: Precision, scaler: LossScaler, optim_cfg,
                masters: MasterWeights | None = None, guard: StepGuard | None = None,
-               world: World | None = None) -> StepResult:
+               world: World | None = None, adaptive_clip: AdaptiveClip | None = None) -> StepResult:
     """One optimizer step over a global batch of micro-batches; no host-device sync with any kiln optimizer.
 
     Under data parallelism every decision (the fp16 overflow, a non-finite norm, a spike) is the same on all
@@ -76,7 +77,7 @@ def train_step(model, batches, objective, optimizer, precision: Precision, scale
     found_inf = scaler.unscale_(params)  # unscale before clipping: the threshold is in true-gradient units
     if world is not None:
         world.all_reduce(found_inf, op=ReduceOp.MAX)
-    grad_norm = clip_gradients(params, optim_cfg)
+    grad_norm, threshold = clip_gradients(params, optim_cfg, adaptive_clip)
     if isinstance(grad_norm, DTensor):  # FSDP2: the norm over every rank's shards, replicated
         grad_norm = grad_norm.full_tensor()
     # A non-finite gradient is never applied, whatever the precision.
@@ -91,7 +92,7 @@ def train_step(model, batches, objective, optimizer, precision: Precision, scale
     # Every trainable parameter's gradient is cleared here: plain optimizers hold the model's parameters,
     # MasterWeights already moved them to the masters, and the host optimizer clears the device copies.
     optimizer.zero_grad(set_to_none=True)
-    return StepResult(total_loss, grad_norm, skipped, count)
+    return StepResult(total_loss, grad_norm, skipped, count, threshold)
 
 
 @torch.no_grad()

@@ -119,7 +119,8 @@ def _three_steps(cfg, rig, device, counter_calls, numerics=None, sync_debug=Fals
                     batches = numerics.begin_step(step, batches)
                     guard = numerics.guard
                 results.append(train_step(rig.step_model, batches, rig.objective, rig.optimizer, rig.precision,
-                                          rig.scaler, cfg.optim, rig.masters, guard))
+                                          rig.scaler, cfg.optim, rig.masters, guard,
+                                          adaptive_clip=rig.adaptive_clip))
         finally:
             if sync_debug:
                 torch.cuda.set_sync_debug_mode("default")
@@ -196,6 +197,18 @@ def test_no_host_sync_with_the_numerics_guard_cpu(name, impl, offload, precision
     calls = []
     assert _three_steps(cfg, rig, "cpu", calls, numerics) == [0.0, 1.0, 0.0]
     assert calls == [] and host_thread_calls == []
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=[
+    pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")])])
+@pytest.mark.parametrize("precision", PRECISIONS)
+def test_no_host_sync_with_adaptive_clipping(device, precision, host_thread_calls):
+    """AutoClip's percentile of the norm history is taken on the device; a withheld (inf) step leaves it alone."""
+    cfg, rig = _rig("adamw", "auto", "none", precision, device, "--optim.clip_mode=adaptive")
+    assert rig.adaptive_clip is not None
+    calls = []
+    assert _three_steps(cfg, rig, device, calls, sync_debug=device == "cuda") == [0.0, 1.0, 0.0]
+    assert calls == [] and host_thread_calls == [] and int(rig.adaptive_clip.seen) == 2
 
 
 @requires_cuda

@@ -12,6 +12,7 @@ from kiln.config import ConfigError, apply_overrides
 from kiln.memory.estimate import GiB, fmt_bytes, parse_bytes, peak_allocated
 from kiln.memory.planner import search
 from kiln.perf.hardware import native_bf16
+from kiln.train.optim import scaled_lr
 from kiln.run.measure import measure_step
 
 
@@ -80,6 +81,10 @@ def run(args, overrides) -> int:
                      if v not in ("", None) and (k, v) != ("parallel.strategy", "none"))
     launch = f"torchrun --nproc_per_node={args.gpus} -m kiln train" if args.gpus > 1 else "kiln train"
     print(f"recommended: {launch} {args.config or ''} {flags}".replace("  ", " "))
+    if cfg.optim.lr_scaling != "none":  # the batch it recommends sets the learning rate too
+        o = best.overrides
+        tokens = o["train.micro_batch_size"] * o["train.grad_accum_steps"] * plan.seq_len * args.gpus
+        print(f"  {scaled_lr(cfg.optim, tokens)[1]}")
     if args.gpus == 1:
         print(f"  or: kiln train --plan.memory={args.memory or fmt_bytes(plan.memory).replace(' ', '')}"
               + (f" --plan.device={args.device}" if args.device else ""))

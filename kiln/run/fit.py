@@ -40,6 +40,7 @@ from kiln.train.checkpoint import Checkpointer, RunLock
 from kiln.train.loop import TrainResult, Trainer, accumulation_for
 from kiln.train.losses import NTXent
 from kiln.train.objective import Contrastive, Supervised
+from kiln.train.optim import scaled_lr
 from kiln.train.pipeline import ModelPlan
 from kiln.train.state import build_state, seed_everything
 from kiln.train.step import evaluate
@@ -134,17 +135,20 @@ def _fit(model, train_data, objective, cfg, eval_data, run_dir, resume, console,
             mine = itertools.islice(eval_batches(eval_data, cfg.train.micro_batch_size), world.rank, None, world.size)
             return evaluate(m, (to_device(b, device) for b in mine), objective, state.precision, device,
                             world if world.size > 1 else None)
+    # optim.lr_scaling counts the global batch in samples here (the objective's unit)
+    peak_lr, scaled = scaled_lr(cfg.optim, cfg.train.micro_batch_size * cfg.train.grad_accum_steps * world.size)
     trainer = Trainer(state, cfg, run_dir, con, evaluate=evaluate_fn, config_toml=to_toml,
-                      flops_per_unit=flops_per_sample, peak_flops=device_peak_flops(device, precision))
+                      flops_per_unit=flops_per_sample, peak_flops=device_peak_flops(device, precision),
+                      peak_lr=peak_lr)
     if resume:
         path = trainer.resume()
         con.print(f"resumed from {path} at step {state.step}", highlight=False)
     tc = cfg.train
     con.print(f"model: {type(model).__name__} {state.n_params / 1e6:.3g}M parameters | device {device} | precision "
               f"{precision} | {objective!r} | {tc.micro_batch_size}×{tc.grad_accum_steps} per step", highlight=False)
-    note = precision_notice(cfg.precision.mode, device)
-    if note:
-        con.print(note, highlight=False)
+    for line in (scaled, precision_notice(cfg.precision.mode, device)):
+        if line:
+            con.print(line, highlight=False)
     result = trainer.run()
     if result.signal is not None:
         con.print(f"stopped by signal {result.signal} at step {result.step}: checkpoint {result.checkpoint}; resume "

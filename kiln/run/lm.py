@@ -35,6 +35,7 @@ from kiln.run.oom import OomContext, OutOfMemory, oom_report, ram_check
 from kiln.train.checkpoint import Checkpointer, RunLock
 from kiln.train.loop import TrainResult, Trainer, accumulation_for
 from kiln.train.objective import LanguageModeling
+from kiln.train.optim import scaled_lr
 from kiln.train.pipeline import ModelPlan
 from kiln.train.precision import Precision
 from kiln.train.state import TrainState, build_state, seed_everything
@@ -107,6 +108,12 @@ class LMRun:
         return generate_text(self.state.model, self.data.tokenizer, prompt, max_new_tokens, temperature, top_k, seed,
                              self.state.device, self.state.precision)
 
+    def peak_lr(self) -> tuple[float, str | None]:
+        """optim.lr, scaled to this run's global batch under optim.lr_scaling (and the line that says so)."""
+        c = self.cfg
+        tokens = c.train.micro_batch_size * c.train.grad_accum_steps * c.data.seq_len * self.state.world.size
+        return scaled_lr(c.optim, tokens)
+
     def trainer(self, run_dir: Path, console: Console | None = None) -> Trainer:
         c, state = self.cfg, self.state
         model_flops = flops_per_token(c.model, c.data.seq_len)
@@ -115,6 +122,7 @@ class LMRun:
                        config_toml=to_toml, flops_per_unit=model_flops,
                        hardware_flops_per_unit=model_flops + recomputed,
                        peak_flops=device_peak_flops(state.device, state.precision.mode),
+                       peak_lr=self.peak_lr()[0],
                        vocab_size=self.data.tokenizer.vocab_size if self.data is not None else None)
 
 
@@ -199,6 +207,9 @@ def _train(lm: LMRun, cfg: Config, run_dir: Path, resume: bool, con: Console) ->
     con.print(f"model: {c.model.preset} ({c.model.arch}) {state.n_params / 1e6:.2f}M parameters | "
               f"device {state.device} | precision {state.precision.mode} | {tokens_per_step * world.size:,} "
               f"tokens/step{ranks}", highlight=False)
+    scaled = lm.peak_lr()[1]
+    if scaled:
+        con.print(scaled, highlight=False)
     note = precision_notice(cfg.precision.mode, state.device)  # why auto chose it, or that bf16 is emulated here
     if note:
         con.print(note, highlight=False)

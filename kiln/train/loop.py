@@ -142,16 +142,17 @@ class Trainer:
                  evaluate: Callable[[torch.nn.Module], float] | None = None,
                  config_toml: Callable[[object], str] | None = None, flops_per_unit: float | None = None,
                  peak_flops: float | None = None, vocab_size: int | None = None,
-                 hardware_flops_per_unit: float | None = None):
+                 hardware_flops_per_unit: float | None = None, peak_lr: float | None = None):
         """evaluate(model) -> mean validation loss; config_toml(cfg) -> the text saved as config.toml (and in
         every checkpoint); flops_per_unit and peak_flops give MFU (per token or sample), and with
         hardware_flops_per_unit (the same plus what recomputation runs again) HFU; vocab_size arms the data faults
-        of language models."""
+        of language models; peak_lr replaces optim.lr (optim.lr_scaling, kiln.train.optim.scaled_lr)."""
         self.state, self.cfg, self.run_dir = state, cfg, Path(run_dir)
         self.con = console or Console(soft_wrap=True)
         self._evaluate_fn, self._config_toml = evaluate, config_toml
         self.flops_per_unit, self.peak = flops_per_unit, peak_flops
         self.hardware_flops_per_unit = hardware_flops_per_unit or flops_per_unit  # + recomputation (HFU)
+        self.peak_lr = peak_lr or cfg.optim.lr  # optim.lr, or what optim.lr_scaling makes of it (scaled_lr)
         self.checkpointer = Checkpointer(cfg.checkpoint, self.run_dir,
                                          warn=lambda msg: self.con.print(msg, highlight=False))
         self.resumed_at: int | None = None  # the step a resume started from: later metrics records are stale
@@ -282,7 +283,7 @@ class Trainer:
             tc = cfg.train
             if self.budgeted:
                 self._measure()
-            lr = cfg.optim.lr * lr_factor(cfg.schedule, state.step, self.horizon) * numerics.lr_factor(state.step)
+            lr = self.peak_lr * lr_factor(cfg.schedule, state.step, self.horizon) * numerics.lr_factor(state.step)
             for group in state.optimizer.param_groups:
                 group["lr"] = lr
             batches = numerics.begin_step(state.step + 1, [state.loader.next() for _ in range(tc.grad_accum_steps)])

@@ -4,6 +4,8 @@ The step that withholds an update on the device is kiln.train.masked.
 """
 from __future__ import annotations
 
+import math
+
 from dataclasses import dataclass, replace
 
 import torch
@@ -18,6 +20,7 @@ OFFLOAD_MODES = ("none", "host", "host-async")
 
 
 CLIP_MODES = ("norm", "value", "adaptive")
+LR_SCALING = ("none", "linear", "sqrt")
 
 
 @dataclass
@@ -36,6 +39,8 @@ class OptimConfig:
     clip_percentile: float = 10.0  # adaptive: clip the global norm at this percentile of the pre-clip norms seen so far
     clip_history: int = 10000  # adaptive: the most recent norms the percentile is taken over
     offload: str = "none"  # Adam state + fp32 masters on the host: none | host | host-async (1 update stale)
+    lr_scaling: str = "none"  # none | linear (lr ∝ batch: Goyal et al. 2017, SGD) | sqrt (lr ∝ √batch: Adam-style)
+    reference_batch_tokens: int = 0  # lr_scaling: the global batch (tokens; samples for fit()) optim.lr was tuned at
 
     def validate(self):
         if self.name not in OPTIMIZERS:
@@ -55,6 +60,11 @@ class OptimConfig:
             raise ValueError(f"optim.clip_history must be ≥ 1, got {self.clip_history}")
         if self.implementation not in ("auto", "fused", "foreach", "loop"):
             raise ValueError(f"optim.implementation={self.implementation!r}; use auto, fused, foreach or loop")
+        if self.lr_scaling not in LR_SCALING:
+            raise ValueError(f"optim.lr_scaling={self.lr_scaling!r}; use one of {LR_SCALING}")
+        if self.lr_scaling != "none" and self.reference_batch_tokens < 1:
+            raise ValueError(f"optim.lr_scaling={self.lr_scaling} scales optim.lr from the batch it was tuned at: set "
+                             f"optim.reference_batch_tokens (e.g. the global batch of the run that found the lr)")
         if self.offload not in OFFLOAD_MODES:
             raise ValueError(f"optim.offload={self.offload!r}; use one of {OFFLOAD_MODES}")
 
@@ -123,6 +133,18 @@ def build_optimizer(params_or_model, cfg: OptimConfig) -> torch.optim.Optimizer:
     if cfg.name in ("adamw", "adam"):
         return MaskedAdam(groups, lr=cfg.lr, betas=betas, eps=cfg.eps, decoupled=cfg.name == "adamw", foreach=foreach)
     return MaskedSGD(groups, lr=cfg.lr, momentum=cfg.momentum, nesterov=nesterov, foreach=foreach)
+
+
+def scaled_lr(cfg: OptimConfig, batch: int) -> tuple[float, str | None]:
+    """The peak learning rate for a global batch of `batch` tokens (samples) under optim.lr_scaling, and the line
+    that says how it was reached (None when nothing is scaled)."""
+    if cfg.lr_scaling == "none":
+        return cfg.lr, None
+    ratio = batch / cfg.reference_batch_tokens
+    factor = ratio if cfg.lr_scaling == "linear" else math.sqrt(ratio)
+    shown = f"{batch:,}/{cfg.reference_batch_tokens:,}" + (")" if cfg.lr_scaling == "linear" else ")^0.5")
+    return cfg.lr * factor, (f"lr {cfg.lr * factor:.3g} = {cfg.lr:.3g} × ({shown}: {cfg.lr_scaling} rule for the "
+                             f"global batch of {batch:,} (optim.reference_batch_tokens={cfg.reference_batch_tokens:,})")
 
 
 class AdaptiveClip:

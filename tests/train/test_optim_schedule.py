@@ -83,3 +83,28 @@ def test_onecycle_starts_low_peaks_and_anneals():
     assert _lr("onecycle", 9) == pytest.approx(1.0)
     assert _lr("onecycle", 100) < 1e-4
     assert math.isclose(_lr("onecycle", 55), 0.5, rel_tol=1e-3)
+
+
+@pytest.mark.parametrize("rule, factor", [("linear", 2.0), ("sqrt", 2.0 ** 0.5)])
+def test_lr_scaling_scales_the_peak_lr_with_the_global_batch(small_config, tmp_path, capsys, rule, factor):
+    """A batch twice the reference: linear doubles the peak lr (Goyal et al. 2017), sqrt multiplies it by √2; every
+    logged lr is the unscaled run's times the factor, and the start says how it was reached."""
+    import json
+
+    from kiln.run.lm import train
+
+    tokens = 4 * 32  # micro_batch_size × seq_len of small_config, one micro-batch per step
+    lrs = {}
+    for name, optim in (("plain", {}), (rule, {"lr_scaling": rule, "reference_batch_tokens": tokens // 2})):
+        train(small_config(train={"max_steps": 4}, optim=optim), tmp_path / name)
+        lines = (tmp_path / name / "metrics.jsonl").read_text().splitlines()
+        lrs[name] = [r["lr"] for r in map(json.loads, lines) if r["kind"] == "train"]
+    assert lrs[rule] == pytest.approx([lr * factor for lr in lrs["plain"]], rel=1e-12)
+    assert f"{rule} rule for the global batch of 128 (optim.reference_batch_tokens=64)" in capsys.readouterr().out
+
+
+def test_lr_scaling_needs_its_reference():
+    with pytest.raises(ValueError, match="reference_batch_tokens"):
+        OptimConfig(lr_scaling="linear").validate()
+    with pytest.raises(ValueError, match="lr_scaling"):
+        OptimConfig(lr_scaling="cubic", reference_batch_tokens=8).validate()

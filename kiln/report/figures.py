@@ -14,7 +14,8 @@ from kiln.report.runs import Run, number
 # Train keys with a chart of their own (or an axis of one); any other numeric key gets a chart named after it.
 CHARTED_TRAIN = {"step", "kind", "loss", "lr", "grad_norm", "clip_threshold", "tokens_per_s", "samples_per_s",
                  "step_time_s", "tokens_seen", "samples_seen", "peak_mem_bytes", "mfu", "hfu", "skipped_steps", "loss_scale"}
-CHARTED_EVAL = {"step", "kind", "val_loss", "val_ppl"}  # val_ppl is exp(val_loss): the summary gives it
+# val_ppl is exp(val_loss): the summary gives it; train_loss is the train curve's mean since the last evaluation
+CHARTED_EVAL = {"step", "kind", "val_loss", "val_ppl", "train_loss", "gap"}
 # Numerics events marked on the loss-vs-step chart (and loss_scale events of an overflow, whose step the scaler
 # skipped); each also has a row in the events table, as do all others.
 LOSS_EVENTS = ("loss_spike", "nonfinite", "nonfinite_trace", "rollback", "rollback_unavailable", "stop")
@@ -162,6 +163,7 @@ def build_charts(runs: list[Run], clip_thresholds: list[float | None]) -> list[C
     scale = Chart("loss_scale", "fp16 loss scale", "step", "scale", logy=True)
     mem = Chart("peak_memory", "peak memory (CUDA allocator; process RSS on CPU)", "step", "GiB")
     skipped = Chart("skipped_steps", "steps skipped so far (update withheld)", "step", "steps")
+    gap = Chart("gap", "generalisation gap (val loss − train loss since the previous evaluation)", "step", "gap")
     extra: dict[str, Chart] = {}
     for i, run in enumerate(runs):
         x, y = series(run.train, "loss")
@@ -191,13 +193,14 @@ def build_charts(runs: list[Run], clip_thresholds: list[float | None]) -> list[C
         x, y = series(run.train, "skipped_steps")
         if any(y):
             skipped.lines.append(Line(i, run.name, x, y))
+        gap.lines.append(Line(i, run.name, *series(run.eval, "gap"), "points"))
         for records, charted, kind in ((run.train, CHARTED_TRAIN, "train"), (run.eval, CHARTED_EVAL, "eval")):
             for key in dict.fromkeys(k for r in records for k in r if k not in charted):
                 x, y = series(records, key)
                 if x:
                     chart = extra.setdefault(key, Chart(f"{kind}_{key}", f"{key} ({kind} records)", "step", key))
                     chart.lines.append(Line(i, run.name, x, y))
-    charts = [loss_step, loss_seen, lr, grad, rate, step_time, util, scale, mem, skipped, *extra.values()]
+    charts = [loss_step, loss_seen, gap, lr, grad, rate, step_time, util, scale, mem, skipped, *extra.values()]
     for c in charts:
         c.lines = [line for line in c.lines if line.x]
     if not any(line.style == "dashed" for line in util.lines):

@@ -42,7 +42,7 @@ from kiln.train.losses import NTXent
 from kiln.train.objective import Contrastive, Supervised
 from kiln.train.optim import scaled_lr
 from kiln.train.pipeline import ModelPlan
-from kiln.train.state import build_state, seed_everything
+from kiln.train.state import build_state, determinism, seed_everything
 from kiln.train.step import evaluate
 
 
@@ -110,7 +110,7 @@ def fit(model: nn.Module, train_data, *, loss="cross_entropy", config=None, eval
                               f"or choose another run_dir")
     world = init_world(cfg.parallel, pick_device(cfg.train.device).type)
     try:
-        with RunLock(run_dir, enabled=world.main):
+        with RunLock(run_dir, enabled=world.main), determinism(cfg.train.deterministic):
             return _fit(model, train_data, objective, cfg, eval_data, run_dir, resume, console, flops_per_sample,
                         world)
     finally:

@@ -38,7 +38,7 @@ from kiln.train.objective import LanguageModeling
 from kiln.train.optim import scaled_lr
 from kiln.train.pipeline import ModelPlan
 from kiln.train.precision import Precision
-from kiln.train.state import TrainState, build_state, seed_everything
+from kiln.train.state import TrainState, build_state, determinism, seed_everything
 from kiln.train.step import evaluate
 
 
@@ -187,7 +187,7 @@ def train(cfg: Config, run_dir: Path, resume: bool = False, console: Console | N
     if not main:
         con = Console(quiet=True)  # rank 0 speaks for the run
     ram_check(cfg, pick_device(cfg.train.device), force, log=lambda msg: con.print(msg, highlight=False))
-    with RunLock(run_dir, enabled=main):
+    with RunLock(run_dir, enabled=main), determinism(cfg.train.deterministic):
         lm = build_lm(cfg, run_dir, log=lambda msg: con.print(msg, highlight=False))
         try:
             return _train(lm, cfg, run_dir, resume, con)

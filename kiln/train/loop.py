@@ -54,6 +54,8 @@ class TrainConfig:
     eval_batches: int = 20  # validation micro-batches per evaluation
     early_stop_patience: int = 0  # stop after this many evaluations without a better val loss (0: never)
     early_stop_min_delta: float = 0.0  # a val loss must beat the best by more than this to count as better
+    gap_patience: int = 3  # warn once when val − train loss grew this many evals in a row as train fell (0: off)
+    deterministic: bool = False  # deterministic kernels (use_deterministic_algorithms; CUDA: cuBLAS, math SDPA)
     seed: int = 1337  # seed of model init and every training RNG stream
     device: str = "auto"  # "auto" (cuda when available, else cpu) | "cpu" | "cuda" | "cuda:N"
     compile: bool = False  # wrap the model in torch.compile
@@ -67,7 +69,7 @@ class TrainConfig:
             if getattr(self, key) < 1:
                 raise ValueError(f"train.{key} must be ≥ 1, got {getattr(self, key)}")
         for key in ("max_steps", "time_budget", "eval_interval", "early_stop_patience", "sample_tokens",
-                    "early_stop_min_delta", "global_batch_size"):
+                    "early_stop_min_delta", "global_batch_size", "gap_patience"):
             if getattr(self, key) < 0:
                 raise ValueError(f"train.{key} must be ≥ 0, got {getattr(self, key)}")
         if self.max_steps == 0 and self.time_budget == 0:
@@ -192,6 +194,9 @@ class Trainer:
         self.stop_reason: str | None = None  # set when the run has ended
         self.val_loss: float | None = None
         self.unit = getattr(state.objective, "unit", "samples")
+        self._train_losses: list[float] = []  # logged since the last evaluation
+        self._gaps: list[tuple[float, float, float]] = []  # (gap, train loss, val loss) per evaluation
+        self._gap_warned = False
 
     # -- start, resume, save -------------------------------------------------------------------------------
 
@@ -363,6 +368,7 @@ class Trainer:
         loss, grad_norm, skipped, scale, threshold = torch.stack([
             result.loss.double(), result.grad_norm.double(), self.skipped_total.double(), state.scaler.scale.double(),
             threshold.double()]).tolist()
+        self._train_losses.append(loss)  # the evaluation's gap compares against these
         elapsed = time.perf_counter() - self.window_start
         rate = self.window_units * state.world.size / elapsed  # global: every rank served as many
         self.logger.log({
@@ -388,6 +394,11 @@ class Trainer:
         state, tc = self.state, self.cfg.train
         self.val_loss = self._evaluate_fn(state.model)
         record = {"step": state.step, "val_loss": self.val_loss}
+        if self._train_losses and all(math.isfinite(x) for x in self._train_losses):
+            record["train_loss"] = sum(self._train_losses) / len(self._train_losses)  # logged since the last eval
+            record["gap"] = self.val_loss - record["train_loss"]
+            self._watch_gap(record)
+        self._train_losses = []
         if self.unit == "tokens":
             record["val_ppl"] = math.exp(min(self.val_loss, 50))
         self.logger.log(record, kind="eval")
@@ -398,6 +409,24 @@ class Trainer:
         self.window_start = time.perf_counter()  # evaluation time is not training throughput
         if tc.early_stop_patience and state.evals_since_best >= tc.early_stop_patience and not last:
             self.stop_reason = f"early stop: no val improvement in {tc.early_stop_patience} evaluations"
+
+    def _watch_gap(self, record: dict) -> None:
+        """Warn once when the generalisation gap grew train.gap_patience evaluations in a row while the training
+        loss fell: the model is learning its training data rather than the task."""
+        k = self.cfg.train.gap_patience
+        self._gaps.append((record["gap"], record["train_loss"], record["val_loss"]))
+        if not k or self._gap_warned or len(self._gaps) <= k:
+            return
+        recent = self._gaps[-(k + 1):]
+        if all(b[0] > a[0] and b[1] < a[1] for a, b in zip(recent, recent[1:])):
+            self._gap_warned = True
+            rise = recent[-1][2] - recent[0][2]
+            message = (f"overfitting: the gap val − train grew {recent[0][0]:.3f} → {recent[-1][0]:.3f} over {k} "
+                       f"evaluations while train loss fell (val loss {rise:+.3f}); consider more data, dropout "
+                       f"(model.dropout), or early stopping (train.early_stop_patience)")
+            self.con.print(message, highlight=False)
+            self.logger.log({"step": self.state.step, "event": "overfitting", "gap": recent[-1][0],
+                             "message": message}, kind="numerics")
 
     def _host_decisions(self, sync: bool) -> tuple[str | None, bool]:
         """(why to stop after this step, whether to save by the wall clock), from what only the host knows: a stop

@@ -11,7 +11,9 @@ position is `step` (and the run's length, saved in its config).
 """
 from __future__ import annotations
 
+import contextlib
 import math
+import os
 import random
 from dataclasses import dataclass, field, replace
 
@@ -24,6 +26,31 @@ from kiln.train.checkpoint import rng_state, set_rng_state
 from kiln.train.optim import AdaptiveClip, OptimConfig, build_optimizer, param_groups
 from kiln.train.pipeline import ModelPlan, prepare_model
 from kiln.train.precision import LossScaler, MasterWeights, Precision, PrecisionConfig
+
+
+@contextlib.contextmanager
+def determinism(on: bool):
+    """train.deterministic: torch's deterministic algorithms (an op without one raises, naming itself), cuBLAS's
+    fixed workspace (CUBLAS_WORKSPACE_CONFIG, read when cuBLAS starts: set before the first CUDA matmul) and the
+    math attention backend on CUDA (the fused ones' backward accumulates in a varying order). Everything is put
+    back on exit. The data order is the seed's in any case."""
+    if not on:
+        yield
+        return
+    before = (torch.are_deterministic_algorithms_enabled(), torch.backends.cuda.flash_sdp_enabled(),
+              torch.backends.cuda.mem_efficient_sdp_enabled(), torch.backends.cudnn.benchmark)
+    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+    torch.use_deterministic_algorithms(True)
+    torch.backends.cuda.enable_flash_sdp(False)
+    torch.backends.cuda.enable_mem_efficient_sdp(False)
+    torch.backends.cudnn.benchmark = False
+    try:
+        yield
+    finally:
+        torch.use_deterministic_algorithms(before[0])
+        torch.backends.cuda.enable_flash_sdp(before[1])
+        torch.backends.cuda.enable_mem_efficient_sdp(before[2])
+        torch.backends.cudnn.benchmark = before[3]
 
 
 def seed_everything(seed: int) -> None:

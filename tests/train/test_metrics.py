@@ -19,7 +19,9 @@ def test_every_record_has_a_kind_and_its_fields(small_config, tmp_path):
         if r["kind"] == "train":
             assert set(r) == TRAIN_KEYS, set(r) ^ TRAIN_KEYS
         elif r["kind"] == "eval":
-            assert set(r) == {"kind", "step", "val_loss", "val_ppl"}
+            # train_loss and gap: when finite train losses were logged since the previous evaluation
+            assert {"kind", "step", "val_loss", "val_ppl"} <= set(r) <= {"kind", "step", "val_loss", "val_ppl",
+                                                                         "train_loss", "gap"}
         else:
             assert {"kind", "step", "event"} <= set(r)
     assert [r["step"] for r in records if r["kind"] == "eval"] == [3, 6]

@@ -20,6 +20,7 @@ COMMANDS = {
     "checkpoints": "kiln.cli.checkpoints",
     "estimate": "kiln.cli.estimate",
     "profile": "kiln.cli.profile",
+    "data": "kiln.cli.data",
     "report": "kiln.cli.report",
 }
 

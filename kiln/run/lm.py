@@ -166,6 +166,10 @@ def _build_lm(cfg: Config, run_dir, log, device: torch.device, with_data: bool, 
                              what=f"data.source={cfg.data.source!r}, train split")
         if cfg.faults.data_delay_ms:
             loader = DelayedLoader(loader, cfg.faults.data_delay_ms)
+        if len(data.val) < cfg.data.seq_len + 1:  # found now, not at the first evaluation
+            raise ValueError(f"data.source={cfg.data.source!r}: the validation split holds {len(data.val)} tokens, "
+                             f"fewer than one sequence of data.seq_len + 1 = {cfg.data.seq_len + 1}; raise "
+                             f"data.val_fraction, lower data.seq_len, or use more text")
     state = build_state(model, LanguageModeling(), loader, device=device, precision=precision,
                         precision_cfg=cfg.precision, optim=cfg.optim,
                         plan=model_plan(cfg, cfg.model, precision, device), world=world)

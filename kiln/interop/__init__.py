@@ -1,0 +1,1 @@
+"""Interoperation with other tools' formats: Hugging Face checkpoints in and out (kiln.interop.hf)."""

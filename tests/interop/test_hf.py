@@ -1,0 +1,101 @@
+"""Hugging Face in and out: small random GPT-2 and Llama models built by transformers from configs (nothing is
+downloaded), imported into kiln and exported back, their logits compared with transformers' own."""
+import json
+
+import pytest
+import torch
+
+from kiln.interop.hf import read_hf, write_hf
+from kiln.models import build_model
+
+transformers = pytest.importorskip("transformers", reason="transformers is not installed (the test extra has it)")
+
+GPT2 = dict(n_layer=2, n_head=4, n_embd=64, n_positions=64, vocab_size=301, layer_norm_epsilon=1e-5,
+            resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+LLAMA = dict(num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, hidden_size=64, intermediate_size=96,
+             max_position_embeddings=64, vocab_size=300, rms_norm_eps=1e-6, rope_theta=5000.0,
+             tie_word_embeddings=False)
+
+
+def _hf_model(kind: str, dtype=torch.float32, **overrides):
+    torch.manual_seed(0)
+    if kind == "gpt2":
+        model = transformers.GPT2LMHeadModel(transformers.GPT2Config(**(GPT2 | overrides)))
+    else:
+        model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**(LLAMA | overrides)))
+    with torch.no_grad():  # transformers zero-inits some biases and norms: random values test the mapping
+        for p in model.parameters():
+            p.add_(torch.randn_like(p) * 0.02)
+    return model.to(dtype).eval()
+
+
+def _kiln(directory, dtype=torch.float32):
+    cfg, state = read_hf(directory)
+    model = build_model(cfg)
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    assert not unexpected and all(k.startswith("rope_") for k in missing), (missing, unexpected)
+    return cfg, model.to(dtype).eval()
+
+
+CASES = [("gpt2", {}), ("gpt2", {"tie_word_embeddings": False}), ("llama", {}),
+         ("llama", {"num_key_value_heads": 4, "tie_word_embeddings": True})]
+
+
+@pytest.mark.parametrize("kind, overrides", CASES, ids=["gpt2", "gpt2-untied", "llama-gqa-untied", "llama-mha-tied"])
+@pytest.mark.parametrize("dtype, tol", [(torch.float32, 1e-5), (torch.float64, 1e-12)], ids=["fp32", "fp64"])
+def test_import_then_export_gives_transformers_logits(kind, overrides, dtype, tol, tmp_path):
+    if kind == "llama" and dtype == torch.float64:
+        tol = 3e-7  # kiln's RoPE cos/sin tables are computed and kept in fp32 (transformers computes them in fp64)
+    hf = _hf_model(kind, dtype, **overrides)
+    hf.save_pretrained(tmp_path / "hf")
+    cfg, model = _kiln(tmp_path / "hf", dtype)
+    ids = torch.randint(0, hf.config.vocab_size, (2, 32))
+    with torch.no_grad():
+        want = hf(ids).logits
+        got = model(ids)[..., :hf.config.vocab_size]
+    assert (got - want).abs().max().item() <= tol
+    # and back: transformers loads kiln's export with nothing missing or unexpected
+    write_hf(cfg, model.state_dict(), hf.config.vocab_size, tmp_path / "out")
+    cls = type(hf)
+    back, info = cls.from_pretrained(tmp_path / "out", output_loading_info=True, torch_dtype=dtype)
+    assert not info["missing_keys"] and not info["unexpected_keys"] and not info["mismatched_keys"], info
+    with torch.no_grad():
+        assert (back.eval()(ids).logits - want).abs().max().item() <= tol
+
+
+def test_sharded_export_loads_and_greedy_generation_matches(tmp_path):
+    hf = _hf_model("llama")
+    hf.save_pretrained(tmp_path / "hf")
+    cfg, model = _kiln(tmp_path / "hf")
+    files = write_hf(cfg, model.state_dict(), hf.config.vocab_size, tmp_path / "out", max_shard_bytes=100_000)
+    assert len(files) > 1 and (tmp_path / "out" / "model.safetensors.index.json").is_file()
+    back = transformers.LlamaForCausalLM.from_pretrained(tmp_path / "out").eval()
+    prompt = torch.randint(0, hf.config.vocab_size, (1, 5))
+    ours = model.generate(prompt, 32, temperature=0, vocab_limit=hf.config.vocab_size)
+    theirs = back.generate(prompt, max_new_tokens=32, do_sample=False, min_new_tokens=32)
+    assert torch.equal(ours, theirs)
+
+
+def test_bad_checkpoints_are_clear_errors(tmp_path):
+    hf = _hf_model("gpt2")
+    hf.save_pretrained(tmp_path / "hf")
+    cfg_path, weights = tmp_path / "hf" / "config.json", tmp_path / "hf" / "model.safetensors"
+    good_cfg, good_weights = cfg_path.read_text(), weights.read_bytes()
+
+    weights.write_bytes(good_weights[: len(good_weights) // 2])
+    with pytest.raises(ValueError, match="damaged or truncated"):
+        read_hf(tmp_path / "hf")
+    weights.write_bytes(good_weights)
+    cfg_path.write_text(json.dumps(json.loads(good_cfg) | {"model_type": "mamba"}))
+    with pytest.raises(ValueError, match="model_type='mamba' is not one kiln reads"):
+        read_hf(tmp_path / "hf")
+    cfg_path.write_text(json.dumps(json.loads(good_cfg) | {"n_embd": 96}))
+    with pytest.raises(ValueError, match="has shape .* config.json implies"):
+        read_hf(tmp_path / "hf")
+    cfg_path.write_text(json.dumps(json.loads(good_cfg) | {"rope_scaling": {"rope_type": "yarn"}, "model_type": "llama"}))
+    with pytest.raises((ValueError, KeyError)):
+        read_hf(tmp_path / "hf")
+    weights.unlink()
+    cfg_path.write_text(good_cfg)
+    with pytest.raises(FileNotFoundError, match="neither model.safetensors"):
+        read_hf(tmp_path / "hf")

@@ -21,6 +21,7 @@ COMMANDS = {
     "estimate": "kiln.cli.estimate",
     "profile": "kiln.cli.profile",
     "data": "kiln.cli.data",
+    "export": "kiln.cli.export",
     "report": "kiln.cli.report",
 }
 

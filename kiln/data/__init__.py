@@ -54,7 +54,7 @@ class DataConfig:
     format: str = "auto"  # "auto" | "text" | "jsonl"; auto picks jsonl for .jsonl files and text otherwise
     text_field: str = "text"  # JSONL field holding each record's text
     pattern: str = "**/*.txt"  # glob of files to read when source is a directory (ignored otherwise)
-    tokenizer: str = "bytes"  # "bytes" (256 ids, nothing to train) or "bpe" (byte-level BPE trained on train split)
+    tokenizer: str = "bytes"  # "bytes" (256 ids) | "bpe" (byte-level BPE trained on the train split) | hf:DIR (its tokenizer.json)
     vocab_size: int = 4096  # BPE vocabulary size including <|endoftext|>; ignored for bytes (fixed 256)
     val_fraction: float = 0.05  # share of documents held out for validation, chosen by a hash of each document
     seq_len: int = 256  # tokens per training sequence; targets are the inputs shifted by one
@@ -72,8 +72,12 @@ class DataConfig:
             raise ValueError("data.text_field is empty; name the JSONL field holding the text, e.g. 'text'")
         if not self.pattern:
             raise ValueError("data.pattern is empty; give a glob such as '**/*.txt'")
-        if self.tokenizer not in TOKENIZERS:
-            raise ValueError(f"data.tokenizer={self.tokenizer!r} is unknown; use one of {TOKENIZERS}")
+        if self.tokenizer.startswith("hf:"):
+            if not (Path(self.tokenizer[3:]) / TOKENIZER_FILE).is_file():
+                raise ValueError(f"data.tokenizer={self.tokenizer!r}: {Path(self.tokenizer[3:]) / TOKENIZER_FILE} "
+                                 f"does not exist; give a Hugging Face model directory that holds one")
+        elif self.tokenizer not in TOKENIZERS:
+            raise ValueError(f"data.tokenizer={self.tokenizer!r} is unknown; use one of {TOKENIZERS} or hf:DIR")
         if self.tokenizer == "bpe" and not 257 <= self.vocab_size <= 2**32:
             raise ValueError(
                 f"data.vocab_size={self.vocab_size} is out of range for bpe; it needs 256 byte tokens + "
@@ -137,6 +141,7 @@ def cache_key(cfg: DataConfig) -> str:
         "text_field": cfg.text_field if reads_jsonl else None,
         "pattern": cfg.pattern if is_dir else None,
         "tokenizer": cfg.tokenizer,
+        "tokenizer_file": _stat(Path(cfg.tokenizer[3:]) / TOKENIZER_FILE) if cfg.tokenizer.startswith("hf:") else None,
         "vocab_size": cfg.vocab_size if cfg.tokenizer == "bpe" else None,
         "val_fraction": cfg.val_fraction,
         "shard_version": SHARD_VERSION,
@@ -144,6 +149,11 @@ def cache_key(cfg: DataConfig) -> str:
     }
     blob = json.dumps(recipe, sort_keys=True).encode("utf-8")
     return hashlib.blake2b(blob, digest_size=8).hexdigest()
+
+
+def _stat(path: Path) -> list:
+    st = path.stat()
+    return [str(path.resolve()), st.st_size, st.st_mtime_ns]
 
 
 def _source_label(source: str) -> str:
@@ -240,7 +250,8 @@ def _discard(final: Path) -> None:
 
 def cache_dir_for(cfg: DataConfig) -> Path:
     """The shard directory of cfg's tokens (it may not be built yet)."""
-    return cache_root(cfg) / f"{_source_label(cfg.source)}-{cfg.tokenizer}-{cache_key(cfg)}"
+    kind = "hf" if cfg.tokenizer.startswith("hf:") else cfg.tokenizer  # the directory is in the key, not the name
+    return cache_root(cfg) / f"{_source_label(cfg.source)}-{kind}-{cache_key(cfg)}"
 
 
 def cached_unigram_loss(cfg: DataConfig) -> float | None:

@@ -18,6 +18,7 @@ import numpy as np
 
 TOKENIZER_FILE = "tokenizer.json"
 EOT_TEXT = "<|endoftext|>"
+EOT_FILE = "tokenizer_eot.json"  # beside an imported tokenizer.json: the id that ends a document
 BYTES_EOT = 0xFF
 
 
@@ -74,11 +75,11 @@ class BPETokenizer:
 
     kind = "bpe"
 
-    def __init__(self, tok) -> None:  # tok: tokenizers.Tokenizer
+    def __init__(self, tok, eot_id: int | None = None) -> None:  # tok: tokenizers.Tokenizer
         self._tok = tok
         # Without this, a source file that quotes "<|endoftext|>" would inject document boundaries.
         self._tok.encode_special_tokens = True
-        eot = tok.token_to_id(EOT_TEXT)
+        eot = tok.token_to_id(EOT_TEXT) if eot_id is None else eot_id
         if eot is None:
             raise ValueError(f"BPE tokenizer has no {EOT_TEXT!r} token; it was not trained by kiln")
         self.eot_id: int = eot
@@ -117,6 +118,23 @@ class BPETokenizer:
 
         return cls(HFTokenizer.from_file(str(path)))
 
+    @classmethod
+    def from_hf(cls, directory: Path) -> "BPETokenizer":
+        """A Hugging Face model directory's tokenizer.json; documents end with its end-of-text token
+        ({EOT_TEXT!r}, else the eos_token_id of its config.json)."""
+        from tokenizers import Tokenizer as HFTokenizer
+
+        tok = HFTokenizer.from_file(str(Path(directory) / TOKENIZER_FILE))
+        eot = tok.token_to_id(EOT_TEXT)
+        config = Path(directory) / "config.json"
+        if eot is None and config.is_file():
+            eos = json.loads(config.read_text()).get("eos_token_id")
+            eot = eos[0] if isinstance(eos, list) else eos
+        if eot is None:
+            raise ValueError(f"{directory}: its tokenizer has no {EOT_TEXT!r} and config.json no eos_token_id; kiln "
+                             f"needs one to mark where documents end")
+        return cls(tok, eot)
+
     def encode(self, text: str) -> list[int]:
         return self._tok.encode(text, add_special_tokens=False).ids
 
@@ -131,6 +149,8 @@ class BPETokenizer:
         Path(run_dir).mkdir(parents=True, exist_ok=True)
         # The `tokenizers` format as-is, so the file also opens with tokenizers.Tokenizer.from_file.
         self._tok.save(str(Path(run_dir) / TOKENIZER_FILE))
+        if self._tok.token_to_id(EOT_TEXT) != self.eot_id:  # an imported tokenizer: which id ends a document
+            (Path(run_dir) / EOT_FILE).write_text(json.dumps({"eot_id": self.eot_id}) + "\n")
 
     def __repr__(self) -> str:
         return f"BPETokenizer(vocab_size={self.vocab_size})"
@@ -148,6 +168,9 @@ def load_tokenizer(run_dir: Path) -> Tokenizer:
     if payload.get("kind") == "bytes":
         return ByteTokenizer()
     if "model" in payload:
+        eot = Path(run_dir) / EOT_FILE
+        if eot.is_file():
+            return BPETokenizer(BPETokenizer.from_file(path)._tok, json.loads(eot.read_text())["eot_id"])
         return BPETokenizer.from_file(path)
     raise ValueError(f"{path} is neither a kiln bytes tokenizer nor a `tokenizers` BPE file")
 
@@ -157,4 +180,6 @@ def build_tokenizer(kind: str, train_texts: Iterable[str], vocab_size: int) -> T
         return ByteTokenizer()
     if kind == "bpe":
         return BPETokenizer.train(train_texts, vocab_size)
+    if kind.startswith("hf:"):
+        return BPETokenizer.from_hf(Path(kind[3:]))
     raise ValueError(f"data.tokenizer={kind!r} is unknown; use 'bytes' or 'bpe'")

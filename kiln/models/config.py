@@ -27,6 +27,7 @@ class ModelConfig:
     dropout: float = 0.0  # dropout on attention probabilities and residual branches
     norm_eps: float = 0.0  # epsilon of LayerNorm / RMSNorm
     rope_theta: float = 0.0  # RoPE base frequency (llama)
+    init: str = ""  # hf:DIR: start from a Hugging Face checkpoint (GPT-2, Llama); its config.json sets the shape
 
     def resolve(self) -> "ModelConfig":
         """Fill every 0/None field from the preset; check the shape is buildable."""
@@ -66,6 +67,8 @@ class ModelConfig:
             raise ValueError(f"model.n_head={self.n_head} must be a multiple of model.n_kv_head={self.n_kv_head}")
         if self.arch == "llama" and self.head_dim % 2:
             raise ValueError(f"RoPE needs an even head dimension; d_model/n_head = {self.head_dim}")
+        if self.init and not self.init.startswith("hf:"):
+            raise ValueError(f"model.init={self.init!r}; write hf:DIR, a local directory saved by save_pretrained")
         if not 0.0 <= self.dropout < 1.0:
             raise ValueError(f"model.dropout must be in [0, 1), got {self.dropout}")
 

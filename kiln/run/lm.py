@@ -22,6 +22,7 @@ from kiln.config import Config, apply_overrides, to_toml
 from kiln.data import PreparedData, TokenLoader, prepare_data, val_batches
 from kiln.data.batches import to_device
 from kiln.dist import device_for, init_world, launched_by_torchrun
+from kiln.interop.hf import read_hf
 from kiln.memory.devices import get_device, local_device
 from kiln.memory.estimate import fmt_bytes, parse_bytes
 from kiln.memory.levers import runtime_job
@@ -145,6 +146,13 @@ def build_lm(cfg: Config, run_dir: Path | None = None, log=print, device: torch.
 def _build_lm(cfg: Config, run_dir, log, device: torch.device, with_data: bool, world) -> LMRun:
     cfg = replace(cfg, train=replace(cfg.train, grad_accum_steps=accumulation_for(cfg.train, world.size)))
     seed_everything(cfg.train.seed)  # the same on every rank: the same initial weights
+    initial = None
+    if cfg.model.init:  # a Hugging Face checkpoint: its shape, its weights and (unless told) its tokenizer
+        directory = Path(cfg.model.init.removeprefix("hf:"))
+        shape, initial = read_hf(directory)
+        cfg = replace(cfg, model=replace(shape, dropout=cfg.model.dropout, init=cfg.model.init))
+        if cfg.data.tokenizer == "bytes" and (directory / "tokenizer.json").is_file():
+            cfg = replace(cfg, data=replace(cfg.data, tokenizer=cfg.model.init))
     data = None
     if with_data:  # rank 0 tokenizes (or finds the cache) and saves the tokenizer; the others wait, then read
         if world.main:
@@ -159,6 +167,11 @@ def _build_lm(cfg: Config, run_dir, log, device: torch.device, with_data: bool, 
         cfg = plan_memory(cfg, device, log)
     precision = resolve_mode(cfg.precision.mode, device)
     model = build_model(cfg.model, "cpu" if device.type == "meta" else device)
+    if initial is not None:
+        missing, unexpected = model.load_state_dict(initial, strict=False)
+        if unexpected or any(not k.startswith("rope_") for k in missing):
+            raise ValueError(f"{cfg.model.init}: the checkpoint does not fill kiln's model (missing "
+                             f"{missing[:3]}, unexpected {unexpected[:3]})")
     loader = None
     if data is not None:
         loader = TokenLoader(data.train, cfg.train.micro_batch_size, cfg.data.seq_len, cfg.data.seed, device,
@@ -208,7 +221,7 @@ def _train(lm: LMRun, cfg: Config, run_dir: Path, resume: bool, con: Console) ->
     tokens_per_step = c.train.micro_batch_size * c.train.grad_accum_steps * c.data.seq_len
     world = state.world
     ranks = f" | {world.strategy} × {world.size} ranks" if world.sharded else ""
-    con.print(f"model: {c.model.preset} ({c.model.arch}) {state.n_params / 1e6:.2f}M parameters | "
+    con.print(f"model: {c.model.init or c.model.preset} ({c.model.arch}) {state.n_params / 1e6:.2f}M parameters | "
               f"device {state.device} | precision {state.precision.mode} | {tokens_per_step * world.size:,} "
               f"tokens/step{ranks}", highlight=False)
     scaled = lm.peak_lr()[1]

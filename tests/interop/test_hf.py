@@ -99,3 +99,57 @@ def test_bad_checkpoints_are_clear_errors(tmp_path):
     cfg_path.write_text(good_cfg)
     with pytest.raises(FileNotFoundError, match="neither model.safetensors"):
         read_hf(tmp_path / "hf")
+
+
+@pytest.fixture
+def hf_dir(tmp_path, corpus_file):
+    """A random 2-layer GPT-2 with a 301-token BPE tokenizer of its own, saved as transformers saves them."""
+    from kiln.data.tokenizer import BPETokenizer
+
+    directory = tmp_path / "hf-gpt2"
+    _hf_model("gpt2").save_pretrained(directory)
+    BPETokenizer.train([corpus_file.read_text()], 301).save(directory)
+    return directory
+
+
+def _losses(run_dir):
+    lines = (run_dir / "metrics.jsonl").read_text().splitlines()
+    return [r["loss"] for r in map(json.loads, lines) if r["kind"] == "train"]
+
+
+def test_fine_tune_from_hf_resumes_bit_identically_and_exports_back(hf_dir, small_config, tmp_path, capsys):
+    from kiln.cli.main import main
+    from kiln.run.lm import train
+
+    def cfg(steps, **kw):
+        c = small_config(train={"max_steps": steps}, schedule={"total_steps": 8}, **kw)
+        c.model.init = f"hf:{hf_dir}"
+        return c
+
+    straight = train(cfg(8), tmp_path / "straight")
+    assert straight.state.model.cfg.d_model == 64 and straight.state.model.cfg.vocab_size == 301
+    assert (tmp_path / "straight" / "tokenizer.json").read_text() == (hf_dir / "tokenizer.json").read_text()
+    train(cfg(4, checkpoint={"interval": 4}), tmp_path / "resumed")
+    train(cfg(8), tmp_path / "resumed", resume=True)
+    assert _losses(tmp_path / "resumed") == _losses(tmp_path / "straight")
+    # the fine-tuned model, exported and loaded by transformers, gives kiln's logits
+    assert main(["export", str(tmp_path / "straight"), "--hf", str(tmp_path / "export")]) == 0
+    assert "tokenizer.json" in capsys.readouterr().out
+    back = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "export").eval()
+    model = straight.state.model.eval()
+    ids = torch.randint(0, 301, (1, 16))
+    with torch.no_grad():
+        assert (back(ids).logits - model(ids)[..., :301]).abs().max().item() <= 1e-5
+    tok = transformers.AutoTokenizer.from_pretrained(tmp_path / "export")
+    assert tok.decode(tok.encode("def f(x):\n    return x")) == "def f(x):\n    return x"
+
+
+def test_an_imported_tokenizer_larger_than_the_model_is_refused(hf_dir, small_config, tmp_path):
+    from kiln.data.tokenizer import BPETokenizer
+    from kiln.run.lm import train
+
+    BPETokenizer.train([(hf_dir / "config.json").read_text() * 50 + "abcdefghij" * 99], 400).save(hf_dir)
+    c = small_config(train={"max_steps": 1})
+    c.model.init = f"hf:{hf_dir}"
+    with pytest.raises(ValueError, match="smaller than the tokenizer's"):
+        train(c, tmp_path / "run")

@@ -33,6 +33,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import gc
+import importlib.util
 import json
 import math
 import os
@@ -691,7 +692,12 @@ def render_memory(data: dict) -> tuple[list, list, list, list]:
 
 
 def render_kernels(data: dict) -> tuple[list, list, list, list]:
-    from kernels import HEADER  # benchmarks/kernels.py prints its rows without the header; use its own
+    # benchmarks/kernels.py prints its rows without the header; use its own. Loaded by path: another `kernels`
+    # (Hugging Face's kernels package, which transformers looks for, or tests/kernels) may hold the name.
+    spec = importlib.util.spec_from_file_location("kiln_benchmark_kernels", ROOT / "benchmarks" / "kernels.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    HEADER = module.HEADER
 
     header = [c.strip() for c in HEADER.splitlines()[0].strip().strip("|").split("|")]
     output = str(data.get("output", ""))

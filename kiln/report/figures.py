@@ -13,7 +13,8 @@ from kiln.report.runs import Run, number
 
 # Train keys with a chart of their own (or an axis of one); any other numeric key gets a chart named after it.
 CHARTED_TRAIN = {"step", "kind", "loss", "lr", "grad_norm", "clip_threshold", "tokens_per_s", "samples_per_s",
-                 "step_time_s", "tokens_seen", "samples_seen", "peak_mem_bytes", "mfu", "hfu", "skipped_steps", "loss_scale"}
+                 "step_time_s", "tokens_seen", "samples_seen", "peak_mem_bytes", "mfu", "hfu", "utilisation",
+                 "skipped_steps", "loss_scale"}
 # val_ppl is exp(val_loss): the summary gives it; train_loss is the train curve's mean since the last evaluation
 CHARTED_EVAL = {"step", "kind", "val_loss", "val_ppl", "train_loss", "gap"}
 # Numerics events marked on the loss-vs-step chart (and loss_scale events of an overflow, whose step the scaler
@@ -28,7 +29,7 @@ class Line:
     label: str
     x: list[float]
     y: list[float]
-    style: str = "solid"  # solid | dashed (HFU) | points (validation: dashed, a dot per evaluation)
+    style: str = "solid"  # solid | dashed (HFU) | dotted (busy) | points (validation: dashed, a dot per evaluation)
 
 
 @dataclass
@@ -159,7 +160,7 @@ def build_charts(runs: list[Run], clip_thresholds: list[float | None]) -> list[C
     grad = Chart("grad_norm", "gradient norm (before clipping)", "step", "global L2 norm", logy=True)
     rate = Chart("throughput", f"{unit} per second", "step", f"{unit}/s")
     step_time = Chart("step_time", "step time (mean over each log interval)", "step", "seconds")
-    util = Chart("utilization", "MFU (solid) and HFU (dashed)", "step", "% of peak FLOP/s")
+    util = Chart("utilization", "MFU (solid), HFU (dashed) and device busy (dotted)", "step", "%")
     scale = Chart("loss_scale", "fp16 loss scale", "step", "scale", logy=True)
     mem = Chart("peak_memory", "peak memory (CUDA allocator; process RSS on CPU)", "step", "GiB")
     skipped = Chart("skipped_steps", "steps skipped so far (update withheld)", "step", "steps")
@@ -187,6 +188,7 @@ def build_charts(runs: list[Run], clip_thresholds: list[float | None]) -> list[C
         step_time.lines.append(Line(i, run.name, *series(run.train, "step_time_s")))
         util.lines.append(Line(i, name(run, "MFU"), *series(run.train, "mfu", scale=100)))
         util.lines.append(Line(i, name(run, "HFU"), *series(run.train, "hfu", scale=100), "dashed"))
+        util.lines.append(Line(i, name(run, "busy"), *series(run.train, "utilisation", scale=100), "dotted"))
         scale.lines.append(Line(i, run.name, *series(run.train, "loss_scale")))
         scale.marks += scale_marks(run, i)
         mem.lines.append(Line(i, run.name, *series(run.train, "peak_mem_bytes", scale=1 / GiB)))
@@ -203,8 +205,8 @@ def build_charts(runs: list[Run], clip_thresholds: list[float | None]) -> list[C
     charts = [loss_step, loss_seen, gap, lr, grad, rate, step_time, util, scale, mem, skipped, *extra.values()]
     for c in charts:
         c.lines = [line for line in c.lines if line.x]
-    if not any(line.style == "dashed" for line in util.lines):
-        util.title = "MFU (model FLOPs utilization)"
+    shown = {"solid": "MFU (solid)", "dashed": "HFU (dashed)", "dotted": "device busy (dotted)"}
+    util.title = ", ".join(shown[s] for s in shown if any(line.style == s for line in util.lines)) or util.title
     return [c for c in charts if not c.empty]
 
 

@@ -52,7 +52,7 @@ def draw(chart: Chart) -> bytes:
     plt = _pyplot()
     fig, ax = plt.subplots(figsize=FIGSIZE)
     for line in chart.lines:
-        dashes = {"solid": "-", "dashed": "--", "points": "--"}[line.style]
+        dashes = {"solid": "-", "dashed": "--", "dotted": ":", "points": "--"}[line.style]
         ax.plot(line.x, line.y, dashes, color=COLORS[line.run % len(COLORS)], linewidth=1.3, label=line.label,
                 marker="o" if line.style == "points" else None, markersize=3)
     for y, label in chart.hlines:

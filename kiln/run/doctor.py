@@ -6,8 +6,10 @@ last; the run is built in a temporary directory and thrown away.
 """
 from __future__ import annotations
 
+import copy
 import math
 import tempfile
+import time
 from dataclasses import asdict, dataclass
 
 import numpy as np
@@ -36,7 +38,9 @@ CHECKS = [  # (number, name, what it verifies): the order of the report
     (9, "activations", "activations on one batch: finite, no dead units, no saturation, no growth with depth"),
     (10, "warmup", "learning-rate warmup for Adam-family optimizers"),
     (11, "grad_norm", "gradient norm at init in a healthy range"),
+    (12, "utilisation", "the steps keep the device busy ≥ 85% of the time (not waiting for data)"),
 ]
+BUSY_STEPS, BUSY_MIN = 5, 0.85
 
 
 @dataclass
@@ -290,6 +294,29 @@ class Doctor:
         return (status, f"{g:.3g} at init" + (f" (clipped to {clip:g} each step)" if clip and g > clip else ""),
                 "a norm far outside 0.01-100 at init means exploding or vanishing signal: check weight_std and "
                 "activations, and keep --optim.grad_clip=1.0")
+
+
+    def utilisation(self) -> tuple[str, str, str]:
+        """A few real steps (lr 0: the weights stay; the optimizer state is put back): the share of the time spent
+        stepping rather than waiting for the next batch."""
+        st = self.state
+        saved = copy.deepcopy(st.optimizer.state_dict())
+        data_s = step_s = 0.0
+        for _ in range(BUSY_STEPS):
+            t0 = time.perf_counter()
+            batch = [st.loader.next()]
+            t1 = time.perf_counter()
+            self._step(batch, 0.0)
+            if self.device.type == "cuda":
+                torch.cuda.synchronize(self.device)
+            data_s, step_s = data_s + t1 - t0, step_s + time.perf_counter() - t1
+        st.optimizer.load_state_dict(saved)
+        busy = step_s / (step_s + data_s)
+        value = (f"busy {busy:.0%}: {1000 * step_s / BUSY_STEPS:.1f} ms stepping, {1000 * data_s / BUSY_STEPS:.1f} ms "
+                 f"waiting for each batch")
+        fix = (f"the step waits for data {data_s / (step_s + data_s):.0%} of the time: raise data.prefetch, put the "
+               f"source on a faster disk, or pre-tokenize; `kiln profile` breaks the step down")
+        return (PASS if busy >= BUSY_MIN else WARN), value, fix
 
 
 def run_checks(cfg, log=print) -> list[Check]:

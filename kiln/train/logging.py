@@ -164,6 +164,8 @@ class MetricsLogger:
             parts.append(f"mfu {100 * r['mfu']:.1f}%")
         if r.get("hfu") is not None and r.get("mfu") is not None and r["hfu"] > r["mfu"]:  # only with recompute
             parts.append(f"hfu {100 * r['hfu']:.1f}%")
+        if r.get("utilisation") is not None:
+            parts.append(f"busy {100 * r['utilisation']:.0f}%")
         if "comm_s" in r:
             parts.append(f"all-reduce {1000 * r['comm_s']:.1f} ms/step")
         return " | ".join(parts)

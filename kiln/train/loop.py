@@ -190,7 +190,7 @@ class Trainer:
         self.horizon = sched.total_steps or tc.max_steps or 1 << 30
         self._clock: dict[int, float] = {}  # budgeted run: step -> when it ended (the first one, two after it)
         self.skipped_total = torch.zeros((), device=state.device)
-        self.window_start, self.window_steps, self.window_units = time.perf_counter(), 0, 0
+        self.window_start, self.window_steps, self.window_units, self.window_busy = time.perf_counter(), 0, 0, 0.0
         self.stop_reason: str | None = None  # set when the run has ended
         self.val_loss: float | None = None
         self.unit = getattr(state.objective, "unit", "samples")
@@ -282,7 +282,7 @@ class Trainer:
         """Train up to step `until` (never past train.max_steps); returns why the run ended, or None."""
         self._start()
         state, numerics, logger = self.state, self.numerics, self.logger
-        self.window_start, self.window_steps, self.window_units = time.perf_counter(), 0, 0
+        self.window_start, self.window_steps, self.window_units, self.window_busy = time.perf_counter(), 0, 0, 0.0
         while self.stop_reason is None and state.step < min(until, self.max_steps):
             cfg = self.cfg
             tc = cfg.train
@@ -293,9 +293,11 @@ class Trainer:
                 group["lr"] = lr
             batches = numerics.begin_step(state.step + 1, [state.loader.next() for _ in range(tc.grad_accum_steps)])
             units = sum(state.objective.size(b) for b in batches)
+            began = time.perf_counter()
             result = train_step(state.step_model, batches, state.objective, state.optimizer, state.precision,
                                 state.scaler, cfg.optim, state.masters, numerics.guard,
                                 state.world if state.world.sharded else None, state.adaptive_clip)
+            self.window_busy += time.perf_counter() - began  # CPU: the step's compute, which runs in the call
             self.skipped_total += result.skipped
             state.step += 1
             state.tokens_seen += units
@@ -319,6 +321,7 @@ class Trainer:
                 verdict = numerics.review(logger)
                 if verdict.rolled_back:
                     self.window_start, self.window_steps, self.window_units = time.perf_counter(), 0, 0
+                    self.window_busy = 0.0
                     continue
             if log_due:
                 self._log(result, lr)
@@ -385,8 +388,21 @@ class Trainer:
             "skipped_steps": int(skipped), "loss_scale": scale if state.scaler.enabled else None,
             # ddp, zero1: seconds per step the gradient all-reduces were in flight (overlapping the backward)
             "comm_s": state.world.comm.take() / self.window_steps if state.world.comm is not None else None,
+            "utilisation": self._utilisation(elapsed),
         }, kind="train")
-        self.window_start, self.window_steps, self.window_units = time.perf_counter(), 0, 0
+        self.window_start, self.window_steps, self.window_units, self.window_busy = time.perf_counter(), 0, 0, 0.0
+
+    def _utilisation(self, elapsed: float) -> float | None:
+        """How busy the device was over the log interval: on CUDA NVML's busy share (torch.cuda.utilization,
+        when pynvml is installed); on a CPU the share of the interval spent inside the steps (forward, backward,
+        optimizer), the rest being data, logging and everything else between them."""
+        device = self.state.device
+        if device.type == "cuda":
+            try:
+                return torch.cuda.utilization(device) / 100
+            except Exception:  # no NVML here: better no number than the host's launch time, which is not busy time
+                return None
+        return min(1.0, self.window_busy / elapsed) if elapsed > 0 else None
 
     def _run_evaluation(self, last: bool) -> None:
         if self._evaluate_fn is None:

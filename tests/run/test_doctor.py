@@ -52,3 +52,11 @@ def test_missing_warmup_warns(small_config):
     cfg = small_config(schedule={"warmup_steps": 0}, optim={"lr": 3e-3})
     checks = {c.name: c for c in run_checks(cfg, log=lambda msg: None)}
     assert checks["warmup"].status == "warn" and "warmup_steps" in checks["warmup"].fix
+
+
+def test_a_slow_data_source_warns_on_utilisation(small_config):
+    slow = {c.name: c for c in run_checks(small_config(faults={"data_delay_ms": 40.0}), log=lambda msg: None)}
+    assert slow["utilisation"].status == "warn" and "data.prefetch" in slow["utilisation"].fix
+    assert "ms waiting for each batch" in slow["utilisation"].value
+    fast = {c.name: c for c in run_checks(small_config(), log=lambda msg: None)}
+    assert fast["utilisation"].status == "pass", fast["utilisation"].value

@@ -95,12 +95,12 @@ def _coerce(key: str, value, tp):
         raise ConfigError(f"{key} expects {_type_names(allowed)}, got the boolean {value}")
     if isinstance(value, int) and not isinstance(value, bool) and float in allowed and int not in allowed:
         value = float(value)
+    if isinstance(value, list) and tuple in allowed:  # a TOML array
+        value = tuple(value)
     if not isinstance(value, allowed):
         raise ConfigError(f"{key} expects {_type_names(allowed)}, got {value!r} ({type(value).__name__})")
     if isinstance(value, float) and not math.isfinite(value):
         raise ConfigError(f"{key}={value} is not a finite number; give a real value")
-    if isinstance(value, list) and tuple in allowed:
-        value = tuple(value)
     return value
 
 

@@ -1,4 +1,4 @@
-"""Hugging Face checkpoints in and out: GPT-2 (GPT2LMHeadModel) and Llama (LlamaForCausalLM).
+"""Hugging Face checkpoints in and out: GPT-2 (GPT2LMHeadModel) and Llama (LlamaForCausalLM, with Llama 3's RoPE scaling).
 
     model_cfg, state = read_hf(DIR)           config.json + model.safetensors (or its shards) -> kiln's shape and
                                               state dict (kiln's names, vocabulary padded to kiln's multiple of 64)
@@ -57,16 +57,19 @@ def kiln_config(hf: dict, source: str = "config.json") -> ModelConfig:
         rope = hf.get("rope_parameters") or {}
         theta = rope.get("rope_theta", hf.get("rope_theta", 10000.0))
         scaling = hf.get("rope_scaling") or rope
-        if scaling and scaling.get("rope_type", scaling.get("type")) not in (None, "default"):
-            raise ValueError(f"{source}: rope_scaling of type {scaling.get('rope_type', scaling.get('type'))!r} is "
-                             f"not supported by kiln's RoPE yet (plain rope_theta only)")
+        kind = scaling.get("rope_type", scaling.get("type")) if scaling else None
+        if kind not in (None, "default", "llama3"):
+            raise ValueError(f"{source}: rope_scaling of type {kind!r} is not one kiln's RoPE has (it has plain "
+                             f"rope_theta and Llama 3's 'llama3')")
+        llama3 = (float(scaling["factor"]), float(scaling["low_freq_factor"]), float(scaling["high_freq_factor"]),
+                  float(scaling["original_max_position_embeddings"])) if kind == "llama3" else ()
         if hf.get("hidden_act", "silu") != "silu":
             raise ValueError(f"{source}: hidden_act={hf['hidden_act']!r}; kiln's Llama MLP is SwiGLU (silu)")
         return ModelConfig(preset="llama-125m", arch="llama", n_layer=hf["num_hidden_layers"], n_head=H,
                            n_kv_head=hf.get("num_key_value_heads") or H, d_model=d, d_ff=hf["intermediate_size"],
                            vocab_size=hf["vocab_size"], max_seq_len=hf["max_position_embeddings"], bias=False,
                            tie_embeddings=hf.get("tie_word_embeddings", False), norm_eps=hf.get("rms_norm_eps", 1e-6),
-                           rope_theta=float(theta))
+                           rope_theta=float(theta), rope_scaling=llama3)
     raise ValueError(f"{source}: model_type={kind!r} is not one kiln reads; it reads 'gpt2' (GPT2LMHeadModel) and "
                      f"'llama' (LlamaForCausalLM)")
 
@@ -172,9 +175,18 @@ def hf_config(cfg: ModelConfig, vocab: int, eos: int | None = None) -> dict:
             "num_attention_heads": cfg.n_head, "num_key_value_heads": cfg.n_kv_head, "hidden_size": cfg.d_model,
             "intermediate_size": cfg.d_ff, "max_position_embeddings": cfg.max_seq_len, "vocab_size": vocab,
             "rms_norm_eps": cfg.norm_eps, "rope_theta": cfg.rope_theta, "hidden_act": "silu",
-            "rope_parameters": {"rope_type": "default", "rope_theta": cfg.rope_theta},
+            "rope_parameters": _rope_parameters(cfg),
+            "rope_scaling": _rope_parameters(cfg) if cfg.rope_scaling else None,
             "tie_word_embeddings": bool(cfg.tie_embeddings), "attention_bias": False, "mlp_bias": False,
             "torch_dtype": "float32", "bos_token_id": eos, "eos_token_id": eos}
+
+
+def _rope_parameters(cfg: ModelConfig) -> dict:
+    if not cfg.rope_scaling:
+        return {"rope_type": "default", "rope_theta": cfg.rope_theta}
+    factor, low, high, original = cfg.rope_scaling
+    return {"rope_type": "llama3", "rope_theta": cfg.rope_theta, "factor": factor, "low_freq_factor": low,
+            "high_freq_factor": high, "original_max_position_embeddings": int(original)}
 
 
 def hf_tensors(cfg: ModelConfig, state: dict[str, torch.Tensor], vocab: int) -> dict[str, torch.Tensor]:

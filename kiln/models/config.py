@@ -27,6 +27,7 @@ class ModelConfig:
     dropout: float = 0.0  # dropout on attention probabilities and residual branches
     norm_eps: float = 0.0  # epsilon of LayerNorm / RMSNorm
     rope_theta: float = 0.0  # RoPE base frequency (llama)
+    rope_scaling: tuple = ()  # Llama 3's RoPE scaling: (factor, low_freq_factor, high_freq_factor, original_max_len)
     init: str = ""  # hf:DIR: start from a Hugging Face checkpoint (GPT-2, Llama); its config.json sets the shape
 
     def resolve(self) -> "ModelConfig":
@@ -67,6 +68,9 @@ class ModelConfig:
             raise ValueError(f"model.n_head={self.n_head} must be a multiple of model.n_kv_head={self.n_kv_head}")
         if self.arch == "llama" and self.head_dim % 2:
             raise ValueError(f"RoPE needs an even head dimension; d_model/n_head = {self.head_dim}")
+        if self.rope_scaling and (len(self.rope_scaling) != 4 or self.arch != "llama"):
+            raise ValueError(f"model.rope_scaling={self.rope_scaling!r}: Llama 3's scaling takes (factor, "
+                             f"low_freq_factor, high_freq_factor, original_max_len), arch='llama' only")
         if self.init and not self.init.startswith("hf:"):
             raise ValueError(f"model.init={self.init!r}; write hf:DIR, a local directory saved by save_pretrained")
         if not 0.0 <= self.dropout < 1.0:

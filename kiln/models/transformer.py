@@ -157,9 +157,24 @@ class LlamaBlock(nn.Module):
         return x + self.drop(self.mlp(self.norm2(x)))
 
 
-def rope_cache(head_dim: int, max_seq_len: int, theta: float, device=None) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos and sin of shape (max_seq_len, head_dim/2), in fp32."""
+def llama3_frequencies(inv_freq: torch.Tensor, factor: float, low: float, high: float, original: float):
+    """Llama 3's RoPE scaling: long wavelengths slowed by `factor`, short ones kept, those between blended."""
+    wavelen = 2 * math.pi / inv_freq
+    low_wavelen, high_wavelen = original / low, original / high
+    scaled = torch.where(wavelen > low_wavelen, inv_freq / factor, inv_freq)
+    smooth = (original / wavelen - low) / (high - low)
+    blended = (1 - smooth) * scaled / factor + smooth * scaled
+    between = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
+    return torch.where(between, blended, scaled)
+
+
+def rope_cache(head_dim: int, max_seq_len: int, theta: float, device=None,
+               scaling: tuple = ()) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin of shape (max_seq_len, head_dim/2), in fp32; `scaling`: Llama 3's (factor, low_freq_factor,
+    high_freq_factor, original_max_len), or () for none."""
     inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, device=device, dtype=torch.float32) / head_dim)
+    if scaling:
+        inv_freq = llama3_frequencies(inv_freq, *scaling)
     angles = torch.outer(torch.arange(max_seq_len, device=device, dtype=torch.float32), inv_freq)
     return angles.cos(), angles.sin()
 
@@ -182,7 +197,7 @@ class Transformer(nn.Module):
         self.head = None if cfg.tie_embeddings else nn.Linear(cfg.d_model, V, bias=False)
         self.loss = LMLoss()
         if not gpt2:
-            cos, sin = rope_cache(cfg.head_dim, cfg.max_seq_len, cfg.rope_theta)
+            cos, sin = rope_cache(cfg.head_dim, cfg.max_seq_len, cfg.rope_theta, scaling=tuple(cfg.rope_scaling))
             self.register_buffer("rope_cos", cos, persistent=False)
             self.register_buffer("rope_sin", sin, persistent=False)
         self.apply(self._init_weights)

@@ -37,11 +37,14 @@ def _kiln(directory, dtype=torch.float32):
     return cfg, model.to(dtype).eval()
 
 
+LLAMA3 = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
+          "high_freq_factor": 4.0, "original_max_position_embeddings": 16}  # 16 < the test's 32 positions
 CASES = [("gpt2", {}), ("gpt2", {"tie_word_embeddings": False}), ("llama", {}),
-         ("llama", {"num_key_value_heads": 4, "tie_word_embeddings": True})]
+         ("llama", {"num_key_value_heads": 4, "tie_word_embeddings": True}), ("llama", {"rope_parameters": LLAMA3})]
 
 
-@pytest.mark.parametrize("kind, overrides", CASES, ids=["gpt2", "gpt2-untied", "llama-gqa-untied", "llama-mha-tied"])
+@pytest.mark.parametrize("kind, overrides", CASES,
+                         ids=["gpt2", "gpt2-untied", "llama-gqa-untied", "llama-mha-tied", "llama3-rope-scaling"])
 @pytest.mark.parametrize("dtype, tol", [(torch.float32, 1e-5), (torch.float64, 1e-12)], ids=["fp32", "fp64"])
 def test_import_then_export_gives_transformers_logits(kind, overrides, dtype, tol, tmp_path):
     if kind == "llama" and dtype == torch.float64:

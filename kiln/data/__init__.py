@@ -38,7 +38,7 @@ __all__ = [
     "cached_unigram_loss",
 ]
 
-FORMATS = ("auto", "text", "jsonl")
+FORMATS = ("auto", "text", "jsonl", "parquet", "arrow")
 TOKENIZERS = ("bytes", "bpe")
 # Bump when the split rule, separator or anything else that changes the tokens (but not the shard layout)
 # changes, so old caches are not reused.
@@ -51,8 +51,8 @@ class DataConfig:
     """The `data` section: where text comes from, how it is split and tokenized, and how batches are drawn."""
 
     source: str = STDLIB  # "stdlib" (this Python's standard library .py files), a file, a directory, or a .jsonl file
-    format: str = "auto"  # "auto" | "text" | "jsonl"; auto picks jsonl for .jsonl files and text otherwise
-    text_field: str = "text"  # JSONL field holding each record's text
+    format: str = "auto"  # auto (by extension) | text | jsonl | parquet | arrow (a `datasets` shard; its directory works)
+    text_field: str = "text"  # the JSONL field, or the Parquet / `datasets` column, holding each record's text
     pattern: str = "**/*.txt"  # glob of files to read when source is a directory (ignored otherwise)
     tokenizer: str = "bytes"  # "bytes" (256 ids) | "bpe" (byte-level BPE trained on the train split) | hf:DIR (its tokenizer.json)
     vocab_size: int = 4096  # BPE vocabulary size including <|endoftext|>; ignored for bytes (fixed 256)
@@ -132,8 +132,9 @@ def cache_key(cfg: DataConfig) -> str:
         st = path.stat()
         listing.append([str(path.resolve()), st.st_size, st.st_mtime_ns])
     is_dir = cfg.source != STDLIB and Path(cfg.source).expanduser().is_dir()
-    reads_jsonl = cfg.source != STDLIB and cfg.format != "text" and (
-        cfg.format == "jsonl" or any(p.suffix.lower() == ".jsonl" for p in files)
+    reads_jsonl = cfg.source != STDLIB and cfg.format != "text" and (  # any format whose text is a field
+        cfg.format in ("jsonl", "parquet", "arrow")
+        or any(p.suffix.lower() in (".jsonl", ".parquet", ".arrow") for p in files)
     )
     recipe = {
         "files": listing,

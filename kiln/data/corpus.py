@@ -57,19 +57,62 @@ def source_files(source: str, pattern: str) -> tuple[Path, list[Path]]:
     path = Path(source).expanduser()
     if path.is_file():
         return path.parent, [path]
+    if path.is_dir() and (path / "state.json").is_file():  # a Hugging Face `datasets` save_to_disk directory
+        try:
+            shards = json.loads((path / "state.json").read_text())["_data_files"]
+        except (json.JSONDecodeError, KeyError):
+            raise CorpusError(f"{path / 'state.json'} is not a `datasets` state file (no _data_files)") from None
+        return path, [path / shard["filename"] for shard in shards]
     if path.is_dir():
         files = sorted(p for p in path.glob(pattern) if p.is_file())
         if not files:
             raise CorpusError(f"data.source={source!r} is a directory but no file matches data.pattern={pattern!r}")
         return path, files
-    raise CorpusError(f"data.source={source!r} does not exist; give 'stdlib', a text/JSONL file or a directory")
+    raise CorpusError(f"data.source={source!r} does not exist; give 'stdlib', a text, JSONL or Parquet file, a "
+                      f"directory, or a `datasets` save_to_disk directory")
 
 
 def file_format(path: Path, fmt: str) -> str:
-    """'auto' means by extension: .jsonl is JSONL, everything else plain text."""
+    """'auto' means by extension: .jsonl is JSONL, .parquet Parquet, .arrow Arrow (`datasets`), the rest text."""
     if fmt != "auto":
         return fmt
-    return "jsonl" if path.suffix.lower() == ".jsonl" else "text"
+    return {".jsonl": "jsonl", ".parquet": "parquet", ".arrow": "arrow"}.get(path.suffix.lower(), "text")
+
+
+def read_table(path: Path, fmt: str, text_field: str, root: Path) -> list[Document]:
+    """The `text_field` column of a Parquet file or a `datasets` Arrow shard, read a batch of rows at a time (no
+    other column is read)."""
+    try:
+        import pyarrow as pa  # lazy: only Parquet and `datasets` sources need it
+        import pyarrow.parquet as pq
+    except ImportError:
+        raise CorpusError(f"{path} is {fmt}; reading it needs pyarrow (pip install pyarrow)") from None
+    rel = path.relative_to(root).as_posix()
+    try:
+        if fmt == "parquet":
+            table = pq.ParquetFile(path)
+            names = table.schema_arrow.names
+            batches = table.iter_batches(columns=[text_field], batch_size=4096) if text_field in names else None
+        else:
+            reader = pa.ipc.open_stream(path)  # what `datasets` writes: the Arrow IPC stream format
+            names = reader.schema.names
+            batches = (b.select([text_field]) for b in reader) if text_field in names else None
+    except (pa.ArrowInvalid, OSError) as e:
+        raise CorpusError(f"{path} does not read as {fmt} ({e})") from None
+    if batches is None:
+        raise CorpusError(f"{path}: no column {text_field!r} (found {names}); set data.text_field to the column "
+                          f"holding the text")
+    docs, row = [], 0
+    for batch in batches:
+        for text in batch.column(0).to_pylist():
+            row += 1
+            if text is None:
+                continue
+            if not isinstance(text, str):
+                raise CorpusError(f"{path}: row {row}: column {text_field!r} is {type(text).__name__}, expected a "
+                                  f"string")
+            docs.append(Document(key=text, name=f"{rel}:{row}", text=text))
+    return docs
 
 
 def read_text(path: Path) -> str:
@@ -115,8 +158,11 @@ def load_documents(
     root, files = source_files(source, pattern)
     docs: list[Document] = []
     for path in files:
-        if source != STDLIB and file_format(path, fmt) == "jsonl":
+        kind = file_format(path, fmt) if source != STDLIB else "text"
+        if kind == "jsonl":
             docs.extend(read_jsonl(path, text_field, root))
+        elif kind in ("parquet", "arrow"):
+            docs.extend(read_table(path, kind, text_field, root))
         else:
             rel = path.relative_to(root).as_posix()
             docs.append(Document(key=rel, name=rel, text=read_text(path)))

@@ -190,3 +190,24 @@ def test_validate_names_the_bad_field(field, value, match):
 def test_defaults_are_valid_and_bytes_ignores_vocab_size():
     DataConfig().validate()
     DataConfig(vocab_size=10).validate()  # bytes has a fixed 256-id vocabulary
+
+
+def test_parquet_and_datasets_directories_are_sources(tmp_path):
+    """A Parquet file and a directory saved by `datasets`' save_to_disk give the same documents as the JSONL file of
+    the same records; only the text column is read."""
+    datasets = pytest.importorskip("datasets", reason="datasets is not installed (the test extra has it)")
+    texts = [f"record {i}: " + " ".join(WORDS[(i * 7 + j) % len(WORDS)] for j in range(40)) for i in range(60)]
+    rows = {"text": texts, "label": list(range(60))}
+    (tmp_path / "records.jsonl").write_text("".join(json.dumps({"text": t}) + "\n" for t in texts))
+    ds = datasets.Dataset.from_dict(rows)
+    ds.to_parquet(str(tmp_path / "records.parquet"))
+    ds.save_to_disk(str(tmp_path / "saved"))
+    tokens = {}
+    for name in ("records.jsonl", "records.parquet", "saved"):
+        cfg = DataConfig(source=str(tmp_path / name), cache_dir=str(tmp_path / "cache"), val_fraction=0.2)
+        data = prepare_data(cfg, log=Log())
+        tokens[name] = (np.asarray(data.train).tolist(), np.asarray(data.val).tolist())
+    assert tokens["records.parquet"] == tokens["records.jsonl"] == tokens["saved"]
+    with pytest.raises(ValueError, match="no column 'body'.*data.text_field"):
+        prepare_data(DataConfig(source=str(tmp_path / "records.parquet"), text_field="body",
+                                cache_dir=str(tmp_path / "cache")), log=Log())

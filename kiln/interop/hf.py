@@ -162,9 +162,6 @@ def read_hf(directory: str | Path) -> tuple[ModelConfig, dict[str, torch.Tensor]
 def hf_config(cfg: ModelConfig, vocab: int, eos: int | None = None) -> dict:
     """The config.json of kiln's model for transformers (vocabulary without kiln's padding)."""
     if cfg.arch == "gpt2":
-        if not cfg.bias:
-            raise ValueError("GPT2LMHeadModel always has biases; this model was trained with model.bias=false, so "
-                             "transformers has no GPT-2 shape for it (export a bias=true model)")
         return {"architectures": ["GPT2LMHeadModel"], "model_type": "gpt2", "n_layer": cfg.n_layer,
                 "n_head": cfg.n_head, "n_embd": cfg.d_model, "n_inner": cfg.d_ff, "n_positions": cfg.max_seq_len,
                 "n_ctx": cfg.max_seq_len, "vocab_size": vocab, "layer_norm_epsilon": cfg.norm_eps,
@@ -179,6 +176,14 @@ def hf_config(cfg: ModelConfig, vocab: int, eos: int | None = None) -> dict:
             "rope_scaling": _rope_parameters(cfg) if cfg.rope_scaling else None,
             "tie_word_embeddings": bool(cfg.tie_embeddings), "attention_bias": False, "mlp_bias": False,
             "torch_dtype": "float32", "bos_token_id": eos, "eos_token_id": eos}
+
+
+def _bias(state: dict, module: str) -> torch.Tensor:
+    """A module's bias; zeros for kiln's bias-free GPT-2 (model.bias=false), which is GPT-2 with every bias 0."""
+    if f"{module}.bias" in state:
+        return state[f"{module}.bias"]
+    weight = state[f"{module}.weight"]
+    return weight.new_zeros(weight.shape[0])
 
 
 def _rope_parameters(cfg: ModelConfig) -> dict:
@@ -199,12 +204,14 @@ def hf_tensors(cfg: ModelConfig, state: dict[str, torch.Tensor], vocab: int) -> 
         for i in range(cfg.n_layer):
             h, b = f"transformer.h.{i}.", f"blocks.{i}."
             for hf_name, name in (("ln_1", "norm1"), ("ln_2", "norm2")):
-                out[f"{h}{hf_name}.weight"], out[f"{h}{hf_name}.bias"] = s[f"{b}{name}.weight"], s[f"{b}{name}.bias"]
+                out[f"{h}{hf_name}.weight"] = s[f"{b}{name}.weight"]
             for hf_name, name in (("attn.c_attn", "attn.qkv"), ("attn.c_proj", "attn.proj"), ("mlp.c_fc", "mlp.fc"),
                                   ("mlp.c_proj", "mlp.proj")):
                 out[f"{h}{hf_name}.weight"] = s[f"{b}{name}.weight"].t()
-                out[f"{h}{hf_name}.bias"] = s[f"{b}{name}.bias"]
-        out["transformer.ln_f.weight"], out["transformer.ln_f.bias"] = s["norm.weight"], s["norm.bias"]
+                out[f"{h}{hf_name}.bias"] = _bias(s, f"{b}{name}")
+            for hf_name, name in (("ln_1", "norm1"), ("ln_2", "norm2")):
+                out[f"{h}{hf_name}.bias"] = _bias(s, f"{b}{name}")
+        out["transformer.ln_f.weight"], out["transformer.ln_f.bias"] = s["norm.weight"], _bias(s, "norm")
         out["lm_head.weight"] = s["head.weight"][:vocab] if "head.weight" in s else out["transformer.wte.weight"]
     else:
         H, KV, hd, F = cfg.n_head, cfg.n_kv_head, cfg.head_dim, cfg.d_ff

@@ -95,9 +95,12 @@ def test_bad_checkpoints_are_clear_errors(tmp_path):
     cfg_path.write_text(json.dumps(json.loads(good_cfg) | {"n_embd": 96}))
     with pytest.raises(ValueError, match="has shape .* config.json implies"):
         read_hf(tmp_path / "hf")
-    cfg_path.write_text(json.dumps(json.loads(good_cfg) | {"rope_scaling": {"rope_type": "yarn"}, "model_type": "llama"}))
-    with pytest.raises((ValueError, KeyError)):
-        read_hf(tmp_path / "hf")
+    llama = _hf_model("llama")
+    llama.config.rope_parameters = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
+                                    "original_max_position_embeddings": 16}
+    llama.save_pretrained(tmp_path / "yarn")
+    with pytest.raises(ValueError, match="rope_scaling of type 'yarn' is not one kiln's RoPE has"):
+        read_hf(tmp_path / "yarn")
     weights.unlink()
     cfg_path.write_text(good_cfg)
     with pytest.raises(FileNotFoundError, match="neither model.safetensors"):
@@ -156,3 +159,35 @@ def test_an_imported_tokenizer_larger_than_the_model_is_refused(hf_dir, small_co
     c.model.init = f"hf:{hf_dir}"
     with pytest.raises(ValueError, match="smaller than the tokenizer's"):
         train(c, tmp_path / "run")
+
+
+def test_a_run_trained_from_scratch_exports_and_loads_without_warnings(small_config, tmp_path, capfd):
+    """kiln's own bias-free GPT-2 (the default job's kind) is GPT-2 with every bias zero: it exports, and
+    transformers loads it without a warning about missing or newly initialised weights, giving kiln's logits."""
+    from kiln.cli.main import main
+    from kiln.run.lm import train
+
+    result = train(small_config(train={"max_steps": 3}), tmp_path / "run")
+    assert not result.state.model.cfg.bias
+    assert main(["export", str(tmp_path / "run"), "--hf", str(tmp_path / "out")]) == 0
+    transformers.logging.set_verbosity_warning()
+    capfd.readouterr()
+    back = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out").eval()
+    err = capfd.readouterr().err
+    assert "newly initialized" not in err and "not used" not in err and "missing" not in err.lower(), err
+    ids = torch.randint(0, 256, (2, 16))
+    with torch.no_grad():
+        assert (back(ids).logits - result.state.model.eval()(ids)[..., :256]).abs().max().item() <= 1e-5
+
+
+def test_a_bad_hf_directory_is_one_line_at_the_command_line(tmp_path, capsys):
+    from kiln.cli.main import main
+
+    _hf_model("gpt2").save_pretrained(tmp_path / "hf")
+    config = tmp_path / "hf" / "config.json"
+    config.write_text(json.dumps(json.loads(config.read_text()) | {"model_type": "mamba"}))
+    capsys.readouterr()  # save_pretrained's progress bar
+    assert main(["train", f"--model.init=hf:{tmp_path / 'hf'}", "--train.max_steps=1", "--train.device=cpu",
+                 f"--run-dir={tmp_path / 'run'}"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "model_type='mamba' is not one kiln reads" in err[0]

@@ -142,12 +142,13 @@ def cache_key(cfg: DataConfig) -> str:
         "text_field": cfg.text_field if reads_jsonl else None,
         "pattern": cfg.pattern if is_dir else None,
         "tokenizer": cfg.tokenizer,
-        "tokenizer_file": _stat(Path(cfg.tokenizer[3:]) / TOKENIZER_FILE) if cfg.tokenizer.startswith("hf:") else None,
         "vocab_size": cfg.vocab_size if cfg.tokenizer == "bpe" else None,
         "val_fraction": cfg.val_fraction,
         "shard_version": SHARD_VERSION,
         "pipeline_version": PIPELINE_VERSION,
     }
+    if cfg.tokenizer.startswith("hf:"):  # only then: the caches of every other recipe keep their keys
+        recipe["tokenizer_file"] = _stat(Path(cfg.tokenizer[3:]) / TOKENIZER_FILE)
     blob = json.dumps(recipe, sort_keys=True).encode("utf-8")
     return hashlib.blake2b(blob, digest_size=8).hexdigest()
 

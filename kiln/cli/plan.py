@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 
 import torch
 
@@ -10,7 +11,9 @@ from kiln.cli.common import add_config_arguments, config_from
 from kiln.cli.memory import _device
 from kiln.config import ConfigError, apply_overrides
 from kiln.memory.estimate import GiB, fmt_bytes, parse_bytes, peak_allocated
-from kiln.memory.planner import search
+from kiln.memory import calibrate as calibration
+from kiln.memory.levers import job_for, precision_for
+from kiln.memory.planner import fit_time_model, search, time_constants
 from kiln.perf.hardware import native_bf16
 from kiln.train.optim import scaled_lr
 from kiln.run.measure import measure_step
@@ -32,6 +35,8 @@ def add_parser(sub) -> None:
                                                              "nvlink4, pcie4, pcie5 or ib-ndr")
     p.add_argument("--top", type=int, default=10, help="rows of the ranked table")
     p.add_argument("--json", action="store_true", help='print {"best": {...}, "candidates": [...]}')
+    p.add_argument("--calibrate", action="store_true", help="first measure this device's matmul and bandwidth "
+                                                            "efficiency and per-op cost, and keep them for later plans")
     p.add_argument("--verify", type=int, nargs="?", const=3, default=0, metavar="K",
                    help="run a few steps of the top K candidates here and print predicted vs measured peak")
 
@@ -51,6 +56,16 @@ def _row(i, c, gpus: int) -> str:
 def run(args, overrides) -> int:
     cfg = config_from(args, overrides)
     device = _device(args.device)
+    if args.calibrate:
+        here = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        if args.device and device.kind != here.type:
+            raise ConfigError(f"--calibrate measures this machine's {here.type}; drop --device={args.device}")
+        model = _calibrate(cfg, device, here)
+        path = calibration.save(device, model)
+        device = replace(device, time_model=model)
+        print(f"calibrated {device.name}: matmuls reach {model['matmul_efficiency']:.0%} of the peak, elementwise "
+              f"{model['bandwidth_efficiency']:.0%} of the bandwidth, {1e6 * model['op_overhead_s']:.1f} µs per op "
+              f"(kept in {path})")
     try:
         memory = parse_bytes(args.memory) if args.memory else None
     except ValueError as e:
@@ -69,6 +84,9 @@ def run(args, overrides) -> int:
           f"{fmt_bytes(plan.memory)}: {plan.considered} configurations considered, {len(plan.candidates)} fit")
     if device.kind == "cpu":
         print(_cpu_rates(device))
+    me, be, op_s, source = time_constants(device)
+    print(f"time model ({source}{'' if device.time_model else ': kiln plan --calibrate measures them'}): matmuls at "
+          f"{me:.0%} of peak, elementwise at {be:.0%} of bandwidth, {1e6 * op_s:.1f} µs per op")
     if not plan.best:
         print(plan.shortfall())
         return 1
@@ -91,6 +109,25 @@ def run(args, overrides) -> int:
     if args.verify:
         _verify(cfg, plan, args.verify, quiet=False)
     return 0
+
+
+# Two steps of the same shape at micro-batch 1 and 8: one mostly per-op cost, one mostly matmuls.
+CALIBRATION_SHAPE = ["--model.preset=tiny", "--model.n_layer=2", "--model.d_model=256", "--model.n_head=4",
+                     "--model.max_seq_len=128", "--data.seq_len=128", "--train.grad_accum_steps=1"]
+
+
+def _calibrate(cfg, device, here) -> dict:
+    """Microbenchmarks for the bandwidth, then the matmul efficiency and per-op seconds fitted to real steps."""
+    precision = precision_for(cfg.precision.mode, device)
+    model = calibration.measure(device, here, precision)
+    observations = []
+    for micro in (1, 8):
+        trial = apply_overrides(cfg, {"train.micro_batch_size": micro})
+        trial = apply_overrides(trial, dict(o.lstrip("-").split("=") for o in CALIBRATION_SHAPE))
+        m = measure_step(trial, here, steps=4)
+        observations.append((job_for(trial, device), min(m.step_seconds[1:])))
+    model.update(fit_time_model(device, observations, model["bandwidth_efficiency"]))
+    return model
 
 
 def _cpu_rates(device) -> str:

@@ -12,6 +12,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
+from kiln.memory import calibrate as calibration
 from kiln.memory.estimate import GiB, Target
 from kiln.memory.measure import rss_bytes
 from kiln.perf.flops import DEVICE_PEAKS, cpu_peak, names_gpu
@@ -32,6 +33,7 @@ class Device:
     fragmentation: float = 0.05  # allocated-to-reserved allowance, as a share of the peak
     kind: str = "cuda"
     power_w: float | None = None  # board power (TDP) from the datasheet, for energy estimates; None: unknown
+    time_model: dict | None = None  # the planner's constants measured on this device (kiln plan --calibrate)
 
     def flops(self, precision: str) -> float:
         # fp8 counts against bf16's peak, as torchtitan and torchao report it: its speed-up is measured, not assumed
@@ -120,9 +122,9 @@ def cpu_device() -> Device:
     if "cpu" not in _cpu_cache:
         peaks = {p: cpu_peak(p) for p in ("fp32", "bf16", "fp16")}
         bw = measured_bandwidth()
-        _cpu_cache["cpu"] = Device(name="cpu", memory=_meminfo_total(), peak_flops=peaks, bandwidth=bw,
-                                   host_link=bw, host_bandwidth=bw, capability=0.0, context_bytes=rss_bytes(),
-                                   fragmentation=0.0, kind="cpu")
+        _cpu_cache["cpu"] = calibration.load(Device(
+            name="cpu", memory=_meminfo_total(), peak_flops=peaks, bandwidth=bw, host_link=bw, host_bandwidth=bw,
+            capability=0.0, context_bytes=rss_bytes(), fragmentation=0.0, kind="cpu"))
     return _cpu_cache["cpu"]
 
 
@@ -143,7 +145,7 @@ def local_device(device: torch.device) -> Device:
     if device.type != "cuda":
         return cpu_device()
     props = torch.cuda.get_device_properties(device)
-    return cuda_device(props.name, props.total_memory, float(f"{props.major}.{props.minor}"))
+    return calibration.load(cuda_device(props.name, props.total_memory, float(f"{props.major}.{props.minor}")))
 
 
 def cuda_device(name: str, total_memory: int, capability: float) -> Device:

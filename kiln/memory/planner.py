@@ -101,8 +101,42 @@ def scaling_table(job: Job, device, counts=(1, 8, 64, 512, 1024), node: int = 8,
 # ---------------------------------------------------------------- step time
 
 
-def _roofline(flops: float, nbytes: float, peak: float, bandwidth: float) -> float:
-    return max(flops / (peak * MATMUL_EFFICIENCY), nbytes / (bandwidth * BANDWIDTH_EFFICIENCY))
+def _roofline(flops: float, nbytes: float, peak: float, bandwidth: float, me: float, be: float) -> float:
+    return max(flops / (peak * me), nbytes / (bandwidth * be))
+
+
+def time_constants(device) -> tuple[float, float, float, str]:
+    """(matmul efficiency, bandwidth efficiency, seconds per op, where they come from) for `device`: measured by
+    `kiln plan --calibrate` when it was run on this device, else the defaults above."""
+    tm = device.time_model
+    if tm:
+        return tm["matmul_efficiency"], tm["bandwidth_efficiency"], tm["op_overhead_s"], f"calibrated {tm['measured']}"
+    return MATMUL_EFFICIENCY, BANDWIDTH_EFFICIENCY, OP_OVERHEAD_S.get(device.kind, 0.0), "defaults"
+
+
+def fit_time_model(device, observations: list[tuple[Job, float]], bandwidth_efficiency: float) -> dict:
+    """The matmul efficiency and seconds per op that make step_time match measured steps, by least squares.
+
+    step_time is, to first order, A/e + C·o + E for a job (e the matmul efficiency, o the seconds per op, A, C, E
+    read off step_time itself at three settings); the measured seconds of jobs of different sizes (how much is
+    matmul, how much per-op cost) pin e and o down."""
+    rows = []
+    for job, seconds in observations:
+        def total(e, o):
+            tm = {"matmul_efficiency": e, "bandwidth_efficiency": bandwidth_efficiency, "op_overhead_s": o,
+                  "measured": ""}
+            return step_time(job, replace(device, time_model=tm))["total"]
+        t0 = total(1.0, 0.0)
+        a, c = total(0.5, 0.0) - t0, (total(1.0, 1e-6) - t0) / 1e-6
+        rows.append((a, c, seconds - (t0 - a)))
+    saa, scc = sum(a * a for a, _, _ in rows), sum(c * c for _, c, _ in rows)
+    sac, say, scy = sum(a * c for a, c, _ in rows), sum(a * y for a, _, y in rows), sum(c * y for _, c, y in rows)
+    det = saa * scc - sac * sac
+    if not det or abs(det) < 1e-9 * saa * scc:
+        raise ValueError("the calibration steps cannot tell matmul time from per-op time apart; measure jobs of "
+                         "more different sizes")
+    u, o = (say * scc - scy * sac) / det, (saa * scy - sac * say) / det
+    return {"matmul_efficiency": min(1.0, 1 / u) if u > 0 else 1.0, "op_overhead_s": max(o, 0.0)}
 
 
 def step_time(job: Job, device, link: float | None = None) -> dict[str, float]:
@@ -113,18 +147,18 @@ def step_time(job: Job, device, link: float | None = None) -> dict[str, float]:
     N, d, F, hd, V = B * T, cfg.d_model, cfg.d_ff, cfg.head_dim, cfg.padded_vocab
     H, KV, c, r = cfg.n_head, cfg.n_kv_head, num.compute, num.residual
     peak, bw = device.flops(job.precision), device.bandwidth
+    me, be, op_s, _ = time_constants(device)
     fc = F if cfg.arch == "gpt2" else 2 * F
     mms = [(d, (H + 2 * KV) * hd), (H * hd, d), (d, fc), (F, d)]
-    mm = sum(_roofline(2 * N * k * n, (N * k + k * n + N * n) * c, peak, bw) for k, n in mms)
+    mm = sum(_roofline(2 * N * k * n, (N * k + k * n + N * n) * c, peak, bw, me, be) for k, n in mms)
     fused = job.backend != "math"
     attn_flops = 4 * B * H * T * T * hd * (0.5 if fused else 1.0)
     attn_bytes = N * (H + 2 * KV) * hd * c + N * H * hd * c + (0 if fused else 4 * B * H * T * T * 4)
-    attn = _roofline(attn_flops, attn_bytes, peak, bw)
+    attn = _roofline(attn_flops, attn_bytes, peak, bw, me, be)
     elem_bytes = N * d * r * 14 + N * F * c * (3 if cfg.arch == "llama" else 2)
     if num.autocast:
         elem_bytes += block_matmul_numel(cfg) * 6  # fp32 weights read, half copies written, every micro-batch
-    elem = elem_bytes / (bw * BANDWIDTH_EFFICIENCY)
-    op_s = OP_OVERHEAD_S.get(device.kind, 0.0)
+    elem = elem_bytes / (bw * be)
     launch = op_s * OPS_PER_BLOCK
     fwd_block = mm + attn + elem + launch
     bwd_block = 2 * mm + 2.5 * attn + 2 * elem + 2 * launch
@@ -132,8 +166,8 @@ def step_time(job: Job, device, link: float | None = None) -> dict[str, float]:
     for first, stop, policy in job.segments():
         n = stop - first
         recompute += n * (fwd_block if policy == "full" else (attn + elem + launch) if policy == "selective" else 0)
-    head_mm = _roofline(2 * N * d * V, (N * d + V * d + N * V) * c, peak, bw)
-    head = 3 * head_mm + (head_mm if job.chunked_loss else 0) + N * V * (c + 20) / (bw * BANDWIDTH_EFFICIENCY)
+    head_mm = _roofline(2 * N * d * V, (N * d + V * d + N * V) * c, peak, bw, me, be)
+    head = 3 * head_mm + (head_mm if job.chunked_loss else 0) + N * V * (c + 20) / (bw * be)
     head += op_s * (OPS_HEAD + (12 * math.ceil(N / job.chunked_loss) if job.chunked_loss else 0))
     micro = L * (fwd_block + bwd_block) + recompute + head
     compute = job.grad_accum * micro
@@ -147,14 +181,14 @@ def step_time(job: Job, device, link: float | None = None) -> dict[str, float]:
         off = sum(sum(b.values()) for i, b in enumerate(saved_tensors(job)[1]) if i in job.offload)
         transfers = 2 * off * job.grad_accum / device.host_link  # out in forward, back in backward
     compute = max(compute, transfers)  # copies run on their own stream, beside the compute
-    clip = 2 * n_params * num.grad / (bw * BANDWIDTH_EFFICIENCY)
+    clip = 2 * n_params * num.grad / (bw * be)
     if job.optimizer_offload != "none":
         pcie = n_params * (num.grad + num.param) / device.host_link
-        host = n_params * per_param / (device.host_bandwidth * BANDWIDTH_EFFICIENCY)
+        host = n_params * per_param / (device.host_bandwidth * be)
         optimizer = pcie + host if job.optimizer_offload == "host" else max(0.0, pcie + host - compute)
     else:
         masters = n_params * 12 if num.master else 0
-        optimizer = n_params * per_param / (bw * BANDWIDTH_EFFICIENCY) + masters / (bw * BANDWIDTH_EFFICIENCY)
+        optimizer = n_params * per_param / (bw * be) + masters / (bw * be)
     if job.world > 1 and job.parallel == "zero1":
         optimizer /= job.world  # each rank updates its shard
     elif job.world > 1 and job.parallel == "fsdp":

@@ -15,11 +15,14 @@ torch.utils.checkpoint's selective checkpoint contexts.
 from __future__ import annotations
 
 import contextlib
+import inspect
 from dataclasses import replace
 
 import torch
 import torch.nn as nn
-from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils.checkpoint import (CheckpointPolicy, SelectiveCheckpointContext, checkpoint,
+                                    create_selective_checkpoint_contexts)
 
 from kiln.memory.estimate import block_flops, fmt_bytes, parse_bytes, recompute_plan, saved_tensors
 
@@ -45,15 +48,40 @@ def _kept(t):
         callback(t)
 
 
+# torch ≥ 2.12 hands the policy the op's output (ctx.op_output); before that the policy runs before the op, and
+# the kept outputs are observed by a dispatch mode above the checkpoint's own (2.11 is what GPU images carry).
+_POLICY_SEES_OUTPUT = "op_output" in inspect.signature(SelectiveCheckpointContext.__init__).parameters
+
+
 def _selective_policy(ctx, op, *args, **kwargs):
     if op in _KEPT_MATMULS:
-        _kept(ctx.op_output)
+        if _POLICY_SEES_OUTPUT:
+            _kept(ctx.op_output)
         return CheckpointPolicy.MUST_SAVE
     return CheckpointPolicy.PREFER_RECOMPUTE
 
 
+class _ObserveKeptMatmuls(TorchDispatchMode):
+    """Tells the observers about each kept matmul output, for a torch whose policy cannot see it."""
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if func in _KEPT_MATMULS:
+            _kept(out)
+        return out
+
+
+@contextlib.contextmanager
+def _both(outer, inner):
+    with outer, inner:
+        yield
+
+
 def _selective_contexts():
-    return create_selective_checkpoint_contexts(_selective_policy)
+    forward, recompute = create_selective_checkpoint_contexts(_selective_policy)
+    if _observers and not _POLICY_SEES_OUTPUT:
+        forward = _both(forward, _ObserveKeptMatmuls())  # entered last, so it sees each op first
+    return forward, recompute
 
 
 class Recomputed:

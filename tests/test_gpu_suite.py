@@ -45,6 +45,7 @@ def test_summary_all_done(results):
 
 def test_tests_part_reads_junit(results):
     data = load(results, "tests")
+    assert "PASSED" in (results / "tests.log").read_text() or "SKIPPED" in (results / "tests.log").read_text()
     assert data["returncode"] == 0 and not data["timed_out"]
     # tests/memory/test_levers.py -m gpu: its CUDA test is collected and skipped on CPU.
     assert data["tests"] >= 1 and data["skipped"] == data["tests"] and data["failed"] == 0 and data["failures"] == []
@@ -61,7 +62,7 @@ def test_throughput_part_measures_both_loops(results):
     ratio = loops["kiln"]["tokens_per_s"] / loops["plain"]["tokens_per_s"]
     assert data["ratio_kiln_over_plain"] == pytest.approx(ratio)
     assert finite_positive(data["matmul"]["flops_per_s"]) and finite_positive(data["flops_per_token"])
-    assert data["data"]
+    assert data["data"] and data["compile"] is True  # the comparison: both loops under torch.compile
     variants = data["variants"]
     assert variants["kiln triton kernels"] == {"skipped": "Triton kernels need CUDA"}
     measured = {k: v for k, v in variants.items() if "triton" not in k}
@@ -153,6 +154,22 @@ def test_gpu_configs_resolve_to_the_shapes_they_name():
                 load_config(None, args + ["--data.tokenizer=bpe", "--data.vocab_size=50257", "--train.device=cuda",
                                           f"--precision.mode={precision}", f"--memory.recompute={recompute}"])
 
+
+
+def test_a_cut_off_pytest_run_is_counted_from_its_verbose_lines():
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    from gpu_suite import verbose_summary
+
+    out = ("============================= test session starts ==============================\n"
+           "tests/a.py::test_x PASSED                                                [  1%]\n"
+           "tests/a.py::test_y[cuda-bf16] FAILED                                     [  2%]\n"
+           "tests/b.py::test_z SKIPPED (needs CUDA)                                  [  3%]\n"
+           "tests/b.py::test_w ERROR                                                 [  4%]\n"
+           "tests/c.py::test_v XFAIL (known)                                         [  5%]\n"
+           "tests/c.py::test_u ")  # the line pytest was writing when it was killed
+    counts, failures = verbose_summary(out)
+    assert counts == dict(tests=5, passed=1, failed=1, errors=1, skipped=2)
+    assert failures == ["tests/a.py::test_y[cuda-bf16]", "tests/b.py::test_w"]
 
 # ---------------------------------------------------------------- merge into docs/benchmarks.md
 BEGIN, END = "<!-- gpu-suite:begin -->", "<!-- gpu-suite:end -->"
@@ -316,7 +333,7 @@ def test_gpu_results_merge_without_flag_and_cut_off_parts_are_rows(results, tmp_
     body = between(doc.read_bytes().decode())
     assert "DRY RUN" not in body and body.count("NVIDIA H100 80GB HBM3, driver 550.54.15, CUDA 12.4,") == 6
     assert "**The run did not finish**" in body
-    assert table(body, "GPU tests") == [["cut off by its time box after 420 s (pytest killed, no junit XML)"]
+    assert table(body, "GPU tests") == [["cut off by its time box after 420 s (pytest killed; counted from its -v lines)"]
                                         + [""] * 5]
     rows = {r[0]: r for r in table(body, "Throughput")}
     assert rows["kiln"][5:] == ["800", "0.800×"] and rows["kiln chunked+selective"][5:] == ["400", "0.400×"]

@@ -77,3 +77,19 @@ def test_recompute_drops_activations_as_predicted():
         got[policy] = measured(cfg, "fp32", plan, B, T).components["activations"]
     assert got == want
     assert got["none"] > got["selective"] > got["full"] > got["every_k"]
+
+
+@pytest.mark.parametrize("arch", ["gpt2", "llama"])
+def test_selective_kept_matmuls_are_counted_where_the_policy_cannot_see_them(arch, monkeypatch):
+    """torch < 2.12 (the GPU image's 2.11) calls the policy before the op: the dispatch-mode path counts the same
+    bytes as the op_output path (tests/memory/test_levers.py checks selective's gradients on whichever torch runs)."""
+    from kiln.memory import recompute
+
+    cfg = MODELS[arch]()
+    B, T = SHAPES[0]
+    plan = recompute_plan("selective", cfg.n_layer, 2)
+    seen_by_policy = measured(cfg, "fp32", plan, B, T)
+    monkeypatch.setattr(recompute, "_POLICY_SEES_OUTPUT", False)
+    seen_by_mode = measured(cfg, "fp32", plan, B, T)
+    assert seen_by_mode.components == seen_by_policy.components and seen_by_mode.per_block == seen_by_policy.per_block
+    assert seen_by_mode.components["activations"] > 0

@@ -14,7 +14,7 @@
 # part it finished: each call's tarball holds all of them so far.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-RESULTS=${RESULTS:-/tmp/kiln-gpu/gpu-results}
+RESULTS=$(realpath -m "${RESULTS:-/tmp/kiln-gpu/gpu-results}")
 WAIT_S=${WAIT_S:-560}
 PY=${PY:-python3}  # the device's python3 holds its CUDA torch and Triton
 OUT=${OUT:-$PWD/gpu-window-out}
@@ -57,11 +57,15 @@ start)
             .whl/*.whl || echo "installing .whl failed: the fp8 part will record why it did not run"
     fi
     rm -rf "$RESULTS"; mkdir -p "$RESULTS"
+    # The suite runs from a copy: the tool may sync the working tree again at the next call, under a running suite.
+    REPO="$(dirname "$RESULTS")/repo"
+    rm -rf "$REPO"; mkdir -p "$REPO"
+    tar -cf - --exclude=./.venv --exclude=./.git --exclude=./.whl --exclude=./runs --exclude=./gpu-results \
+        --exclude=./gpu-window-out . | tar -xf - -C "$REPO" || exit 1
     # shellcheck disable=SC2086
-    PYTHONPATH="$PWD:$SITE" PYTHONUNBUFFERED=1 setsid nohup "$PY" benchmarks/gpu_suite.py --out "$RESULTS" \
-        ${SUITE_ARGS:-} >"$RESULTS/suite.log" 2>&1 < /dev/null &
-    echo $! >"$RESULTS/suite.pid"
-    echo "suite started (pid $!), results in $RESULTS"
+    (cd "$REPO" && PYTHONPATH="$REPO:$SITE" PYTHONUNBUFFERED=1 setsid nohup "$PY" benchmarks/gpu_suite.py \
+        --out "$RESULTS" ${SUITE_ARGS:-} >"$RESULTS/suite.log" 2>&1 < /dev/null & echo $! >"$RESULTS/suite.pid")
+    echo "suite started (pid $(cat "$RESULTS/suite.pid")) in a copy of the tree, $REPO; results in $RESULTS"
     wait_for_suite
     ;;
 wait)

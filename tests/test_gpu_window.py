@@ -21,6 +21,8 @@ def test_start_returns_while_running_then_wait_packs_the_finished_run(tmp_path):
     first = window("start", tmp_path, wait_s=0)
     assert first.returncode == 0, first.stderr
     assert "suite started" in first.stdout and "call 'wait' again" in first.stdout
+    assert (tmp_path / "dev" / "repo" / "benchmarks" / "gpu_suite.py").is_file()  # it runs from a copy of the tree
+    assert not (tmp_path / "dev" / "repo" / ".venv").exists()
     second = window("wait", tmp_path, wait_s=240)
     assert second.returncode == 0, second.stderr
     assert "suite finished" in second.stdout

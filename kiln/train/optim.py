@@ -39,7 +39,7 @@ class OptimConfig:
     clip_percentile: float = 10.0  # adaptive: clip the global norm at this percentile of the pre-clip norms seen so far
     clip_history: int = 10000  # adaptive: the most recent norms the percentile is taken over
     offload: str = "none"  # Adam state + fp32 masters on the host: none | host | host-async (1 update stale)
-    lr_scaling: str = "none"  # none | linear (lr ∝ batch: Goyal et al. 2017, SGD) | sqrt (lr ∝ √batch: Adam-style)
+    lr_scaling: str = "none"  # none | linear (lr ∝ batch, Goyal 2017) | sqrt (lr ∝ √batch, Hoffer 2017, Malladi 2022)
     reference_batch_tokens: int = 0  # lr_scaling: the global batch (tokens; samples for fit()) optim.lr was tuned at
 
     def validate(self):

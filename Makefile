@@ -11,7 +11,7 @@ TORCH_PIN ?= torch==2.13.0
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PIP) install --quiet --upgrade pip
-	@if $(PY) -c "import torch, sys; v = tuple(int(p) for p in torch.__version__.split('+')[0].split('.')[:2]); sys.exit(0 if v >= (2, 5) else 1)" 2>/dev/null; \
+	@if $(PY) -c "import torch, sys; v = tuple(int(p) for p in torch.__version__.split('+')[0].split('.')[:2]); sys.exit(0 if v >= (2, 9) else 1)" 2>/dev/null; \
 	then echo "torch already importable"; \
 	else $(PIP) install --quiet "$(TORCH_PIN)"; fi
 	$(PIP) install --quiet -e .

@@ -77,7 +77,11 @@ def gpu_launches(gpu_tiles_on, monkeypatch):
                       constexprs=constexprs, options=options)
         launches[json.dumps(launch, sort_keys=True)] = launch
 
-    monkeypatch.setattr(InterpretedFunction, "run", record)
+    # every launch is `kernel[grid](...)` (no autotuner): patching the subscript works on every Triton since 3.0,
+    # where InterpretedFunction.run is an instance attribute (≤ 3.5) or a method (3.6 on)
+    monkeypatch.setattr(InterpretedFunction, "__getitem__",
+                        lambda self, grid: lambda *args, **kwargs: record(self, *args, grid=grid, warmup=False,
+                                                                          **kwargs))
     return launches
 
 

@@ -15,8 +15,9 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 RESULTS=$(realpath -m "${RESULTS:-/tmp/kiln-gpu/gpu-results}")
-WAIT_S=${WAIT_S:-560}
+WAIT_S=${WAIT_S:-540}  # a call may run 600 s: start-up checks, the .whl install and packing take the rest
 PY=${PY:-python3}  # the device's python3 holds its CUDA torch and Triton
+case $PY in */*) PY="$(cd "$(dirname "$PY")" && pwd)/$(basename "$PY")" ;; esac  # the suite runs from elsewhere
 OUT=${OUT:-$PWD/gpu-window-out}
 mkdir -p "$OUT"
 
@@ -37,7 +38,7 @@ wait_for_suite() {
     if running; then
         echo "suite still running after this call's ${WAIT_S} s: call 'wait' again within 30 s"
     elif [ -f "$RESULTS/summary.json" ]; then
-        echo "suite finished:"; cat "$RESULTS/summary.json"
+        echo "suite finished:"; cat "$RESULTS/summary.json"; echo
     else
         echo "suite stopped without summary.json (crashed or killed): see the log"
     fi

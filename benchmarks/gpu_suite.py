@@ -48,6 +48,7 @@ import xml.etree.ElementTree as ET
 from pathlib import Path
 
 import torch
+import torch._dynamo
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "benchmarks"))
@@ -121,6 +122,11 @@ def sync(device: torch.device) -> None:
 
 
 def release(device: torch.device) -> None:
+    """Between builds: memory back, and torch.compile's state dropped, so each build compiles for its own shapes
+    and module types (inductor's on-disk cache keeps that quick) rather than adding to the last build's cache:
+    there a new shape turns on automatic dynamic shapes (other kernels than a fresh run gets) and the 9th variant
+    of one forward would hit dynamo's recompile limit and run eager."""
+    torch._dynamo.reset()
     gc.collect()
     if device.type == "cuda":
         torch.cuda.empty_cache()

@@ -54,9 +54,8 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
 # Seconds per part on a GPU, in the order they run; the overall budget (20 min) cuts the later ones first. Tests:
-# ~300 gpu-marked cases, most a second or two (240 of them the host-sync matrix), the 1B estimator points ~20 s
-# each. Throughput: ~6 torch.compile builds of GPT-2 124M, the first ones cold (~1 min), later ones from inductor's
-# cache.
+# 296 gpu-marked cases (240 of them the host-sync matrix). Throughput: ~8 torch.compile builds of GPT-2 124M,
+# the first of each shape cold, later ones from inductor's cache. These boxes are guesses until a GPU run times them.
 BOXES = {"tests": 360, "throughput": 420, "memory": 270, "kernels": 180, "profile": 90, "fp8": 240}
 DRY_BOXES = {"tests": 60, "throughput": 120, "memory": 30, "kernels": 30, "profile": 30, "fp8": 30}
 

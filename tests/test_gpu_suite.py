@@ -45,7 +45,7 @@ def test_summary_all_done(results):
 
 def test_tests_part_reads_junit(results):
     data = load(results, "tests")
-    assert "PASSED" in (results / "tests.log").read_text() or "SKIPPED" in (results / "tests.log").read_text()
+    assert "SKIPPED" in (results / "tests.log").read_text()  # pytest -v's per-test lines, kept whole
     assert data["returncode"] == 0 and not data["timed_out"]
     # tests/memory/test_levers.py -m gpu: its CUDA test is collected and skipped on CPU.
     assert data["tests"] >= 1 and data["skipped"] == data["tests"] and data["failed"] == 0 and data["failures"] == []
@@ -155,7 +155,6 @@ def test_gpu_configs_resolve_to_the_shapes_they_name():
                                           f"--precision.mode={precision}", f"--memory.recompute={recompute}"])
 
 
-
 def test_a_cut_off_pytest_run_is_counted_from_its_verbose_lines():
     sys.path.insert(0, str(ROOT / "benchmarks"))
     from gpu_suite import verbose_summary
@@ -170,6 +169,7 @@ def test_a_cut_off_pytest_run_is_counted_from_its_verbose_lines():
     counts, failures = verbose_summary(out)
     assert counts == dict(tests=5, passed=1, failed=1, errors=1, skipped=2)
     assert failures == ["tests/a.py::test_y[cuda-bf16]", "tests/b.py::test_w"]
+
 
 # ---------------------------------------------------------------- merge into docs/benchmarks.md
 BEGIN, END = "<!-- gpu-suite:begin -->", "<!-- gpu-suite:end -->"

@@ -172,7 +172,11 @@ class Doctor:
         if self.x.is_floating_point() and not bool(torch.isfinite(self.x).all()):
             return FAIL, "the input batch holds NaN/Inf", fix
         seen = {}
-        handle = self.model.blocks[0].register_forward_pre_hook(lambda m, args: seen.setdefault("x", args[0]))
+
+        def look(module, args):  # returns None: a pre-hook's return value would replace the block's arguments
+            seen.setdefault("x", args[0])
+
+        handle = self.model.blocks[0].register_forward_pre_hook(look)
         try:
             self._loss(self.x, self.y)
         finally:

@@ -60,3 +60,19 @@ def test_a_slow_data_source_warns_on_utilisation(small_config):
     assert "ms waiting for each batch" in slow["utilisation"].value
     fast = {c.name: c for c in run_checks(small_config(), log=lambda msg: None)}
     assert fast["utilisation"].status == "pass", fast["utilisation"].value
+
+
+def test_data_finite_keeps_the_rotary_cache_of_a_llama_model(small_config, tmp_path):
+    """The check's hook on the first block only looks at the embedded inputs: it must not drop the block's other
+    argument (Llama's rotary cos/sin), which once made every Llama model fail with a TypeError."""
+    from kiln.run.doctor import Doctor
+    from kiln.run.lm import build_lm
+
+    cfg = small_config(model={"arch": "llama", "n_kv_head": 1, "rope_theta": 10000.0})
+    lm = build_lm(cfg, tmp_path, log=lambda msg: None)
+    try:
+        status, value, _ = Doctor(lm, None).data_finite()
+    finally:
+        lm.state.loader.close()
+    assert (status, value.split(";")[0]) == ("pass", "integer token ids (NaN/Inf cannot occur)")
+    assert "embedded inputs finite (absmax" in value

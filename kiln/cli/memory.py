@@ -29,9 +29,10 @@ def add_parser(sub) -> None:
     p.add_argument("--ranks", type=int, default=1, help="ranks sharing the model state under parallel.strategy "
                                                       "(zero1 shards optimizer state, fsdp everything); one rank's bytes")
     p.add_argument("--json", action="store_true", help="print JSON instead of the table")
-    p.add_argument("--out", default="memory.png", help="stacked bar chart PNG ('' = none)")
-    p.add_argument("--timeline", default="", help="timeline PNG of one step (default with --measure: "
-                                                  "memory-timeline.png)")
+    p.add_argument("--out", default="memory.png", help="stacked bar chart PNG ('' = no file: no chart, no "
+                                                       "default timeline, no CUDA snapshot)")
+    p.add_argument("--timeline", default=None, help="timeline PNG of one step (default with --measure: "
+                                                    "memory-timeline.png, unless --out is '')")
 
 
 def _device(name: str):
@@ -57,7 +58,7 @@ def run(args, overrides) -> int:
         here = torch.device("cuda" if torch.cuda.is_available() else "cpu")
         if args.device and device.kind != here.type:
             print(f"note: measuring on this machine's {here.type}, predicting for {device.name}")
-        snapshot = "memory-snapshot.pickle" if here.type == "cuda" else None
+        snapshot = "memory-snapshot.pickle" if here.type == "cuda" and args.out else None
         measured = measure_step(cfg, here, steps=args.steps, snapshot_path=snapshot)
         out["measured"] = {k: v for k, v in measured.components.items()}
         out["measured_peak_bytes"] = measured.peak_bytes
@@ -76,7 +77,8 @@ def run(args, overrides) -> int:
         files.append(str(breakdown_bar(args.out, b.components, title, measured.components if measured else None,
                                        capacity=device.memory, full_sizes=b.held(),
                                        measured_peak=measured.peak_bytes if measured else None)))
-    timeline_path = args.timeline or ("memory-timeline.png" if args.measure else "")
+    timeline_path = args.timeline if args.timeline is not None else (
+        "memory-timeline.png" if args.measure and args.out else "")  # --out '': the user asked for no file
     if timeline_path:
         files.append(str(timeline(timeline_path, b.first_timeline, b.timeline,
                                   measured.timeline if measured else None, args.steps, title)))

@@ -211,6 +211,8 @@ def summarize(run: Run, unigram: float | None = None) -> Summary:
         status = f"stopped at step {last:,}: {stops[-1].get('reason', 'numerics')}"
     elif max_steps and steps >= max_steps:
         status = f"finished: {steps:,} steps"
+    elif run.profile is not None:  # `kiln profile` runs one step fewer than its config's max_steps, by design
+        status = profile_status(run.profile, steps)
     elif not train:
         status = "no train records yet"
     else:
@@ -232,6 +234,15 @@ def summarize(run: Run, unigram: float | None = None) -> Summary:
         final_val_ppl=ppl, unigram=unigram, mean_rate=mean(f"{run.unit}_per_s"), mean_mfu=mean("mfu"),
         mean_hfu=mean("hfu"), peak_mem_bytes=max(peaks) if peaks else None,
         skipped=int(number(train[-1].get("skipped_steps")) or 0) if train else 0, events=events)
+
+
+def profile_status(profile: dict, steps: int) -> str:
+    """What a directory written by `kiln profile` is: a profile, not a run that stopped."""
+    step_s, verdict = number(profile.get("step_s")), profile.get("verdict")
+    timed = profile.get("steps")
+    what = f"{timed} steps timed of {steps:,} run" if isinstance(timed, int) else f"{steps:,} steps run"
+    return (f"profile (`kiln profile`, not a training run): {what}" + (f", {step_s:.3g} s/step" if step_s else "")
+            + (f", {verdict}" if verdict else ""))
 
 
 def fmt_duration(seconds: float | None) -> str:

@@ -266,3 +266,17 @@ def test_a_run_that_has_just_started_and_the_device_flag(tmp_path, capsys):
     assert html.count("<figure") == 1 and "on H100 (" in html  # the memory chart only, for an H100
     assert main(["report", str(path), "--out", str(out), "--device", "H1000"]) == 2
     assert "did you mean 'H100'" in capsys.readouterr().err
+
+
+def test_a_profile_directory_is_called_a_profile(tmp_path, capsys):
+    """`kiln profile` sets max_steps one past the steps it runs: the report said "stopped" (a crash?) for it."""
+    cfg = Config()
+    cfg.train.max_steps = 17  # warm-up 3 + 10 timed + 3 traced, and one more (kiln.run.profile)
+    profile = {"step_s": 0.25, "breakdown": {"forward": 0.1, "backward": 0.15}, "verdict": "compute-bound",
+               "steps": 10, "advice": []}
+    path = make_run(tmp_path, "profile-1", train=[train_record(s, 3.0) for s in range(1, 17)], config=cfg,
+                    profile=profile)
+    assert collect([path]).summaries[0].status == ("profile (`kiln profile`, not a training run): 10 steps timed "
+                                                   "of 16 run, 0.25 s/step, compute-bound")
+    assert main(["report", str(path), "--out", str(tmp_path / "r.html")]) == 0
+    assert "profile-1: profile (`kiln profile`, not a training run)" in capsys.readouterr().out

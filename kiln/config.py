@@ -22,7 +22,8 @@ from kiln.dist import ParallelConfig
 from kiln.memory.levers import MemoryConfig
 from kiln.memory.offload import parse_blocks
 from kiln.memory.planner import PlanConfig
-from kiln.models import ModelConfig
+from kiln.models import PRESETS, ModelConfig
+from kiln.models.values import refuse_replaced
 from kiln.numerics import FaultsConfig, NumericsConfig
 from kiln.train.checkpoint import CheckpointConfig
 from kiln.train.logging import LogConfig
@@ -186,10 +187,17 @@ def load_config(path: str | Path | None = None, overrides: typing.Iterable[str] 
                 raise ConfigError(f"{path}: top-level key {section!r} must be a [section] table")
             for key, value in table.items():
                 _set(cfg, section, key, value, str(path))
+    given = {}  # model keys set on the command line: an explicit sentinel must not be replaced silently
     for text in overrides:
         section, key, value = parse_override(text)
         _set(cfg, section, key, value, "command line")
+        if section == "model":
+            given[key] = getattr(cfg.model, key)
     validate(cfg)
+    try:
+        refuse_replaced(cfg.model, given, PRESETS)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
     return cfg
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, fields, replace
 
+from kiln.models.values import check_values
 from kiln.util import closest
 
 ARCHS = ("gpt2", "llama")
@@ -75,6 +76,7 @@ class ModelConfig:
             raise ValueError(f"model.init={self.init!r}; write hf:DIR, a local directory saved by save_pretrained")
         if not 0.0 <= self.dropout < 1.0:
             raise ValueError(f"model.dropout must be in [0, 1), got {self.dropout}")
+        check_values(self)
 
     @property
     def head_dim(self) -> int:

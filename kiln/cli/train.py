@@ -3,11 +3,13 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import sys
 import time
 from pathlib import Path
 
 from kiln.cli.common import add_config_arguments, config_from
 from kiln.config import ConfigError, describe, load_config
+from kiln.numerics.outcome import NONFINITE_EXIT
 from kiln.run.lm import train
 from kiln.run.oom import OOM_EXIT, OutOfMemory
 
@@ -46,6 +48,9 @@ def run(args, overrides) -> int:
         result = train(cfg, run_dir, resume=bool(args.resume), force=args.force)
     except OutOfMemory:  # the report is printed
         return OOM_EXIT
+    if result.signal is None and result.failure:
+        print(f"kiln train: error: {result.failure}", file=sys.stderr)
+        return NONFINITE_EXIT
     return 128 + result.signal if result.signal is not None else 0  # 143 SIGTERM, 130 SIGINT, 138 SIGUSR1
 
 

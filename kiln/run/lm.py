@@ -245,7 +245,7 @@ def _train(lm: LMRun, cfg: Config, run_dir: Path, resume: bool, con: Console) ->
     con.print(f"done at step {result.step} ({result.stop_reason}): val_loss {shown_val} | unigram baseline "
               f"{lm.data.unigram_loss:.4f} | checkpoint {result.checkpoint}", highlight=False)
     result.unigram_loss = lm.data.unigram_loss
-    if lm.cfg.train.sample_tokens and world.main:
+    if lm.cfg.train.sample_tokens and world.main and result.failure is None:  # NaN weights cannot be sampled
         result.sample = lm.sample(lm.cfg.train.sample_prompt, lm.cfg.train.sample_tokens)
         con.rule("sample")
         con.print(result.sample, markup=False, highlight=False)

@@ -28,6 +28,7 @@ import torch
 from rich.console import Console
 
 from kiln.numerics.monitor import Handles, Numerics
+from kiln.numerics.outcome import LossWatch
 from kiln.perf import mfu
 from kiln.train.checkpoint import Checkpointer, CheckpointWriteError
 from kiln.train.logging import MetricsLogger
@@ -121,6 +122,7 @@ class TrainResult:
     signal: int | None = None  # the stop signal that ended the run (exit status 128 + signal)
     unigram_loss: float | None = None  # language models on byte/BPE data: the loss of predicting token frequencies
     sample: str | None = None  # language models: text generated after training
+    failure: str | None = None  # the loss ended non-finite (kiln.numerics.outcome): `kiln train` exits non-zero
 
 
 def peak_memory_bytes(device: torch.device) -> int:
@@ -197,6 +199,7 @@ class Trainer:
         self._train_losses: list[float] = []  # logged since the last evaluation
         self._gaps: list[tuple[float, float, float]] = []  # (gap, train loss, val loss) per evaluation
         self._gap_warned = False
+        self.losses = LossWatch()  # whether the logged losses ended finite (TrainResult.failure)
 
     # -- start, resume, save -------------------------------------------------------------------------------
 
@@ -372,6 +375,7 @@ class Trainer:
             result.loss.double(), result.grad_norm.double(), self.skipped_total.double(), state.scaler.scale.double(),
             threshold.double()]).tolist()
         self._train_losses.append(loss)  # the evaluation's gap compares against these
+        self.losses.observe(state.step, loss)
         elapsed = time.perf_counter() - self.window_start
         rate = self.window_units * state.world.size / elapsed  # global: every rank served as many
         self.logger.log({
@@ -494,7 +498,7 @@ class Trainer:
         finally:
             self.close()
         return TrainResult(self.state.step, self.val_loss, stop_reason, path, self.state, self.cfg,
-                           signal=self.signal)
+                           signal=self.signal, failure=self.losses.failure(self.val_loss, stop_reason))
 
     def close(self) -> None:
         self.numerics.close()

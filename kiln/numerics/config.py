@@ -10,11 +10,11 @@ SPIKE_POLICIES = ("off", "warn", "skip", "rollback", "stop")
 class NumericsConfig:
     trace: bool = True  # replay a step whose loss or gradient went NaN/Inf with hooks; write nonfinite_report.json
     spike_policy: str = "warn"  # off | warn | skip (withhold the update) | rollback (restore last good state) | stop
-    spike_threshold: float = 6.0  # robust z-score (loss - median) / (1.4826·MAD) above which a step is a spike
+    spike_threshold: float = 6.0  # robust z-score (loss - recent median) / (1.4826·MAD of step changes/√2) above which a step is a spike
     spike_grad_norm_threshold: float = 12.0  # the same for log(grad norm), which is heavier-tailed (0: not judged)
-    spike_window: int = 100  # steps of loss and grad-norm history behind the rolling median and MAD
+    spike_window: int = 100  # steps of loss and grad-norm history whose step-to-step changes give the noise (MAD)
     spike_min_history: int = 20  # accepted steps needed before any step is judged a spike
-    spike_rel_floor: float = 0.01  # MAD floor as a fraction of the median: a flat history does not flag its noise
+    spike_rel_floor: float = 0.01  # noise floor as a fraction of the level: a flat history does not flag its noise
     snapshot_interval: int = 50  # rollback from memory: steps between in-memory snapshots of a verified state
     rollback_from: str = "memory"  # memory (snapshot on the training device) | disk (the latest checkpoint)
     rollback_lr_factor: float = 1.0  # lr multiplier for rollback_lr_steps steps after a rollback (1.0: unchanged)

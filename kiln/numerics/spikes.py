@@ -1,10 +1,11 @@
-"""Loss-spike detection on the device: rolling median and MAD of loss and gradient norm, no host sync.
+"""Loss-spike detection on the device: a recent level and the noise of step-to-step changes, no host sync.
 
-Each step, StepGuard.check() judges the loss and the log of the gradient norm against the last `window`
-accepted steps:
-    z = (x - median) / max(1.4826·MAD, floor)        floor: rel_floor·|median| for the loss, rel_floor for log
-1.4826·MAD estimates the standard deviation of Gaussian noise, but one outlier barely moves it, unlike a mean
-and standard deviation. The gradient norm is judged on a log scale because it is heavy-tailed and
+Each step, StepGuard.check() judges the loss and the log of the gradient norm against the accepted steps:
+    z = (x - level) / max(1.4826·MAD_Δ/√2, floor)    floor: rel_floor·|level| for the loss, rel_floor for log
+level: the median of the last LEVEL_STEPS accepted steps; MAD_Δ: the MAD of the changes between consecutive
+accepted steps over the last `window` (a falling trend is an offset of the changes, not noise). 1.4826·MAD
+estimates the standard deviation of Gaussian noise, but one outlier barely moves it, unlike a mean and
+standard deviation. The gradient norm is judged on a log scale because it is heavy-tailed and
 multiplicative, and it has its own, higher threshold: on a clean 600-step run (4 layers, width 128, fp32) the
 loss z never exceeded 2.6 while single steps at 2-4× the median norm (clipped to 1.0 anyway) reached z 9.6 on
 the log scale. A step is a spike when either z exceeds its threshold (upward only: a sudden drop is good news).
@@ -21,6 +22,26 @@ import torch
 LOSS, GRAD_NORM, LOSS_MED, GN_MED, LOSS_MAD, GN_MAD, LOSS_Z, GN_Z, SPIKE, OVERFLOW, SCALE = range(11)
 N_COLS = 11
 MAD_TO_STD = 1.4826
+# The level a step is judged against: the median of the last LEVEL_STEPS accepted steps. Short, so that it follows
+# the falling loss of early training (a median over the whole window sat far above it: a 2× jump at step 22-40 of
+# the default job reached z 3-4.4 only); long enough that one noisy step does not move it.
+LEVEL_STEPS = 10
+DIFF_TO_NOISE = 2 ** 0.5  # the difference of two steps' independent noise has √2 times the noise's spread
+
+
+def level_and_noise(history: torch.Tensor, pos: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(level, MAD of the step-to-step changes) per row of a (rows, window) ring of accepted values (NaN: none),
+    whose oldest column is `pos`.
+
+    The noise is measured on first differences, around their median: a trend (the loss falling fast in the first
+    steps) is a constant offset of the differences and does not count as noise, while with the plain MAD around
+    the median the whole descent of the window did, and hid real spikes until the history flattened out.
+    """
+    ordered = torch.roll(history, -pos, dims=1)  # oldest to newest
+    level = ordered[:, -LEVEL_STEPS:].nanmedian(dim=1).values
+    diffs = ordered[:, 1:] - ordered[:, :-1]  # NaN where either step was not accepted
+    centre = diffs.nanmedian(dim=1).values
+    return level, (diffs - centre[:, None]).abs().nanmedian(dim=1).values
 
 
 class StepGuard:
@@ -65,10 +86,9 @@ class StepGuard:
         x = torch.stack([values[0], values[1].clamp(min=1e-30).log()])  # what is judged
         finite = torch.isfinite(values).all()
         if self.detect:
-            med = self.history.nanmedian(dim=1).values  # (2,)
-            mad = (self.history - med[:, None]).abs().nanmedian(dim=1).values
+            med, mad = level_and_noise(self.history, self._pos)  # (2,), (2,)
             floor = self.rel_floor * torch.stack([med[0].abs(), torch.ones_like(med[1])])
-            spread = torch.maximum(MAD_TO_STD * mad, floor).clamp(min=1e-12)
+            spread = torch.maximum(MAD_TO_STD * mad / DIFF_TO_NOISE, floor).clamp(min=1e-12)
             z = (x - med) / spread
             armed = (~self.history[0].isnan()).sum() >= self.min_history
             spike = armed & finite & (z > self.thresholds).any()

@@ -39,16 +39,52 @@ def test_detector_matches_a_numpy_reference_and_flags_only_the_spike():
     guard = _guard()
     skips = _feed(guard, losses, norms)
     assert [i + 1 for i, s in enumerate(skips) if s] == [36]
-    # Reference: median and MAD over the last 30 accepted steps (the spike itself never enters the history).
+    # Reference: the level is the median of the last 10 accepted steps; the noise the MAD of the step-to-step
+    # changes over the last 30 steps (the spike itself never enters the history, so no change next to it counts).
+    accepted = losses.copy()
+    accepted[35] = np.nan
     for step in (20, 36, 45):
-        accepted = [i for i in range(max(0, step - 1 - 30), step - 1) if i != 35]
-        hist = losses[accepted]
-        med = _lower_median(hist)
-        mad = _lower_median(np.abs(hist - med))
+        window = accepted[max(0, step - 1 - 30):step - 1]
+        recent = window[-10:]
+        level = _lower_median(recent[~np.isnan(recent)])
+        diffs = np.diff(window)
+        diffs = diffs[~np.isnan(diffs)]
+        mad = _lower_median(np.abs(diffs - _lower_median(diffs)))
         row = guard.ring[guard.slot(step)].tolist()
-        assert row[LOSS_MED] == pytest.approx(med, rel=1e-5)
+        assert row[LOSS_MED] == pytest.approx(level, rel=1e-5)
         assert row[LOSS_MAD] == pytest.approx(mad, rel=1e-4)
-        assert row[LOSS_Z] == pytest.approx((losses[step - 1] - med) / max(1.4826 * mad, 0.01 * med), rel=1e-4)
+        spread = max(1.4826 * mad / 2 ** 0.5, 0.01 * level)
+        assert row[LOSS_Z] == pytest.approx((losses[step - 1] - level) / spread, rel=1e-4)
+
+
+def _early_training(seed, n=80):
+    """A loss falling fast from 5.5 towards 2.5 with the noise of small first batches (σ 0.15 before step 30, 0.05
+    after) and a gradient norm falling from ~11 with 20% multiplicative noise: the shape of the default job's
+    first 80 steps."""
+    rng = np.random.default_rng(seed)
+    t = np.arange(1, n + 1)
+    loss = 2.5 + 3.0 * np.exp(-t / 10) + np.where(t < 30, 0.15, 0.05) * rng.standard_normal(n)
+    norm = (1.5 + 10 * np.exp(-t / 5)) * np.exp(0.2 * rng.standard_normal(n))
+    return loss, norm
+
+
+def test_early_training_noise_is_not_a_spike():
+    for seed in range(20):
+        loss, norm = _early_training(seed)
+        guard = _guard(window=100, min_history=20, ring=128)
+        assert not any(_feed(guard, loss, norm)), seed
+
+
+@pytest.mark.parametrize("at", [22, 30, 45, 70])
+def test_a_loss_that_doubles_in_one_step_is_a_spike_early_on(at):
+    """While the loss is still falling fast, the median and MAD of the whole window sat far above the current loss:
+    a doubling at step 22-40 reached z 3-4.4 against the threshold of 6 and was missed."""
+    for seed in range(5):
+        loss, norm = _early_training(seed)
+        loss[at - 1] *= 2
+        guard = _guard(window=100, min_history=20, ring=128)
+        assert [i + 1 for i, s in enumerate(_feed(guard, loss, norm)) if s] == [at], seed
+        assert guard.ring[guard.slot(at)][LOSS_Z].item() > 10
 
 
 def test_detector_waits_for_history_ignores_drops_and_can_judge_grad_norm_alone():

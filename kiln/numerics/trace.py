@@ -4,8 +4,14 @@ Three observers run during the replay, and the report combines them:
   - module hooks: the first module whose output is non-finite although its inputs are finite (forward), or
     whose input gradient is non-finite although its output gradient is finite (backward);
   - parameter-gradient hooks: the first parameter whose gradient arrives non-finite;
-  - an op watcher (a TorchDispatchMode): the first aten op whose output is non-finite, and the innermost
-    module running at the time.
+  - an op watcher (a TorchDispatchMode): the first aten op that turns finite inputs into a non-finite output,
+    and the innermost module running at the time. Allocation ops (aten.empty and kin) are never the origin:
+    their memory is uninitialized (NaN-filled under torch.use_deterministic_algorithms) until something writes
+    it. A kernel that writes outside the dispatcher (Triton, also under its interpreter) shows up as the buffer
+    an allocation op made turning up non-finite in the next op: the origin is that kernel, in the module that
+    allocated its output.
+Parameters and buffers (e.g. the rotary cos/sin cache) that already hold NaN/Inf before the replay are listed:
+no op of the step made them so.
 The replay runs only after a non-finite step was seen at a sync point, so its cost (a host sync per op) is paid
 once per incident, never in normal steps.
 """
@@ -30,19 +36,46 @@ def _floats(obj) -> list[torch.Tensor]:
     return [t for t in tree_leaves(obj) if isinstance(t, torch.Tensor) and t.is_floating_point()]
 
 
+# Ops that hand out memory without computing its contents: their output is whatever the memory held.
+ALLOCATION_OPS = frozenset({"empty", "empty_like", "empty_strided", "empty_permuted", "new_empty",
+                            "new_empty_strided", "resize_", "resize_as_"})
+
+
+def _storage(t: torch.Tensor) -> int:
+    return t.untyped_storage().data_ptr()
+
+
 class _OpWatch(TorchDispatchMode):
     def __init__(self, tracer: "NonFiniteTracer"):
         super().__init__()
         self.tracer = tracer
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
         tr = self.tracer
-        if (tr.op is None or not tr.op["inputs_finite"]) and not tr.busy:
+        if tr.busy:
+            return out
+        if func.overloadpacket.__name__ in ALLOCATION_OPS:
+            for t in _floats(out):  # remembered, never judged: uninitialized memory is no finding
+                tr.allocated[_storage(t)] = (str(func), tr.current_module(), tr.phase)
+            return out
+        if tr.op is None or not (tr.op["inputs_finite"] or tr.op.get("outside_dispatch")):
             outs = _floats(out)
             if not all(is_finite(t) for t in outs):
-                ins = _floats((args, kwargs))
+                # An out= tensor is written, not read: its old contents (often uninitialized) are no input.
+                ins = _floats((args, {k: v for k, v in kwargs.items() if k != "out"}))
                 clean = all(is_finite(t) for t in ins)
+                filled = next((tr.allocated[_storage(t)] for t in ins
+                               if not is_finite(t) and _storage(t) in tr.allocated), None)
+                if not clean and filled is not None:
+                    # A non-finite input in memory an allocation op handed out, and no aten op wrote it non-finite
+                    # (that op would have been found first): a kernel outside the dispatcher filled it so.
+                    alloc, module, phase = filled
+                    tr.op = {"op": f"a kernel outside aten (Triton?) that filled the output of {alloc}",
+                             "module": module, "phase": phase, "inputs_finite": False, "outside_dispatch": True,
+                             "inputs": [], "outputs": [tensor_stats(t) for t in ins if not is_finite(t)][:1]}
+                    return out
                 # Prefer the first op that turns finite inputs into non-finite outputs; keep the first
                 # non-finite op of any kind until one is seen (a weight already Inf has no such op).
                 if tr.op is None or clean:
@@ -69,6 +102,7 @@ class NonFiniteTracer:
         self._grad_out_finite: dict[str, bool] = {}
         self._handles = []
         self._mode = None
+        self.allocated: dict[int, tuple[str, str, str]] = {}  # storage -> (allocation op, module, phase)
 
     def _next(self) -> int:
         self._seq += 1
@@ -177,6 +211,7 @@ class NonFiniteTracer:
                "op_module": op["module"] if same_phase else None,
                "stats": ({"inputs": op["inputs"], "outputs": op["outputs"], "inputs_finite": op["inputs_finite"]}
                          if same_phase else {"inputs": where.get("inputs", []), "outputs": where["outputs"]}),
+               **({"outside_dispatch": True} if same_phase and op.get("outside_dispatch") else {}),
                "module_stats": {"inputs": where.get("inputs", []), "outputs": where.get("outputs", [])}}
         if "parameter" in where:
             out["parameter"] = where["parameter"]
@@ -225,13 +260,22 @@ def nonfinite_params(model: nn.Module) -> list[str]:
     return [n for n, p in model.named_parameters() if not is_finite(p.detach())]
 
 
+def nonfinite_buffers(model: nn.Module) -> list[str]:
+    """Floating-point buffers (e.g. the rotary cos/sin cache) that already hold NaN/Inf before the step."""
+    return [n for n, b in model.named_buffers() if b.is_floating_point() and not is_finite(b)]
+
+
 def trace_nonfinite(model, batches, losses, scaler, step: int, observed: dict, run_dir: Path | None) -> dict:
     """Replay step `step` and write nonfinite_report.json in run_dir (None: do not write); returns the report."""
-    bad_params = nonfinite_params(model)
+    bad_params, bad_buffers = nonfinite_params(model), nonfinite_buffers(model)
     finding, micro_batch = replay_step(model, batches, losses, scaler)
     report = {"module": finding.pop("module"), "op": finding.pop("op"), "phase": finding.pop("phase"),
               "step": step, "stats": finding.pop("stats", {}), "micro_batch": micro_batch,
-              "observed": observed, "nonfinite_parameters": bad_params, **finding}
+              "observed": observed, "nonfinite_parameters": bad_params, "nonfinite_buffers": bad_buffers, **finding}
+    if bad_buffers and not report["stats"].get("inputs_finite", True):
+        # No op of the step made the NaN: a buffer computed before it (when the model was built) already held it.
+        name = bad_buffers[0]
+        report |= {"module": name.rpartition(".")[0] or ROOT, "buffer": name, "phase": "before the step"}
     report = json_safe(report)
     if run_dir is not None:
         write_report(report, run_dir)
@@ -251,6 +295,8 @@ def describe(report: dict) -> str:
                 f"{report['observed'].get('grad_norm')}); the replay with hooks stayed finite, so the origin is "
                 f"unknown (the weights moved since, or the NaN came from nondeterminism)")
     line = f"non-finite at step {step}: first in {report['phase']} of {report['module']}"
+    if report.get("buffer"):
+        line = f"non-finite at step {step}: buffer {report['buffer']} held NaN/Inf before the step"
     if "rank" in report:
         line += f" on rank {report['rank']}"
     if report.get("op"):
@@ -266,4 +312,7 @@ def describe(report: dict) -> str:
              f"{[i.get('nonfinite') for i in ins][:4]}")
     if report.get("nonfinite_parameters"):
         line += f"\n  parameters already non-finite: {', '.join(report['nonfinite_parameters'][:8])}"
+    if report.get("nonfinite_buffers"):
+        line += (f"\n  buffers already non-finite: {', '.join(report['nonfinite_buffers'][:8])} (computed before the "
+                 f"step, when the model was built: check the config values they come from, e.g. model.rope_theta)")
     return line

@@ -134,3 +134,56 @@ def test_overflow_between_submodules_is_blamed_on_the_parent():
     finding = _replay(model, torch.randint(0, 256, (2, 16)))
     assert (finding["module"], finding["phase"]) == ("(model)", "forward")
     assert finding["op"].startswith("aten.add") and finding["stats"]["inputs_finite"]
+
+
+class OutsideKernel(nn.Module):
+    """Writes its output the way a Triton kernel does: into torch.empty_like memory, outside the dispatcher (here
+    through numpy), so no aten op ever computes it. Element 0 comes out Inf from finite inputs."""
+
+    def forward(self, x):
+        out = torch.empty_like(x)
+        values = x.detach().numpy() * 2
+        values.flat[0] = float("inf")
+        out.numpy()[...] = values
+        return out
+
+
+def test_an_allocation_op_is_never_the_origin(monkeypatch):
+    """Under deterministic algorithms torch fills empty tensors with NaN; the tracer used to name aten.empty_like
+    as the origin. The origin is the kernel that filled the buffer, in the module that allocated it."""
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(4, 4), OutsideKernel(), nn.Linear(4, 1))
+    x = torch.randn(8, 4)
+    torch.use_deterministic_algorithms(True)
+    try:
+        assert torch.utils.deterministic.fill_uninitialized_memory and torch.empty(2).isnan().all()
+        with torch.no_grad(), NonFiniteTracer(net) as tracer:
+            net(x)
+    finally:
+        torch.use_deterministic_algorithms(False)
+    finding = tracer.finding()
+    assert (finding["module"], finding["phase"]) == ("1", "forward")
+    assert "empty" not in finding["op"].split(" that filled")[0]
+    assert finding["op"] == "a kernel outside aten (Triton?) that filled the output of aten.empty_like.default"
+    assert finding["op_module"] == "1" and finding["outside_dispatch"] is True
+
+
+def test_a_non_finite_buffer_is_named(tmp_path):
+    """The rotary cos/sin cache is a buffer, computed when the model is built (rope_theta=0 made it NaN): the report
+    names it rather than the first op that read it."""
+    from kiln.numerics.trace import describe, trace_nonfinite
+
+    torch.manual_seed(0)
+    model = build_model(small_model(arch="llama", n_kv_head=1, rope_theta=10000.0, vocab_size=256))
+    with torch.no_grad():
+        model.rope_cos[5:] = float("nan")
+    precision, scaler = Precision("fp32", CPU), LossScaler(PrecisionConfig(), CPU, enabled=False)
+    x = torch.randint(0, 256, (2, 16))
+    report = trace_nonfinite(model, [(x, torch.roll(x, -1, 1))],
+                             lambda m, b: micro_batch_losses(m, b, LanguageModeling(), precision), scaler, 1,
+                             {"loss": math.nan, "grad_norm": math.nan}, tmp_path)
+    assert report["nonfinite_buffers"] == ["rope_cos"] and report["nonfinite_parameters"] == []
+    assert (report["buffer"], report["module"], report["phase"]) == ("rope_cos", "(model)", "before the step")
+    assert describe(report).startswith("non-finite at step 1: buffer rope_cos held NaN/Inf before the step")
+    assert "buffers already non-finite: rope_cos (computed before the step" in describe(report)
+    assert json.loads((tmp_path / REPORT_FILE).read_text())["buffer"] == "rope_cos"

@@ -193,6 +193,8 @@ def load_config(path: str | Path | None = None, overrides: typing.Iterable[str] 
         _set(cfg, section, key, value, "command line")
         if section == "model":
             given[key] = getattr(cfg.model, key)
+        if (section, key) == ("precision", "mode"):  # a mode given now: what decided the recorded one is stale
+            cfg.precision.decided_by = ""
     validate(cfg)
     try:
         refuse_replaced(cfg.model, given, PRESETS)

@@ -3,6 +3,7 @@
     native_bf16(flags, isa_cap)     "AMX" | "AVX512-BF16" | "Arm BF16" | None (emulated)
     auto_mode(kind, capability, rates)  precision.mode=auto's one rule, for kiln train and the planner
     resolve_mode(mode, device)      the concrete precision of a mode on a torch device
+    decide_mode(mode, device)       the same and what decided it (recorded in a run's config)
     precision_notice(mode, device)  one console line about bf16/fp16 on this CPU
     resolve_kernels(kernels, device)    "torch" or "triton" for train.kernels (no Triton import)
 """
@@ -100,13 +101,25 @@ def resolve_mode(mode: str, device: torch.device) -> str:
 
     Every CPU runs bf16, bf16-master and fp16 (emulated where it lacks the instructions; see precision_notice).
     """
+    return decide_mode(mode, device)[0]
+
+
+def decide_mode(mode: str, device: torch.device) -> tuple[str, str]:
+    """(the concrete precision for `mode` on `device`, what decided it): auto's measurement or rule, or the
+    configured mode itself. `kiln train` records both in the run's config, so a resume runs the same precision."""
     if mode == "auto":
         if device.type == "cuda":
             major, minor = torch.cuda.get_device_capability(device)
-            return auto_mode("cuda", float(f"{major}.{minor}"))[0]
-        if device.type == "cpu":
-            return auto_mode("cpu", rates=_cpu_rates("fp32", "bf16"))[0]
-        return auto_mode(device.type)[0]
+            chosen, why = auto_mode("cuda", float(f"{major}.{minor}"))
+        elif device.type == "cpu":
+            chosen, why = auto_mode("cpu", rates=_cpu_rates("fp32", "bf16"))
+        else:
+            chosen, why = auto_mode(device.type)
+        return chosen, f"precision.mode=auto on {device.type}: {why}"
+    return _checked(mode, device), f"precision.mode={mode} as configured"
+
+
+def _checked(mode: str, device: torch.device) -> str:
     if mode == "tf32" and device.type != "cuda":
         raise ValueError("precision.mode='tf32' needs a CUDA device; use fp32 or bf16 on CPU")
     if mode == "fp8":

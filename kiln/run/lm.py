@@ -31,7 +31,7 @@ from kiln.models import ModelConfig, Transformer, build_model
 from kiln.numerics.faults import DelayedLoader
 from kiln.perf import device_peak_flops, flops_per_token
 from kiln.perf.flops import recompute_flops_per_token
-from kiln.perf.hardware import precision_notice, resolve_kernels, resolve_mode
+from kiln.perf.hardware import decide_mode, precision_notice, resolve_kernels
 from kiln.run.oom import OomContext, OutOfMemory, oom_report, ram_check
 from kiln.train.checkpoint import Checkpointer, RunLock
 from kiln.train.loop import TrainResult, Trainer, accumulation_for
@@ -85,6 +85,16 @@ def plan_memory(cfg: Config, device: torch.device, log=print) -> Config:
         f"{fmt_bytes(plan.memory)} on {target.name}, {best.step_s:.3g} s/step ({plan.considered} configurations "
         f"considered, {len(plan.candidates)} fit)")
     return apply_overrides(cfg, best.choice.overrides())
+
+
+def recorded_precision(pc, asked: str, device: torch.device):
+    """The precision section with its concrete mode and what decided it, as the run's config.toml records them:
+    a resume (and `--train.max_steps=N` repeats) runs that mode, whatever auto would measure on the machine then.
+    A config that already says what decided it (a resumed run's) keeps its words."""
+    mode, why = decide_mode(pc.mode, device)
+    if pc.mode != asked:
+        why = f"plan.memory chose precision.mode={mode} (precision.mode={asked} was given)"
+    return replace(pc, mode=mode, decided_by=pc.decided_by if pc.decided_by and pc.mode == asked != "auto" else why)
 
 
 @dataclass
@@ -163,9 +173,11 @@ def _build_lm(cfg: Config, run_dir, log, device: torch.device, with_data: bool, 
     vocab = data.tokenizer.vocab_size if data is not None else (256 if cfg.data.tokenizer == "bytes"
                                                                 else cfg.data.vocab_size)
     cfg = replace(cfg, model=resolve_model(cfg, vocab))
+    asked = cfg.precision.mode
     if cfg.plan.memory:  # the planner picks precision, batch split and memory levers for this budget
         cfg = plan_memory(cfg, device, log)
-    precision = resolve_mode(cfg.precision.mode, device)
+    cfg = replace(cfg, precision=recorded_precision(cfg.precision, asked, device))
+    precision = cfg.precision.mode
     model = build_model(cfg.model, "cpu" if device.type == "meta" else device)
     if initial is not None:
         missing, unexpected = model.load_state_dict(initial, strict=False)
@@ -228,6 +240,8 @@ def _train(lm: LMRun, cfg: Config, run_dir: Path, resume: bool, con: Console) ->
     if scaled:
         con.print(scaled, highlight=False)
     note = precision_notice(cfg.precision.mode, state.device)  # why auto chose it, or that bf16 is emulated here
+    if resume and c.precision.decided_by:
+        note = f"precision {c.precision.mode}, as recorded when the run started ({c.precision.decided_by})"
     if note:
         con.print(note, highlight=False)
     try:

@@ -19,6 +19,7 @@ class PrecisionConfig:
     growth_factor: float = 2.0  # fp16: scale multiplier after growth_interval clean steps
     backoff_factor: float = 0.5  # fp16: scale multiplier on an inf/NaN gradient (the step is skipped)
     growth_interval: int = 2000  # fp16: clean steps between scale increases
+    decided_by: str = ""  # written by kiln train: what chose mode (auto's measurement, the planner, the config); a resume keeps mode
 
     def validate(self):
         if self.mode not in MODES:

@@ -29,8 +29,9 @@ from kiln.memory.levers import runtime_job
 from kiln.memory.planner import search
 from kiln.models import ModelConfig, Transformer, build_model
 from kiln.numerics.faults import DelayedLoader
-from kiln.perf import device_peak_flops, flops_per_token
+from kiln.perf import flops_per_token
 from kiln.perf.flops import recompute_flops_per_token
+from kiln.perf.peak import model_peak_flops
 from kiln.perf.hardware import decide_mode, precision_notice, resolve_kernels
 from kiln.run.oom import OomContext, OutOfMemory, oom_report, ram_check
 from kiln.train.checkpoint import Checkpointer, RunLock
@@ -132,7 +133,8 @@ class LMRun:
         return Trainer(state, c, run_dir, console, evaluate=self.evaluate if self.data is not None else None,
                        config_toml=to_toml, flops_per_unit=model_flops,
                        hardware_flops_per_unit=model_flops + recomputed,
-                       peak_flops=device_peak_flops(state.device, state.precision.mode),
+                       peak_flops=model_peak_flops(state.device, state.precision.mode, c.model,
+                                                   c.train.micro_batch_size * c.data.seq_len),
                        peak_lr=self.peak_lr()[0],
                        vocab_size=self.data.tokenizer.vocab_size if self.data is not None else None)
 

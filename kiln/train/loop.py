@@ -29,7 +29,7 @@ from rich.console import Console
 
 from kiln.numerics.monitor import Handles, Numerics
 from kiln.numerics.outcome import LossWatch
-from kiln.perf import mfu
+from kiln.perf.peak import utilisation
 from kiln.train.checkpoint import Checkpointer, CheckpointWriteError
 from kiln.train.logging import MetricsLogger
 from kiln.train.schedule import lr_factor
@@ -378,6 +378,9 @@ class Trainer:
         self.losses.observe(state.step, loss)
         elapsed = time.perf_counter() - self.window_start
         rate = self.window_units * state.world.size / elapsed  # global: every rank served as many
+        # per device: the global rate shared by the ranks; a CPU's measured peak is raised if the model beat it
+        mfu, hfu, self.peak = utilisation(self.flops_per_unit or 0.0, self.hardware_flops_per_unit or 0.0,
+                                          rate / state.world.size, self.peak)
         self.logger.log({
             "step": state.step, "loss": loss, "lr": lr, "grad_norm": grad_norm,
             # the global-norm threshold in force (norm: optim.grad_clip; adaptive: this step's percentile)
@@ -385,10 +388,8 @@ class Trainer:
             f"{self.unit}_per_s": rate, "step_time_s": elapsed / self.window_steps,
             f"{self.unit}_seen": state.tokens_seen * state.world.size,
             "peak_mem_bytes": peak_memory_bytes(state.device),
-            # per device: the global rate shared by the ranks
-            "mfu": mfu(self.flops_per_unit, rate / state.world.size, self.peak) if self.flops_per_unit else None,
-            "hfu": mfu(self.hardware_flops_per_unit, rate / state.world.size, self.peak) if self.flops_per_unit
-            else None,
+            "mfu": mfu if self.flops_per_unit else None, "hfu": hfu if self.flops_per_unit else None,
+            "mfu_peak_flops": self.peak if self.flops_per_unit else None,  # raised to the achieved rate if beaten
             "skipped_steps": int(skipped), "loss_scale": scale if state.scaler.enabled else None,
             # ddp, zero1: seconds per step the gradient all-reduces were in flight (overlapping the backward)
             "comm_s": state.world.comm.take() / self.window_steps if state.world.comm is not None else None,

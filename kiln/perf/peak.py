@@ -1,0 +1,83 @@
+"""The peak FLOP/s that MFU divides by, and MFU that can never exceed 100%.
+
+    model_peak_flops(device, precision, cfg, rows)   CUDA: the datasheet; CPU: measured at the model's shapes
+    utilisation(model_flops, hardware_flops, rate, peak)   (MFU, HFU, the peak used), the peak raised to the
+                                                           achieved rate when the model ran faster than it
+
+On a CPU the peak is measured. One timed square product (kiln.perf.flops.cpu_peak, 256-1024) is not what the
+model runs: on an AMD EPYC (Zen 4, AVX512-BF16, no AVX512-FP16; 2 cores, shared) a 256³ fp16 product ran at
+1.3 GFLOP/s while the nano model's own (2048×256)·(256×768) ran at 12.6 under fp16 autocast, and MFU read
+170-205%. So the peak is the best of that square product and the model's own linear shapes (rows = the
+micro-batch's tokens), timed as the model runs them: F.linear under the run's autocast dtype. The attention
+matmuls and everything else are not in it, and a CPU's rate moves with the other work on the machine, so the
+loop still raises the peak to the rate the model achieved if that is higher: MFU is then 100%, never more, and
+each train record carries the peak used (`mfu_peak_flops`).
+"""
+from __future__ import annotations
+
+import time
+
+import torch
+import torch.nn.functional as F
+
+from kiln.perf.flops import cpu_peak, device_peak_flops
+
+MAX_ROWS, MAX_OUT = 2048, 4096  # the largest product timed: a 50k-vocabulary head is timed on 4096 of its rows
+CALL_S = 0.1  # rows double from 64 while the next product is predicted to take under this
+_cache: dict[tuple, float] = {}
+
+
+def linear_shapes(cfg, rows: int) -> list[tuple[int, int, int]]:
+    """(rows, in, out) of the model's linears per micro-batch: attention in/out, MLP in/out, the LM head."""
+    d, hd = cfg.d_model, cfg.head_dim
+    qkv = (cfg.n_head + 2 * cfg.n_kv_head) * hd
+    up = cfg.d_ff * (1 if cfg.arch == "gpt2" else 2)
+    shapes = [(d, qkv), (cfg.n_head * hd, d), (d, up), (cfg.d_ff, d), (d, cfg.padded_vocab)]
+    return [(rows, k, n) for k, n in dict.fromkeys(shapes)]
+
+
+def _timed(fn) -> float:
+    start = time.perf_counter()
+    fn()
+    return time.perf_counter() - start
+
+
+def linear_rate(rows: int, k: int, n: int, precision: str) -> float:
+    """Best FLOP/s of F.linear((rows, k), (n, k)) on this CPU, run as a `precision` run runs its linears."""
+    key = (rows, k, n, precision)
+    if key not in _cache:
+        gen = torch.Generator().manual_seed(0)  # never the global stream: training RNG stays untouched
+        autocast = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(precision)
+        dtype = {"bf16-master": torch.bfloat16, "fp64": torch.float64}.get(precision, torch.float32)
+        n = min(n, MAX_OUT)
+        w = torch.randn(n, k, generator=gen).to(dtype)
+        best, m = 0.0, 64
+        with torch.autocast("cpu", dtype=autocast, enabled=autocast is not None):
+            while True:
+                x = torch.randn(min(m, rows), k, generator=gen).to(dtype)
+                t = min(_timed(lambda: F.linear(x, w)) for _ in range(2))  # the first call also picks the kernel
+                best = max(best, 2 * x.shape[0] * k * n / t)
+                if m >= min(rows, MAX_ROWS) or 2 * t > CALL_S:
+                    break
+                m *= 2
+        _cache[key] = best
+    return _cache[key]
+
+
+def model_peak_flops(device: torch.device, precision: str, cfg=None, rows: int = 0) -> float | None:
+    """The peak MFU divides by: CUDA's datasheet; on a CPU the best measured rate of a square product and of
+    the model's own linear shapes (`cfg` a resolved ModelConfig, `rows` the tokens of a micro-batch)."""
+    peak = device_peak_flops(device, precision)
+    if device.type != "cpu" or cfg is None or not rows or peak is None:
+        return peak
+    return max([peak] + [linear_rate(m, k, n, precision) for m, k, n in linear_shapes(cfg, rows)])
+
+
+def utilisation(model_flops: float, hardware_flops: float, rate: float,
+                peak: float | None) -> tuple[float | None, float | None, float | None]:
+    """(MFU, HFU, the peak used) for `rate` units per second on one device. A rate above the peak raises the
+    peak to it: a peak the model beats was not the peak, and a utilisation above 100% is not one."""
+    if not peak:
+        return None, None, peak
+    peak = max(peak, hardware_flops * rate)
+    return model_flops * rate / peak, hardware_flops * rate / peak, peak

@@ -142,7 +142,7 @@ def _check_supervised(model, objective: Supervised, batch, name: str, precision)
             raise FitInputError("loss", f"the loss function returned {type(value).__name__}, not a tensor; return "
                                         f"a 0-d tensor (the batch's mean) so it can be backpropagated")
         if value.numel() != 1:
-            raise FitInputError("loss", f"the loss function returned shape {tuple(value.shape)} (one value per "
+            raise FitInputError("loss", f"the loss function returned a tensor of shape {tuple(value.shape)} (one value per "
                                         f"sample?) for a batch of {_batch(targets)}; fit() needs the batch's mean, "
                                         f"a scalar: return loss.mean() (or use reduction='mean')")
     elif not isinstance(output, torch.Tensor):
@@ -185,7 +185,7 @@ def check_first_loss(state, batch, name: str) -> None:
                 except (KeyError, IndexError) as e:
                     key = e.args[0] if e.args else None
                     if isinstance(batch, dict) and isinstance(key, int):
-                        raise FitInputError(name, f"{objective!r} indexed {name}'s batch with [{key}], but "
+                        raise FitInputError(name, f"{type(objective).__name__} indexed {name}'s batch with [{key}], but "
                                                   f"batches are dicts ({', '.join(map(str, batch))}): index them "
                                                   f"by key, batch[{next(iter(batch))!r}] ({OBJECTIVES_DOC})") from None
                     raise

@@ -123,28 +123,24 @@ def _check_supervised(model, objective: Supervised, batch, name: str, precision)
     with precision.autocast():
         output = model(inputs)
     loss = objective.loss
-    if isinstance(output, torch.Tensor) and isinstance(targets, torch.Tensor) and output.shape != targets.shape \
-            and not isinstance(loss, CrossEntropy):
-        try:
-            both = torch.broadcast_shapes(output.shape, targets.shape)
-        except RuntimeError:
-            both = None
-        if both is not None and both != output.shape and both != targets.shape:
-            raise FitInputError("loss", f"{_first_dim_shapes(output, targets)} broadcast to {tuple(both)} in the "
-                                        f"loss, comparing every output with every target; make them the same "
-                                        f"shape (e.g. return out.squeeze(-1) from forward, or targets "
-                                        f"{tuple(output.shape)})")
+    # (B, 1) against (B,) or the reverse: an element-wise loss broadcasts them to (B, B) without a word
+    if isinstance(output, torch.Tensor) and isinstance(targets, torch.Tensor) and not isinstance(loss, CrossEntropy) \
+            and (output.shape == targets.shape + (1,) or targets.shape == output.shape + (1,)) and output.numel() > 1:
+        both = tuple(torch.broadcast_shapes(output.shape, targets.shape))
+        fix = (f"return out.squeeze(-1) from forward, or targets {tuple(output.shape)}" if output.ndim > targets.ndim
+               else f"targets.squeeze(-1) in the data, or outputs {tuple(targets.shape)}")
+        raise FitInputError("loss", f"{_first_dim_shapes(output, targets)} broadcast to {both} in the loss, "
+                                    f"comparing every output with every target; make them the same shape (e.g. "
+                                    f"{fix})")
     if isinstance(loss, _FromMean):
-        if not isinstance(output, torch.Tensor) and not isinstance(targets, torch.Tensor):
-            return
         value = loss.fn(output, targets)
         if not isinstance(value, torch.Tensor):
             raise FitInputError("loss", f"the loss function returned {type(value).__name__}, not a tensor; return "
                                         f"a 0-d tensor (the batch's mean) so it can be backpropagated")
         if value.numel() != 1:
-            raise FitInputError("loss", f"the loss function returned a tensor of shape {tuple(value.shape)} (one value per "
-                                        f"sample?) for a batch of {_batch(targets)}; fit() needs the batch's mean, "
-                                        f"a scalar: return loss.mean() (or use reduction='mean')")
+            raise FitInputError("loss", f"the loss function returned a tensor of shape {tuple(value.shape)} (one "
+                                        f"value per sample?) for a batch of {_batch(targets)}; fit() needs the "
+                                        f"batch's mean, a scalar: return loss.mean() (or use reduction='mean')")
     elif not isinstance(output, torch.Tensor):
         raise FitInputError("loss", f"model(inputs) returned {_describe(output)}, and loss={loss!r} takes a tensor; "
                                     f"return the tensor from forward, or pass a loss function that takes what it "

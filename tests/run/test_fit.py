@@ -390,6 +390,10 @@ BAD = {
                            r"every output with every target; make them the same shape \(e.g. return "
                            r"out.squeeze\(-1\) from forward, or targets \(8, 1\)\)"),
     "broadcast mse": (dict(train_data=TensorDataset(X, Y), loss="mse"), r"broadcast to \(8, 8\) in the loss"),
+    "broadcast targets": (dict(train_data=TensorDataset(X, Y[:, None, None]), loss="huber"),
+                          r"model output \(8, 1\) and targets \(8, 1, 1\) broadcast to \(8, 8, 1\) in the loss, "
+                          r"comparing every output with every target; make them the same shape \(e.g. "
+                          r"targets.squeeze\(-1\) in the data, or outputs \(8, 1, 1\)\)"),
     "strings": (dict(train_data=_Items(lambda i: (torch.randn(6), "cat"))),
                 r"train_data\[0\] is \(Tensor\(6\), str\): kiln batches tensors, numbers and numpy arrays \(in "
                 r"tuples, lists or dicts\), not str; turn it into a tensor in __getitem__"),

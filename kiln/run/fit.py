@@ -184,6 +184,9 @@ def fit(model: nn.Module, train_data, *, loss="cross_entropy", config=None, eval
         warnings.warn(FitWarning(f"fit() ignores {', '.join(ignored)}: these keys set up kiln's own language model, "
                                  f"its data and its sample text (fit() evaluates all of eval_data); drop them"),
                       stacklevel=2)
+    if epochs is not None and "train.time_budget" in given:
+        warnings.warn(FitWarning(f"epochs={epochs} sets the run's length: train.time_budget is not used; drop it "
+                                 f"(train.max_time still ends a run by the clock)"), stacklevel=2)
     objective = objective_for(loss)
     metrics = check_metrics(metrics, objective)
     if metrics and eval_data is None:

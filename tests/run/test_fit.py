@@ -442,6 +442,9 @@ def test_ignored_keys_and_a_stretched_schedule_warn(tmp_path):
                                         r"keys set up kiln's own language model"):
         fit(nn.Linear(6, 1), data, loss="mse", run_dir=tmp_path / "a", config=BASE | {
             "model.n_layer": 2, "data.seq_len": 64, "train.sample_tokens": 0, "train.max_steps": 2})
+    with pytest.warns(FitWarning, match=r"epochs=1 sets the run's length: train.time_budget is not used; drop it"):
+        fit(nn.Linear(6, 1), data, loss="mse", epochs=1, config=BASE | {"train.time_budget": 5.0},
+            run_dir=tmp_path / "budget")
     config = BASE | {"schedule.warmup_steps": 0, "train.grad_accum_steps": 1}
     fit(nn.Linear(6, 1), data, loss="mse", epochs=1, config=config, run_dir=tmp_path / "b")  # 5 steps
     lr = [1e-2 * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * 5 / n))) for n in (5, 10)]  # cosine at step 5 of 5, 10

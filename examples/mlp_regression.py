@@ -48,7 +48,7 @@ def main():
 
     train, val = make_data()
     config = {"train.max_steps": 10 if args.quick else 3000, "train.micro_batch_size": 64, "optim.lr": 3e-3,
-              "schedule.warmup_steps": 50, "log.interval": 500,
+              "optim.weight_decay": 0.1, "schedule.warmup_steps": 50, "log.interval": 500,
               # glitches make the per-batch loss heavy-tailed; that is the data, not a training spike
               "numerics.spike_policy": "off"}
     losses = ["mse", "huber"] if args.loss == "both" else [args.loss]

@@ -2,7 +2,9 @@
 
 The library API (the `kiln` command is kiln.cli):
 
-    fit(model, train_data, loss=..., config=..., eval_data=..., run_dir=..., resume=...)   any nn.Module
+    fit(model, train_data, loss=..., config=..., eval_data=..., epochs=..., callbacks=[...], metrics={...},
+        run_dir=..., resume=...)                                                        any nn.Module
+    predict(model, data, batch_size=None, device=None)                                its outputs over data
     kiln.run.lm.train(cfg, run_dir, resume=...)                                          kiln's language models
     load_config(path, overrides), Config                                                 the configuration
     losses: CrossEntropy, MSE, Huber, BCEWithLogits, NTXent, as_loss
@@ -11,6 +13,8 @@ The library API (the `kiln` command is kiln.cli):
 """
 from kiln.config import Config, load_config
 from kiln.run.fit import fit
+from kiln.run.fit_checks import FitInputError, FitWarning
+from kiln.run.predict import predict
 from kiln.train.loop import Trainer, TrainResult
 from kiln.train.losses import MSE, BCEWithLogits, CrossEntropy, Huber, NTXent, as_loss
 from kiln.train.objective import Contrastive, LanguageModeling, Supervised
@@ -20,6 +24,6 @@ from kiln.train.state import TrainState, build_state
 __version__ = "0.1.0"
 
 # (kiln's own language-model run is kiln.run.lm.train: exported here it would hide the kiln.train package.)
-__all__ = ["fit", "Config", "load_config", "CrossEntropy", "MSE", "Huber", "BCEWithLogits", "NTXent",
+__all__ = ["fit", "predict", "FitInputError", "FitWarning", "Config", "load_config", "CrossEntropy", "MSE", "Huber", "BCEWithLogits", "NTXent",
            "as_loss", "Supervised", "Contrastive", "LanguageModeling", "TrainState", "build_state", "Trainer",
            "TrainResult", "ModelPlan", "prepare_model"]

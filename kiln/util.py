@@ -8,3 +8,18 @@ def closest(name: str, choices) -> str | None:
     """The valid name nearest to a misspelt one (None when nothing is close)."""
     match = difflib.get_close_matches(name, list(choices), n=1, cutoff=0.4)
     return match[0] if match else None
+
+
+
+
+def format_count(n: int) -> str:
+    """A count for people: 850, 5.0k, 1.2M, 3.4B (never '5e-06M')."""
+    if abs(n) < 1000:
+        return str(n)
+    text = str(n)
+    for scale, suffix in ((1e3, "k"), (1e6, "M"), (1e9, "B"), (1e12, "T")):
+        value = n / scale
+        text = (f"{value:.1f}" if abs(value) < 99.95 else f"{value:.0f}") + suffix
+        if abs(float(text[:-1])) < 1000:
+            break
+    return text

@@ -20,8 +20,11 @@ the model and data sections do not apply. The memory levers need a transformer's
 from __future__ import annotations
 
 import itertools
+import math
 import time
-from dataclasses import replace
+import warnings
+from collections.abc import Iterator, Sized
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
@@ -29,13 +32,17 @@ import torch.nn as nn
 from rich.console import Console
 
 from kiln.config import Config, apply_overrides, load_config, parse_override, to_toml
-from kiln.data.batches import BatchLoader, eval_batches, to_device
+from kiln.data.batches import BatchLoader, eval_batches, is_dataset, to_device
 from kiln.dist import device_for, init_world
 from kiln.memory.offload import parse_blocks
 from kiln.memory.estimate import recompute_plan
 from kiln.perf import device_peak_flops
 from kiln.perf.hardware import precision_notice, resolve_kernels, resolve_mode
+from kiln.run.fit_checks import (FitInputError, FitWarning, check_data, check_first_loss, given_keys, ignored_keys,
+                                 recorded, schedule_change)
 from kiln.run.lm import pick_device
+from kiln.run.predict import check_metrics, evaluate_metrics, remember
+from kiln.train.callbacks import Callbacks
 from kiln.train.checkpoint import Checkpointer, RunLock
 from kiln.train.loop import TrainResult, Trainer, accumulation_for
 from kiln.train.losses import NTXent
@@ -44,6 +51,13 @@ from kiln.train.optim import scaled_lr
 from kiln.train.pipeline import ModelPlan
 from kiln.train.state import build_state, determinism, seed_everything
 from kiln.train.step import evaluate
+from kiln.util import format_count
+
+# Defaults for a model of your own where the config does not set them (kiln's are tuned for its language models:
+# lr 2e-3, weight decay 0.1, 50 warm-up steps): torch.optim.AdamW's lr and weight decay, and a warm-up of 5% of
+# the run (50 steps when the run's length is not known in advance).
+FIT_DEFAULTS = {"optim.lr": 1e-3, "optim.weight_decay": 0.01}
+WARMUP_SHARE = 0.05
 
 
 def fit_config(config=None) -> Config:
@@ -98,55 +112,164 @@ def _plan(cfg: Config, model: nn.Module, precision: str, device: torch.device) -
                      compile=cfg.train.compile, parallel=cfg.parallel)
 
 
+def _epoch_batches(data, batch_size: int) -> int | None:
+    """Micro-batches in one pass over `data`; None when it has no length (or is a one-shot iterator)."""
+    if is_dataset(data):
+        return math.ceil(len(data) / batch_size)
+    if isinstance(data, Iterator) or not isinstance(data, Sized):
+        return None
+    return len(data)
+
+
+def _run_length(cfg: Config, data, epochs: int | None, given: set[str], world_size: int):
+    """(cfg with train.max_steps from `epochs`, a line saying so); data with a length and no max_steps or
+    time_budget set trains one epoch (not the language model's time budget)."""
+    tc = cfg.train
+    per_epoch = _epoch_batches(data, tc.micro_batch_size)
+    implied = epochs is None
+    if implied:
+        if tc.max_steps or "train.time_budget" in given or per_epoch is None:
+            return cfg, None
+        epochs = 1
+    elif per_epoch is None:
+        raise FitInputError("epochs", f"epochs={epochs} needs training data with a length (a Dataset, a list, a "
+                                      f"DataLoader); {type(data).__name__} has none: set train.max_steps instead")
+    per_step = tc.grad_accum_steps * world_size
+    steps = math.ceil(epochs * per_epoch / per_step)
+    note = (f"{epochs} epoch{'s' if epochs > 1 else ''}{' (data with a length, no train.max_steps)' if implied else ''}"
+            f": {steps:,} steps of {per_step} micro-batch{'es' if per_step > 1 else ''}, {per_epoch:,} "
+            f"micro-batches of ≤ {tc.micro_batch_size} per epoch")
+    if (epochs * per_epoch) % per_step:
+        note += f" (the last step takes {steps * per_step - epochs * per_epoch} from the next epoch)"
+    return replace(cfg, train=replace(tc, max_steps=steps)), note
+
+
+def _set(cfg: Config, key: str, value) -> Config:
+    section, _, name = key.partition(".")
+    return replace(cfg, **{section: replace(getattr(cfg, section), **{name: value})})
+
+
+def _fit_defaults(cfg: Config, given: set[str], recorded_toml: str | None):
+    """(cfg with fit()'s defaults for the keys the caller did not set, a line naming them); a resumed run keeps
+    the values its checkpoint recorded."""
+    defaults = dict(FIT_DEFAULTS)
+    if cfg.train.max_steps:  # a time-budgeted run keeps kiln's warm-up: its first steps are timed inside it
+        defaults["schedule.warmup_steps"] = round(WARMUP_SHARE * cfg.train.max_steps)
+    used = {}
+    for key, value in defaults.items():
+        if key in given:
+            continue
+        old = recorded(recorded_toml, key) if recorded_toml is not None else None
+        used[key] = old if old is not None else value
+        cfg = _set(cfg, key, used[key])
+    if not used:
+        return cfg, None
+    where = "the resumed run's" if recorded_toml is not None else "defaults for a model of your own"
+    shown = ", ".join(f"{k}={v:g}" for k, v in used.items())
+    return cfg, f"{where}: {shown} (set them in config= to choose)"
+
+
 def fit(model: nn.Module, train_data, *, loss="cross_entropy", config=None, eval_data=None,
+        epochs: int | None = None, callbacks=(), metrics: dict | None = None,
         run_dir: str | Path | None = None, resume: bool = False, console: Console | None = None,
         flops_per_sample: float | None = None) -> TrainResult:
-    """Train `model` on `train_data`; returns a TrainResult (step, val_loss, stop_reason, checkpoint, state)."""
+    """Train `model` on `train_data`; returns a TrainResult (step, val_loss, val_metrics, stop_reason, checkpoint,
+    state). epochs: passes over train_data (default: one, for data with a length and no train.max_steps);
+    callbacks: objects with on_step_end / on_eval / on_checkpoint (kiln.train.callbacks); metrics: {name:
+    fn(outputs, targets) -> float or (sum, count)} over the whole eval_data, logged as val_<name>."""
     cfg = fit_config(config)
+    given = given_keys(config)
+    ignored = ignored_keys(given)
+    if ignored:
+        warnings.warn(FitWarning(f"fit() ignores {', '.join(ignored)}: these keys set up kiln's own language model, "
+                                 f"its data and its sample text (fit() evaluates all of eval_data); drop them"),
+                      stacklevel=2)
+    if epochs is not None and "train.time_budget" in given:
+        warnings.warn(FitWarning(f"epochs={epochs} sets the run's length: train.time_budget is not used; drop it "
+                                 f"(train.max_time still ends a run by the clock)"), stacklevel=2)
     objective = objective_for(loss)
+    metrics = check_metrics(metrics, objective)
+    if metrics and eval_data is None:
+        raise FitInputError("metrics", f"metrics={{{', '.join(map(repr, metrics))}: ...}} are computed on "
+                                       f"eval_data, and none was given; pass eval_data=...")
+    if epochs is not None and (isinstance(epochs, bool) or not isinstance(epochs, int) or epochs < 1):
+        raise FitInputError("epochs", f"epochs={epochs!r}; give a whole number ≥ 1 of passes over train_data")
+    if epochs is not None and cfg.train.max_steps:
+        raise FitInputError("epochs", f"epochs={epochs} and train.max_steps={cfg.train.max_steps} both set the "
+                                      f"run's length; pass one of them")
     run_dir = Path(run_dir or f"runs/{type(model).__name__.lower()}-{time.strftime('%Y%m%d-%H%M%S')}")
-    if not resume and Checkpointer(cfg.checkpoint, run_dir).latest() is not None:
+    latest = Checkpointer(cfg.checkpoint, run_dir).latest()
+    if not resume and latest is not None:
         raise FileExistsError(f"{run_dir} already holds a run with checkpoints; pass resume=True to continue it, "
                               f"or choose another run_dir")
     world = init_world(cfg.parallel, pick_device(cfg.train.device).type)
+    recorded_toml = (latest / "config.toml").read_text() if resume and latest is not None \
+        and (latest / "config.toml").is_file() else None
     try:
         with RunLock(run_dir, enabled=world.main), determinism(cfg.train.deterministic):
             return _fit(model, train_data, objective, cfg, eval_data, run_dir, resume, console, flops_per_sample,
-                        world)
+                        world, _Extras(epochs, given, Callbacks(callbacks), metrics, recorded_toml))
     finally:
         world.close()
 
 
+@dataclass
+class _Extras:
+    epochs: int | None
+    given: set
+    callbacks: Callbacks
+    metrics: dict
+    recorded_toml: str | None
+
+
 def _fit(model, train_data, objective, cfg, eval_data, run_dir, resume, console, flops_per_sample,
-         world) -> TrainResult:
+         world, extras: _Extras) -> TrainResult:
     con = console or Console(soft_wrap=True)
     if not world.main:
         con = Console(quiet=True)  # rank 0 speaks for the run
     device = device_for(world, pick_device(cfg.train.device))
     cfg = replace(cfg, train=replace(cfg.train, grad_accum_steps=accumulation_for(cfg.train, world.size)))
+    cfg, length_note = _run_length(cfg, train_data, extras.epochs, extras.given, world.size)
+    cfg, defaults_note = _fit_defaults(cfg, extras.given, extras.recorded_toml)
+    first = check_data(train_data, "train_data", cfg.train.micro_batch_size)
+    eval_first = check_data(eval_data, "eval_data", cfg.train.micro_batch_size) if eval_data is not None else None
     seed_everything(cfg.train.seed)  # dropout and any init the model does lazily draw from here
     precision = resolve_mode(cfg.precision.mode, device)
     loader = BatchLoader(train_data, cfg.train.micro_batch_size, cfg.train.seed, device, world.rank, world.size)
     state = build_state(model, objective, loader, device=device, precision=precision, precision_cfg=cfg.precision,
                         optim=cfg.optim, plan=_plan(cfg, model, precision, device), world=world)
+    if world.strategy != "fsdp":  # FSDP2's sharded forward is the step's to run
+        for name, batch in (("train_data", first), ("eval_data", eval_first)):
+            if batch is not None:
+                check_first_loss(state, batch, name)
+    metrics = extras.metrics
     evaluate_fn = None
     if eval_data is not None:
         def evaluate_fn(m):
             mine = itertools.islice(eval_batches(eval_data, cfg.train.micro_batch_size), world.rank, None, world.size)
-            return evaluate(m, (to_device(b, device) for b in mine), objective, state.precision, device,
-                            world if world.size > 1 else None)
+            batches = (to_device(b, device) for b in mine)
+            reduce = world if world.size > 1 else None
+            if metrics:
+                return evaluate_metrics(m, batches, objective, state.precision, device, metrics, reduce)
+            return evaluate(m, batches, objective, state.precision, device, reduce)
     # optim.lr_scaling counts the global batch in samples here (the objective's unit)
     peak_lr, scaled = scaled_lr(cfg.optim, cfg.train.micro_batch_size * cfg.train.grad_accum_steps * world.size)
     trainer = Trainer(state, cfg, run_dir, con, evaluate=evaluate_fn, config_toml=to_toml,
                       flops_per_unit=flops_per_sample, peak_flops=device_peak_flops(device, precision),
-                      peak_lr=peak_lr)
+                      peak_lr=peak_lr, callbacks=extras.callbacks.callbacks)
+    remember(state.model, state.precision, device, cfg.train.micro_batch_size)  # predict() runs as the run did
     if resume:
         path = trainer.resume()
         con.print(f"resumed from {path} at step {state.step}", highlight=False)
+        if extras.recorded_toml is not None:
+            change = schedule_change(cfg, extras.recorded_toml, state.step, peak_lr)
+            if change:
+                warnings.warn(FitWarning(change), stacklevel=3)
     tc = cfg.train
-    con.print(f"model: {type(model).__name__} {state.n_params / 1e6:.3g}M parameters | device {device} | precision "
-              f"{precision} | {objective!r} | {tc.micro_batch_size}×{tc.grad_accum_steps} per step", highlight=False)
-    for line in (scaled, precision_notice(cfg.precision.mode, device)):
+    con.print(f"model: {type(model).__name__} {format_count(state.n_params)} parameters | device {device} | "
+              f"precision {precision} | {objective!r} | {tc.micro_batch_size}×{tc.grad_accum_steps} per step",
+              highlight=False)
+    for line in (length_note, defaults_note, scaled, precision_notice(cfg.precision.mode, device)):
         if line:
             con.print(line, highlight=False)
     result = trainer.run()
@@ -155,6 +278,7 @@ def _fit(model, train_data, objective, cfg, eval_data, run_dir, resume, console,
                   f"with fit(..., resume=True)", highlight=False)
         return result
     shown = f"{result.val_loss:.4f}" if result.val_loss is not None else "n/a (no eval_data)"
+    shown += "".join(f" | {k} {v:.4f}" for k, v in (result.val_metrics or {}).items())
     con.print(f"done at step {result.step} ({result.stop_reason}): val_loss {shown} | checkpoint {result.checkpoint}",
               highlight=False)
     return result

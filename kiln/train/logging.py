@@ -154,6 +154,9 @@ class MetricsLogger:
             parts.append(f"loss {_fmt(r['loss'])}")
         if "val_loss" in r:
             parts.append(f"val_loss {_fmt(r['val_loss'])}")
+            # fit(metrics=...): val_<name>
+            parts += [f"{k} {_fmt(v)}" for k, v in r.items() if k.startswith("val_") and k not in ("val_loss", "val_ppl")
+                      and isinstance(v, float)]
         if "lr" in r:
             parts.append(f"lr {r['lr']:.2e}")
         if "tokens_per_s" in r:

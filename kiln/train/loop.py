@@ -30,6 +30,7 @@ from rich.console import Console
 from kiln.numerics.monitor import Handles, Numerics
 from kiln.numerics.outcome import LossWatch
 from kiln.perf.peak import utilisation
+from kiln.train.callbacks import Callbacks
 from kiln.train.checkpoint import Checkpointer, CheckpointWriteError
 from kiln.train.logging import MetricsLogger
 from kiln.train.schedule import lr_factor
@@ -123,6 +124,13 @@ class TrainResult:
     unigram_loss: float | None = None  # language models on byte/BPE data: the loss of predicting token frequencies
     sample: str | None = None  # language models: text generated after training
     failure: str | None = None  # the loss ended non-finite (kiln.numerics.outcome): `kiln train` exits non-zero
+    val_metrics: dict | None = None  # fit(metrics=...): the last evaluation's val_<name> values
+
+    def __repr__(self) -> str:  # short: the state holds the model and the optimizer
+        shown = [f"step={self.step}", f"stop_reason={self.stop_reason!r}"]
+        shown += [f"{k}={v:.4g}" for k, v in ({"val_loss": self.val_loss} | (self.val_metrics or {})).items()
+                  if v is not None]
+        return f"TrainResult({', '.join(shown)}, checkpoint={str(self.checkpoint) if self.checkpoint else None!r})"
 
 
 def peak_memory_bytes(device: torch.device) -> int:
@@ -146,11 +154,12 @@ class Trainer:
                  evaluate: Callable[[torch.nn.Module], float] | None = None,
                  config_toml: Callable[[object], str] | None = None, flops_per_unit: float | None = None,
                  peak_flops: float | None = None, vocab_size: int | None = None,
-                 hardware_flops_per_unit: float | None = None, peak_lr: float | None = None):
+                 hardware_flops_per_unit: float | None = None, peak_lr: float | None = None, callbacks=()):
         """evaluate(model) -> mean validation loss; config_toml(cfg) -> the text saved as config.toml (and in
         every checkpoint); flops_per_unit and peak_flops give MFU (per token or sample), and with
         hardware_flops_per_unit (the same plus what recomputation runs again) HFU; vocab_size arms the data faults
-        of language models; peak_lr replaces optim.lr (optim.lr_scaling, kiln.train.optim.scaled_lr)."""
+        of language models; peak_lr replaces optim.lr (optim.lr_scaling, kiln.train.optim.scaled_lr); callbacks:
+        kiln.train.callbacks (evaluate may then return a dict: val_loss and more keys for the eval record)."""
         self.state, self.cfg, self.run_dir = state, cfg, Path(run_dir)
         self.con = console or Console(soft_wrap=True)
         self._evaluate_fn, self._config_toml = evaluate, config_toml
@@ -200,6 +209,11 @@ class Trainer:
         self._gaps: list[tuple[float, float, float]] = []  # (gap, train loss, val loss) per evaluation
         self._gap_warned = False
         self.losses = LossWatch()  # whether the logged losses ended finite (TrainResult.failure)
+        self.callbacks, self.requested_stop, self.val_metrics = Callbacks(callbacks), None, None
+
+    def request_stop(self, reason: str) -> None:
+        """End the run at the end of this step (a callback's way out); `reason` becomes the stop reason."""
+        self.requested_stop = self.requested_stop or str(reason)
 
     # -- start, resume, save -------------------------------------------------------------------------------
 
@@ -255,6 +269,7 @@ class Trainer:
             self.con.print(f"checkpoint: {e}; training on (checkpoint.on_error=warn)", highlight=False)
             return None
         self._last_save = time.monotonic()
+        self.callbacks.checkpoint(self, path)
         return path
 
     def _check_free_space(self) -> None:
@@ -326,8 +341,8 @@ class Trainer:
                     self.window_start, self.window_steps, self.window_units = time.perf_counter(), 0, 0
                     self.window_busy = 0.0
                     continue
-            if log_due:
-                self._log(result, lr)
+            record = self._log(result, lr) if log_due else {"step": state.step, "lr": lr}
+            self.callbacks.step_end(self, record)
             if verdict is not None and verdict.stop:
                 self.stop_reason = verdict.stop
                 break
@@ -338,6 +353,8 @@ class Trainer:
                 self.window_start = time.perf_counter()
             if stop_now and self.stop_reason is None:
                 self.stop_reason = stop_now
+            if self.requested_stop and self.stop_reason is None:
+                self.stop_reason = self.requested_stop
         if self.stop_reason is None and state.step >= self.max_steps:
             self.stop_reason = "max_steps"
         return self.stop_reason
@@ -366,7 +383,7 @@ class Trainer:
                           f"(steps {self._first + 3}-{state.step} on this {state.device.type}); "
                           f"--train.max_steps={steps} repeats this run exactly", highlight=False)
 
-    def _log(self, result: StepResult, lr: float) -> None:
+    def _log(self, result: StepResult, lr: float) -> dict:
         state = self.state
         # The one host-device transfer per log interval.
         threshold = result.clip_threshold if result.clip_threshold is not None else result.grad_norm.new_tensor(
@@ -381,7 +398,7 @@ class Trainer:
         # per device: the global rate shared by the ranks; a CPU's measured peak is raised if the model beat it
         mfu, hfu, self.peak = utilisation(self.flops_per_unit or 0.0, self.hardware_flops_per_unit or 0.0,
                                           rate / state.world.size, self.peak)
-        self.logger.log({
+        record = {
             "step": state.step, "loss": loss, "lr": lr, "grad_norm": grad_norm,
             # the global-norm threshold in force (norm: optim.grad_clip; adaptive: this step's percentile)
             "clip_threshold": threshold if math.isfinite(threshold) and threshold > 0 else None,
@@ -394,8 +411,10 @@ class Trainer:
             # ddp, zero1: seconds per step the gradient all-reduces were in flight (overlapping the backward)
             "comm_s": state.world.comm.take() / self.window_steps if state.world.comm is not None else None,
             "utilisation": self._utilisation(elapsed),
-        }, kind="train")
+        }
+        self.logger.log(record, kind="train")
         self.window_start, self.window_steps, self.window_units, self.window_busy = time.perf_counter(), 0, 0, 0.0
+        return {k: v for k, v in record.items() if v is not None}
 
     def _utilisation(self, elapsed: float) -> float | None:
         """How busy the device was over the log interval: on CUDA NVML's busy share (torch.cuda.utilization,
@@ -414,7 +433,10 @@ class Trainer:
             return
         state, tc = self.state, self.cfg.train
         self.val_loss = self._evaluate_fn(state.model)
-        record = {"step": state.step, "val_loss": self.val_loss}
+        if isinstance(self.val_loss, dict):  # fit(metrics=...): {"val_loss": ..., "val_<name>": ...}
+            self.val_metrics = {k: v for k, v in self.val_loss.items() if k != "val_loss"}
+            self.val_loss = self.val_loss["val_loss"]
+        record = {"step": state.step, "val_loss": self.val_loss} | (self.val_metrics or {})
         if self._train_losses and all(math.isfinite(x) for x in self._train_losses):
             record["train_loss"] = sum(self._train_losses) / len(self._train_losses)  # logged since the last eval
             record["gap"] = self.val_loss - record["train_loss"]
@@ -423,6 +445,7 @@ class Trainer:
         if self.unit == "tokens":
             record["val_ppl"] = math.exp(min(self.val_loss, 50))
         self.logger.log(record, kind="eval")
+        self.callbacks.eval(self, record)
         if self.val_loss < state.best_val - tc.early_stop_min_delta:
             state.best_val, state.evals_since_best = self.val_loss, 0
         else:
@@ -499,7 +522,8 @@ class Trainer:
         finally:
             self.close()
         return TrainResult(self.state.step, self.val_loss, stop_reason, path, self.state, self.cfg,
-                           signal=self.signal, failure=self.losses.failure(self.val_loss, stop_reason))
+                           signal=self.signal, failure=self.losses.failure(self.val_loss, stop_reason),
+                           val_metrics=self.val_metrics)
 
     def close(self) -> None:
         self.numerics.close()

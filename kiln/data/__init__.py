@@ -23,8 +23,8 @@ import numpy as np
 from kiln.data.corpus import STDLIB, CorpusError, source_files
 from kiln.data.loader import TokenLoader, val_batches
 from kiln.data.mix import Mixture, check_mix, mix_sources
+from kiln.data import prepare as _prepare
 from kiln.data.prepare import (
-    PIECE_BYTES,
     Progress,
     _write_json,
     cache_lock,
@@ -38,7 +38,7 @@ from kiln.data.prepare import (
 )
 from kiln.data.pretokenized import check_ids, join, read_tokens, token_files
 from kiln.data.shards import VERSION as SHARD_VERSION
-from kiln.data.shards import ShardError, dtype_for_vocab, open_shards
+from kiln.data.shards import HEADER_SIZE, ShardError, dtype_for_vocab, open_shards, read_header
 from kiln.data.tokenizer import (
     TOKENIZER_FILE,
     BPETokenizer,
@@ -187,7 +187,7 @@ def cache_key(cfg: DataConfig) -> str:
         "val_fraction": cfg.val_fraction,
         "shard_tokens": cfg.shard_tokens,
         "on_bad_record": cfg.on_bad_record,
-        "piece_bytes": PIECE_BYTES,
+        "piece_bytes": _prepare.PIECE_BYTES,
         "shard_version": SHARD_VERSION,
         "pipeline_version": PIPELINE_VERSION,
     }
@@ -219,6 +219,21 @@ def unigram_entropy(tokens: np.ndarray, vocab_size: int) -> float:
             raise ValueError(f"token id {len(chunk_counts) - 1} is outside the vocabulary of {vocab_size}")
         counts += chunk_counts
     p = counts[counts > 0] / counts.sum()
+    return float(-(p * np.log(p)).sum())
+
+
+def shard_unigram_entropy(paths: list[Path], vocab_size: int) -> float:
+    """unigram_entropy of the shards' tokens, read from the files a chunk at a time: a memory map would leave every
+    page it touched in this process's resident set (and PSS) until the map is dropped."""
+    counts = np.zeros(vocab_size, dtype=np.int64)
+    chunk = 1 << 22
+    for path in paths:
+        dtype, count, _ = read_header(path)
+        for start in range(0, count, chunk):
+            tokens = np.fromfile(path, dtype=dtype, count=min(chunk, count - start),
+                                 offset=HEADER_SIZE + start * dtype.itemsize)
+            counts += np.bincount(tokens, minlength=vocab_size)[:vocab_size]
+    p = counts[counts > 0] / max(counts.sum(), 1)
     return float(-(p * np.log(p)).sum())
 
 
@@ -269,57 +284,71 @@ def _build(cfg: DataConfig, final: Path, log: Callable[[str], None], progress=No
             return
         scratch = final.with_name(f"{final.name}.partial")
         scratch.mkdir(parents=True, exist_ok=True)
-        started = time.perf_counter()
-        pieces = plan_pieces(cfg)
-        tok = _tokenizer_for(cfg, scratch, pieces, log)
-        dtype = dtype_for_vocab(tok.vocab_size)
-        workers = min(worker_count(cfg.workers), len(pieces))
-        flip = _saved_flip(scratch)
+        try:
+            _build_in(cfg, final, scratch, log, progress)
+        except CorpusError:  # the input must change, and with it the cache key: nothing here can be resumed
+            shutil.rmtree(scratch, ignore_errors=True)
+            raise
+
+
+def _build_in(cfg: DataConfig, final: Path, scratch: Path, log: Callable[[str], None], progress) -> None:
+    started = time.perf_counter()
+    pieces = plan_pieces(cfg)
+    tok = _tokenizer_for(cfg, scratch, pieces, log)
+    dtype = dtype_for_vocab(tok.vocab_size)
+    workers = min(worker_count(cfg.workers), len(pieces))
+    flip = _saved_flip(scratch)
+    if flip is not None:
+        pieces = plan_pieces(cfg, flip)
+    while True:
+        job = {"tokenizer_file": str(scratch / TOKENIZER_FILE) if tok.kind == "bpe" else None,
+               "eot_id": tok.eot_id, "dtype": dtype.str, "text_field": cfg.text_field,
+               "on_bad_record": cfg.on_bad_record, "val_fraction": cfg.val_fraction, "flip": flip,
+               "fingerprint": tok.fingerprint}
+        total = sum(p["bytes"] for p in pieces)
+        result = encode_all(cfg, scratch, pieces, job, dtype, tok.fingerprint, workers,
+                            Progress(total, progress), log, flip)
+        summary = summarize(result["pieces"])
+        if summary["tokens_train"] and summary["tokens_val"]:
+            break
+        # The hash sent every document of a small corpus to one split: move the one nearest the threshold.
+        docs = summary["docs_train"] + summary["docs_val"]
+        if docs < 2:
+            raise CorpusError(f"data.source={cfg.source!r} holds only one document; kiln needs two to split (one "
+                              f"text file it cuts in two): give more text")
         if flip is not None:
-            pieces = plan_pieces(cfg, flip)
-        while True:
-            job = {"tokenizer_file": str(scratch / TOKENIZER_FILE) if tok.kind == "bpe" else None,
-                   "eot_id": tok.eot_id, "dtype": dtype.str, "text_field": cfg.text_field,
-                   "on_bad_record": cfg.on_bad_record, "val_fraction": cfg.val_fraction, "flip": flip,
-                   "fingerprint": tok.fingerprint}
-            total = sum(p["bytes"] for p in pieces)
-            result = encode_all(cfg, scratch, pieces, job, dtype, tok.fingerprint, workers,
-                                Progress(total, progress), log, flip)
-            summary = summarize(result["pieces"])
-            if summary["tokens_train"] and summary["tokens_val"]:
-                break
-            # The hash sent every document of a small corpus to one split: move the one nearest the threshold.
-            if flip is not None or summary["docs_train"] + summary["docs_val"] < 2:
-                raise CorpusError(f"data.source={cfg.source!r} holds only one document; with several documents "
-                                  f"kiln splits them, with one text file it cuts it: give more text")
-            empty = "val" if not summary["tokens_val"] else "train"
-            flip = extremes(result["pieces"])["train" if empty == "val" else "val"][0]
-            for shard in scratch.glob("*-*.bin"):
-                shard.unlink()
-            (scratch / "flip.json").write_text(json.dumps({"flip": flip}))
-            pieces = plan_pieces(cfg, flip)
-        seconds = time.perf_counter() - started
-        meta = {
-            "built_with": asdict(cfg),
-            "docs": summary["docs_train"] + summary["docs_val"],
-            "train_docs": summary["docs_train"],
-            "val_docs": summary["docs_val"],
-            "train_tokens": summary["tokens_train"],
-            "val_tokens": summary["tokens_val"],
-            "shards": {s: [f"{s}-{i:05d}.bin" for i in range(result["shards"][s])] for s in ("train", "val")},
-            "bytes": summary["bytes"],
-            "skipped_records": summary["skipped"],
-            "skipped_examples": summary["examples"],
-            "tokenizer": tok.kind,
-            "vocab_size": tok.vocab_size,
-            "fingerprint": tok.fingerprint,
-            "workers": workers,
-            "seconds": round(seconds, 3),
-            "pieces": len(pieces),
-        }
-        (scratch / "flip.json").unlink(missing_ok=True)
-        _write_json(scratch / "meta.json", meta)  # its presence marks "complete"
-        os.rename(scratch, final)
+            raise CorpusError(f"data.source={cfg.source!r}: all {docs} documents land in one split even after moving "
+                              f"one across, so they are identical; give distinct documents")
+        empty = "val" if not summary["tokens_val"] else "train"
+        flip = extremes(result["pieces"])["train" if empty == "val" else "val"][0]
+        for shard in scratch.glob("*-*.bin"):
+            shard.unlink()
+        (scratch / "flip.json").write_text(json.dumps({"flip": flip}))
+        pieces = plan_pieces(cfg, flip)
+    seconds = time.perf_counter() - started
+    train_files = [scratch / f"train-{i:05d}.bin" for i in range(result["shards"]["train"])]
+    meta = {
+        "unigram_loss": shard_unigram_entropy(train_files, tok.vocab_size),
+        "built_with": asdict(cfg),
+        "docs": summary["docs_train"] + summary["docs_val"],
+        "train_docs": summary["docs_train"],
+        "val_docs": summary["docs_val"],
+        "train_tokens": summary["tokens_train"],
+        "val_tokens": summary["tokens_val"],
+        "shards": {s: [f"{s}-{i:05d}.bin" for i in range(result["shards"][s])] for s in ("train", "val")},
+        "bytes": summary["bytes"],
+        "skipped_records": summary["skipped"],
+        "skipped_examples": summary["examples"],
+        "tokenizer": tok.kind,
+        "vocab_size": tok.vocab_size,
+        "fingerprint": tok.fingerprint,
+        "workers": workers,
+        "seconds": round(seconds, 3),
+        "pieces": len(pieces),
+    }
+    (scratch / "flip.json").unlink(missing_ok=True)
+    _write_json(scratch / "meta.json", meta)  # its presence marks "complete"
+    os.rename(scratch, final)
 
 
 def _saved_flip(scratch: Path) -> int | None:
@@ -425,10 +454,10 @@ def cached_unigram_loss(cfg: DataConfig) -> float | None:
         final = cache_dir_for(cfg)
         if not (final / "meta.json").is_file():
             return None
-        _, tok, train, _ = _open_cache(final)
+        meta, tok, train, _ = _open_cache(final)
     except (CorpusError, ShardError, ValueError, OSError):  # the source is gone here, or the cache is damaged
         return None
-    return unigram_entropy(train, tok.vocab_size)
+    return meta["unigram_loss"] if "unigram_loss" in meta else unigram_entropy(train, tok.vocab_size)
 
 
 def summary_line(label: str, meta: dict, unigram: float) -> str:
@@ -472,7 +501,7 @@ def prepare_data(cfg: DataConfig, run_dir: Path | None = None, log: Callable[[st
         tok.vocab_size = cfg.vocab_size  # the model's vocabulary is the files', whatever decodes them
     if run_dir is not None:
         tok.save(Path(run_dir))
-    unigram = unigram_entropy(train, tok.vocab_size)
+    unigram = meta["unigram_loss"] if "unigram_loss" in meta else unigram_entropy(train, tok.vocab_size)
     if built and meta.get("format") != "tokens":
         log(summary_line(_source_label(cfg.source), meta, unigram))
         for example in meta.get("skipped_examples", []):
@@ -495,6 +524,12 @@ def _prepare_mix(cfg: DataConfig, run_dir, log, progress) -> PreparedData:
     if len(fingerprints) > 1:
         raise CorpusError("the [[data.mix]] sources were tokenized with different tokenizers; give them one "
                           "data.tokenizer")
+    for name, _, prepared in parts:
+        for split, tokens in (("train", prepared.train), ("val", prepared.val)):
+            if len(tokens) < cfg.seq_len + 1:
+                raise CorpusError(f"[[data.mix]] source {name!r}: its {split} split holds {len(tokens)} tokens, fewer "
+                                  f"than data.seq_len + 1 = {cfg.seq_len + 1}; give it more text, raise "
+                                  f"data.val_fraction or lower data.seq_len")
     tok = parts[0][2].tokenizer
     if run_dir is not None:
         tok.save(Path(run_dir))

@@ -146,7 +146,7 @@ def plan_pieces(cfg, flip: int | None = None) -> list[dict]:
                 ranges = [(a + lo, b + lo) for a, b in _sub_ranges(path, lo, hi)]
                 for i, (a, b) in enumerate(ranges):
                     texts.append({"file": str(path), "start": a, "end": b, "split": split,
-                                  "last": i == len(ranges) - 1, "hash": h})
+                                  "last": i == len(ranges) - 1, "hash": h, "tail": single and split == "val"})
                     text_bytes += b - a
                     if text_bytes >= PIECE_BYTES:
                         close_text_piece()

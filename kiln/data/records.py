@@ -313,7 +313,7 @@ def encode_piece(piece: dict, job: dict, encoder: Encoder, out: str) -> dict:
                         writer.add(ids)
                 if segment["last"]:  # the document ends in this segment
                     writer.add(eot)
-                    writer.docs += 1
+                    writer.docs += 0 if segment.get("tail") else 1  # the val part of a cut document is not another
                     _track_extreme(stats, segment["split"], segment["hash"], segment["file"])
         else:
             records = jsonl_records(piece, job["text_field"]) if piece["fmt"] == "jsonl" else \

@@ -190,7 +190,9 @@ class ShardedTokens:
             out[mine] = self.parts[s][flat[mine] - self.starts[s]]
         return out.reshape(index.shape)
 
-    def max(self) -> int:
+    def max(self, axis=None, out=None, **unused) -> int:  # np.max(view) calls this
+        if axis not in (None, 0) or out is not None:
+            raise TypeError("ShardedTokens.max takes no axis or out")
         return max(int(part.max()) for part in self.parts if len(part))
 
     def __array__(self, dtype=None, copy=None):

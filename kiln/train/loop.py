@@ -409,7 +409,10 @@ class Trainer:
             return
         state, tc = self.state, self.cfg.train
         self.val_loss = self._evaluate_fn(state.model)
-        record = {"step": state.step, "val_loss": self.val_loss}
+        parts = {}
+        if isinstance(self.val_loss, dict):  # a data mixture: {"val_loss": weighted mean, "val_loss/<source>": ...}
+            parts, self.val_loss = self.val_loss, self.val_loss["val_loss"]
+        record = {"step": state.step, **parts, "val_loss": self.val_loss}
         if self._train_losses and all(math.isfinite(x) for x in self._train_losses):
             record["train_loss"] = sum(self._train_losses) / len(self._train_losses)  # logged since the last eval
             record["gap"] = self.val_loss - record["train_loss"]

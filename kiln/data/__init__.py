@@ -29,6 +29,7 @@ from kiln.data.prepare import (
     _write_json,
     cache_lock,
     encode_all,
+    entropy,
     extremes,
     file_kind,
     plan_pieces,
@@ -38,7 +39,7 @@ from kiln.data.prepare import (
 )
 from kiln.data.pretokenized import check_ids, join, read_tokens, token_files
 from kiln.data.shards import VERSION as SHARD_VERSION
-from kiln.data.shards import HEADER_SIZE, ShardError, dtype_for_vocab, open_shards, read_header
+from kiln.data.shards import ShardError, dtype_for_vocab, open_shards
 from kiln.data.tokenizer import (
     TOKENIZER_FILE,
     BPETokenizer,
@@ -222,21 +223,6 @@ def unigram_entropy(tokens: np.ndarray, vocab_size: int) -> float:
     return float(-(p * np.log(p)).sum())
 
 
-def shard_unigram_entropy(paths: list[Path], vocab_size: int) -> float:
-    """unigram_entropy of the shards' tokens, read from the files a chunk at a time: a memory map would leave every
-    page it touched in this process's resident set (and PSS) until the map is dropped."""
-    counts = np.zeros(vocab_size, dtype=np.int64)
-    chunk = 1 << 22
-    for path in paths:
-        dtype, count, _ = read_header(path)
-        for start in range(0, count, chunk):
-            tokens = np.fromfile(path, dtype=dtype, count=min(chunk, count - start),
-                                 offset=HEADER_SIZE + start * dtype.itemsize)
-            counts += np.bincount(tokens, minlength=vocab_size)[:vocab_size]
-    p = counts[counts > 0] / max(counts.sum(), 1)
-    return float(-(p * np.log(p)).sum())
-
-
 def _millions(n: int) -> str:
     return f"{n / 1e6:.1f}M" if n >= 100_000 else f"{n / 1e3:.1f}k"
 
@@ -307,7 +293,7 @@ def _build_in(cfg: DataConfig, final: Path, scratch: Path, log: Callable[[str], 
                "fingerprint": tok.fingerprint}
         total = sum(p["bytes"] for p in pieces)
         result = encode_all(cfg, scratch, pieces, job, dtype, tok.fingerprint, workers,
-                            Progress(total, progress), log, flip)
+                            Progress(total, progress), log, tok.vocab_size)
         summary = summarize(result["pieces"])
         if summary["tokens_train"] and summary["tokens_val"]:
             break
@@ -326,9 +312,8 @@ def _build_in(cfg: DataConfig, final: Path, scratch: Path, log: Callable[[str], 
         (scratch / "flip.json").write_text(json.dumps({"flip": flip}))
         pieces = plan_pieces(cfg, flip)
     seconds = time.perf_counter() - started
-    train_files = [scratch / f"train-{i:05d}.bin" for i in range(result["shards"]["train"])]
     meta = {
-        "unigram_loss": shard_unigram_entropy(train_files, tok.vocab_size),
+        "unigram_loss": entropy(result["counts"]),
         "built_with": asdict(cfg),
         "docs": summary["docs_train"] + summary["docs_val"],
         "train_docs": summary["docs_train"],

@@ -27,7 +27,7 @@ import numpy as np
 
 from kiln.data import records
 from kiln.data.corpus import STDLIB, CorpusError, source_files
-from kiln.data.shards import ShardWriter
+from kiln.data.shards import HEADER_SIZE, ShardWriter, read_header
 
 PIECE_BYTES = 32 << 20  # input bytes per piece: enough work to amortize a worker round trip, small buffers
 COPY_TOKENS = 1 << 22  # tokens copied from a piece file into shards at a time
@@ -293,7 +293,8 @@ class Workers:
         self.busy: dict[int, int] = {}  # worker -> piece index
         self.done: dict[int, dict] = {}
         self._encoder = None
-        if n == 1:
+        self.inline = n == 1
+        if self.inline:
             self._encoder = records.Encoder(job["tokenizer_file"], job["eot_id"], job["dtype"])
             return
         env = dict(os.environ, RAYON_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false")  # one core per worker
@@ -306,15 +307,16 @@ class Workers:
             self.procs.append(p)
 
     def free(self) -> int:
-        return self.n - len(self.busy) if self.procs else 1
+        return self.n - len(self.busy)
+
+    def encode(self, piece: dict, out: str, sinks: dict) -> dict:
+        """In-process: the piece's tokens straight to the sinks."""
+        try:
+            return records.encode_piece(piece, self.job, self._encoder, out, sinks)
+        except records.BadRecord as e:
+            raise CorpusError(str(e)) from None
 
     def submit(self, index: int, piece: dict, out: str) -> None:
-        if not self.procs:
-            try:
-                self.done[index] = {"stats": records.encode_piece(piece, self.job, self._encoder, out)}
-            except records.BadRecord as e:
-                self.done[index] = {"error": str(e)}
-            return
         worker = next(w for w in range(self.n) if w not in self.busy)
         self.busy[worker] = index
         self.procs[worker].stdin.write(json.dumps({"index": index, "piece": piece, "out": out}) + "\n")
@@ -377,12 +379,13 @@ class Progress:
 
 
 def encode_all(cfg, scratch: Path, pieces: list[dict], job: dict, dtype, fingerprint: str, workers: int,
-               progress: Progress, log: Callable[[str], None], flip: int | None) -> dict:
-    """Tokenize every piece into shards under scratch (resuming from progress.json); returns the summary."""
+               progress: Progress, log: Callable[[str], None], vocab_size: int) -> dict:
+    """Tokenize every piece into shards under scratch (resuming from progress.json); returns the per-piece
+    statistics, the shard counts and the token counts of the train split (for its unigram loss)."""
     plan_id = _plan_id(pieces, job, cfg.shard_tokens)
     state = _load_progress(scratch / PROGRESS, plan_id)
     if state is None:
-        state = {"plan": plan_id, "flip": flip, "pieces": [],
+        state = {"plan": plan_id, "pieces": [],
                  "train": {"shards": 0, "piece": 0, "offset": 0}, "val": {"shards": 0, "piece": 0, "offset": 0}}
         for stale in scratch.glob("*-*.bin"):
             stale.unlink()
@@ -390,7 +393,7 @@ def encode_all(cfg, scratch: Path, pieces: list[dict], job: dict, dtype, fingerp
         total = len(list(scratch.glob("train-*.bin"))) + len(list(scratch.glob("val-*.bin")))
         kept = state["train"]["shards"] + state["val"]["shards"]
         log(f"data: resuming an interrupted prepare: reused {kept} of {total} shards on disk "
-            f"({len(state['pieces'])} of {len(pieces)} pieces)")
+            f"({len(state['pieces'])} of {len(pieces)} pieces done)")
         for split in SPLITS:  # a shard finished after the last progress write is rebuilt, identically
             for path in scratch.glob(f"{split}-*.bin"):
                 if int(path.stem.split("-")[1]) >= state[split]["shards"]:
@@ -401,48 +404,92 @@ def encode_all(cfg, scratch: Path, pieces: list[dict], job: dict, dtype, fingerp
     state["pieces"] = state["pieces"][:first]
     for stats in state["pieces"]:
         progress.add(stats["bytes"], stats["tokens_train"] + stats["tokens_val"])
-    streams = {s: ShardStream(scratch, s, cfg.shard_tokens, dtype, fingerprint, state[s]["shards"]) for s in SPLITS}
+    counts = _shard_counts([scratch / f"train-{i:05d}.bin" for i in range(state["train"]["shards"])], vocab_size)
+    sinks = {s: Sink(s, ShardStream(scratch, s, cfg.shard_tokens, dtype, fingerprint, state[s]["shards"]), state,
+                     scratch, counts if s == "train" else None) for s in SPLITS}
     pool = Workers(workers, job)
     ahead = max(2, 2 * workers)  # pieces tokenized ahead of the one being copied: bounds scratch disk use
     submitted = first
     try:
         for i in range(first, len(pieces)):
-            while submitted < len(pieces) and submitted < i + ahead and pool.free() > 0:
-                pool.submit(submitted, pieces[submitted], str(scratch / f"piece-{submitted:06d}"))
-                submitted += 1
-            stats = pool.wait(i)
-            for split in SPLITS:
-                path = scratch / f"piece-{i:06d}.{split}"
-                skip = state[split]["offset"] if i == state[split]["piece"] else 0
-                if i >= state[split]["piece"]:
-                    _copy_piece(path, dtype, skip, streams[split], state, scratch, i, split)
-                path.unlink()
+            for sink in sinks.values():
+                sink.begin(i)
+            if pool.inline:  # one worker: encode straight into the shards
+                stats = pool.encode(pieces[i], str(scratch / f"piece-{i:06d}"), {s: k.write for s, k in sinks.items()})
+            else:
+                while submitted < len(pieces) and submitted < i + ahead and pool.free() > 0:
+                    pool.submit(submitted, pieces[submitted], str(scratch / f"piece-{submitted:06d}"))
+                    submitted += 1
+                stats = pool.wait(i)
+                for split, sink in sinks.items():
+                    path = scratch / f"piece-{i:06d}.{split}"
+                    sink.copy(path, dtype)
+                    path.unlink()
             state["pieces"].append(stats)
             progress.add(stats["bytes"], stats["tokens_train"] + stats["tokens_val"])
-        for split in SPLITS:
-            streams[split].finish()
-            state[split]["shards"] = streams[split].done
+        for split, sink in sinks.items():
+            sink.stream.finish()
+            state[split]["shards"] = sink.stream.done
     except BaseException:
-        for stream in streams.values():
-            stream.abort()
+        for sink in sinks.values():
+            sink.stream.abort()
         raise
     finally:
         pool.close()
     (scratch / PROGRESS).unlink(missing_ok=True)
-    return {"pieces": state["pieces"], "shards": {s: streams[s].done for s in SPLITS}}
+    return {"pieces": state["pieces"], "shards": {s: sinks[s].stream.done for s in SPLITS}, "counts": counts}
 
 
-def _copy_piece(path: Path, dtype, skip: int, stream: ShardStream, state: dict, scratch: Path, index: int,
-                split: str) -> None:
-    count = path.stat().st_size // dtype.itemsize
+class Sink:
+    """Where one split's tokens go, piece by piece: the part of the piece already in shards before a resume is
+    skipped, the rest fed to the shard stream; progress.json is rewritten after each completed shard."""
 
-    def on_shard(offset: int) -> None:
-        state[split] = {"shards": stream.done, "piece": index, "offset": offset}
-        _write_json(scratch / PROGRESS, state)
+    def __init__(self, split: str, stream: ShardStream, state: dict, scratch: Path, counts: np.ndarray | None):
+        self.split, self.stream, self.state, self.scratch, self.counts = split, stream, state, scratch, counts
+        self.piece = self.pos = self.skip = 0
 
-    for start in range(skip, count, COPY_TOKENS):
-        tokens = np.fromfile(path, dtype=dtype, count=min(COPY_TOKENS, count - start), offset=start * dtype.itemsize)
-        stream.feed(tokens, on_shard, start)
+    def begin(self, piece: int) -> None:
+        mark = self.state[self.split]
+        self.piece, self.pos = piece, 0
+        self.skip = 0 if piece > mark["piece"] else mark["offset"] if piece == mark["piece"] else 1 << 62
+
+    def write(self, tokens: np.ndarray) -> None:
+        lo = min(len(tokens), max(0, self.skip - self.pos))
+        if lo < len(tokens):
+            fresh = tokens[lo:]
+            if self.counts is not None:
+                self.counts += np.bincount(fresh, minlength=len(self.counts))[: len(self.counts)]
+            self.stream.feed(fresh, self._on_shard, self.pos + lo)
+        self.pos += len(tokens)
+
+    def copy(self, path: Path, dtype) -> None:
+        """Feed a worker's piece file, COPY_TOKENS at a time."""
+        count = path.stat().st_size // dtype.itemsize
+        for start in range(0, count, COPY_TOKENS):
+            self.write(np.fromfile(path, dtype=dtype, count=min(COPY_TOKENS, count - start),
+                                   offset=start * dtype.itemsize))
+
+    def _on_shard(self, offset: int) -> None:
+        self.state[self.split] = {"shards": self.stream.done, "piece": self.piece, "offset": offset}
+        _write_json(self.scratch / PROGRESS, self.state)
+
+
+def _shard_counts(paths: list[Path], vocab_size: int) -> np.ndarray:
+    """Token counts of complete shards, read a chunk at a time (a memory map would stay in this process's RSS)."""
+    counts = np.zeros(vocab_size, dtype=np.int64)
+    for path in paths:
+        dtype, count, _ = read_header(path)
+        for start in range(0, count, COPY_TOKENS):
+            tokens = np.fromfile(path, dtype=dtype, count=min(COPY_TOKENS, count - start),
+                                 offset=HEADER_SIZE + start * dtype.itemsize)
+            counts += np.bincount(tokens, minlength=vocab_size)[:vocab_size]
+    return counts
+
+
+def entropy(counts: np.ndarray) -> float:
+    """-sum p log p (nats) of token counts."""
+    p = counts[counts > 0] / max(int(counts.sum()), 1)
+    return float(-(p * np.log(p)).sum())
 
 
 def _plan_id(pieces: list[dict], job: dict, shard_tokens: int) -> str:

@@ -35,9 +35,12 @@ class BadRecord(ValueError):
     """A record that cannot be read: the message names the file, the line or row, and the fix."""
 
 
-def split_hash(key: str) -> int:
-    """The document's split position as a 64-bit integer (position = hash / 2**64, as kiln.data.corpus)."""
-    return int.from_bytes(hashlib.blake2b(key.encode("utf-8", "surrogatepass"), digest_size=8).digest(), "big")
+def split_hash(key: str | bytes) -> int:
+    """The document's split position as a 64-bit integer (position = hash / 2**64, as kiln.data.corpus); a key
+    given as bytes is its UTF-8 encoding."""
+    if isinstance(key, str):
+        key = key.encode("utf-8", "surrogatepass")
+    return int.from_bytes(hashlib.blake2b(key, digest_size=8).digest(), "big")
 
 
 # ---------------------------------------------------------------- encoding
@@ -55,6 +58,11 @@ class Encoder:
 
             self._tok = Tokenizer.from_file(tokenizer_file)
             self._tok.encode_special_tokens = True  # a document quoting <|endoftext|> must not end early
+
+    @property
+    def raw_bytes(self) -> bool:
+        """True when a document's tokens are its UTF-8 bytes (encode_bytes applies)."""
+        return self._tok is None
 
     def encode(self, texts: list[str]) -> list[np.ndarray]:
         if self._tok is None:
@@ -85,16 +93,16 @@ def _line_chunks(text: str) -> list[str]:
 
 
 class SplitWriter:
-    """Buffers the token arrays of one split and appends them to `path` FLUSH_TOKENS at a time."""
+    """Buffers the token arrays of one split and hands them on FLUSH_TOKENS at a time: appended to the file `path`
+    (a worker process), or to `sink(tokens)` (the parent, encoding in-process, writes shards directly)."""
 
-    def __init__(self, path: str, dtype: np.dtype) -> None:
-        self.path, self.dtype = path, dtype
-        self.file = open(path, "wb")
+    def __init__(self, path: str, dtype: np.dtype, sink=None) -> None:
+        self.path, self.dtype, self.sink = path, dtype, sink
+        self.file = open(path, "wb") if sink is None else None
         self.buffer: list[np.ndarray] = []
         self.buffered = 0
         self.tokens = 0
         self.docs = 0
-        self._max = np.iinfo(dtype).max
 
     def add(self, ids: np.ndarray) -> None:
         self.buffer.append(ids)
@@ -105,16 +113,19 @@ class SplitWriter:
     def flush(self) -> None:
         if not self.buffer:
             return
-        joined = np.concatenate(self.buffer)
-        if joined.size and int(joined.max()) > self._max:
-            raise BadRecord(f"token id {int(joined.max())} does not fit the cache's {self.dtype}")
-        self.file.write(joined.astype(self.dtype, copy=False).tobytes())
-        self.tokens += joined.size
+        # The dtype holds every id: the parent chose it from the vocabulary (uint16 up to 2**16 ids).
+        joined = np.concatenate(self.buffer, dtype=self.dtype, casting="unsafe")
         self.buffer, self.buffered = [], 0
+        if self.sink is not None:
+            self.sink(joined)
+        else:
+            self.file.write(memoryview(joined))
+        self.tokens += joined.size
 
     def close(self) -> None:
         self.flush()
-        self.file.close()
+        if self.file is not None:
+            self.file.close()
 
 
 # ---------------------------------------------------------------- reading
@@ -175,42 +186,32 @@ def jsonl_records(piece: dict, text_field: str):
     """(key, where, text) of each record of a JSONL piece; BadRecord for a bad line (where = file:line)."""
     path, compression = piece["file"], piece.get("compression")
     start = piece.get("start", 0)
-    line_base = None  # the piece's first line number, counted on the first error
+
+    def where(i: int) -> str:  # file:line, counted only when an error needs it
+        return f"{path}:{i + 1}" if compression else f"{path}:{_line_number(path, start) + i}"
+
     with io.BufferedReader(_open_lines(path, compression, start, piece.get("end")), 1 << 20) as f:
-        offset = start
         for i, raw in enumerate(f):
-            line_offset, offset = offset, offset + len(raw)
-            if not raw.strip():
-                continue  # a blank line (often the trailing one) is not a record
-
-            def where() -> str:
-                nonlocal line_base
-                if compression:
-                    return f"{path}:{i + 1}"
-                if line_base is None:
-                    line_base = _line_number(path, start)
-                return f"{path}:{line_base + i}"
-
             try:
-                line = raw.decode("utf-8")
+                record = json.loads(raw)  # bytes: json decodes them as UTF-8 itself
             except UnicodeDecodeError as e:
-                yield BadRecord(f"{where()}: byte {e.start} of the line is not UTF-8 ({e.reason}); convert the file "
+                yield BadRecord(f"{where(i)}: byte {e.start} of the line is not UTF-8 ({e.reason}); convert the file "
                                 f"to UTF-8, or set data.on_bad_record=skip to skip such records"), None, None
                 continue
-            try:
-                record = json.loads(line)
             except json.JSONDecodeError as e:
-                yield BadRecord(f"{where()}: not valid JSON ({e.msg}); each line must be one JSON object, or set "
+                if not raw.strip():
+                    continue  # a blank line (often the trailing one) is not a record
+                yield BadRecord(f"{where(i)}: not valid JSON ({e.msg}); each line must be one JSON object, or set "
                                 f"data.on_bad_record=skip to skip such lines"), None, None
                 continue
             if not isinstance(record, dict) or text_field not in record:
                 keys = sorted(record) if isinstance(record, dict) else type(record).__name__
-                yield BadRecord(f"{where()}: no field {text_field!r} (found {keys}); set data.text_field to the "
+                yield BadRecord(f"{where(i)}: no field {text_field!r} (found {keys}); set data.text_field to the "
                                 f"field holding the text, or data.on_bad_record=skip to skip such records"), None, None
                 continue
             text = record[text_field]
             if not isinstance(text, str):
-                yield BadRecord(f"{where()}: field {text_field!r} is {type(text).__name__}, expected a string; or "
+                yield BadRecord(f"{where(i)}: field {text_field!r} is {type(text).__name__}, expected a string; or "
                                 f"set data.on_bad_record=skip to skip such records"), None, None
                 continue
             # Keyed by content, not line number: inserting a line does not reshuffle the split, and exact
@@ -293,14 +294,15 @@ def _example(stats: dict, message: str) -> None:
 # ---------------------------------------------------------------- one piece
 
 
-def encode_piece(piece: dict, job: dict, encoder: Encoder, out: str) -> dict:
-    """Tokenize `piece` into `out`.train / `out`.val; returns its statistics (documents, tokens, bytes, skipped).
+def encode_piece(piece: dict, job: dict, encoder: Encoder, out: str, sinks: dict | None = None) -> dict:
+    """Tokenize `piece` into `out`.train / `out`.val (or hand the tokens to sinks[split], in order); returns its
+    statistics (documents, tokens, bytes, skipped).
 
     job: text_field, on_bad_record, val_fraction, flip (the split hash of a document sent to the other split).
     """
     stats = {"docs_train": 0, "docs_val": 0, "tokens_train": 0, "tokens_val": 0, "bytes": piece["bytes"],
              "skipped": 0, "examples": [], "extreme": {"train": None, "val": None}}
-    writers = {s: SplitWriter(f"{out}.{s}", encoder.dtype) for s in ("train", "val")}
+    writers = {s: SplitWriter(f"{out}.{s}", encoder.dtype, sinks and sinks[s]) for s in ("train", "val")}
     threshold = job["val_fraction"] * 2**64
     flip = job.get("flip")
     eot = np.array([encoder.eot], dtype=np.uint32)
@@ -319,6 +321,7 @@ def encode_piece(piece: dict, job: dict, encoder: Encoder, out: str) -> dict:
             records = jsonl_records(piece, job["text_field"]) if piece["fmt"] == "jsonl" else \
                 table_records(piece, job["text_field"])
             batch: list[tuple[str, str]] = []
+            raw = encoder.raw_bytes
             for key, where, text in records:
                 if isinstance(key, BadRecord):
                     if job["on_bad_record"] == "error":
@@ -328,11 +331,18 @@ def encode_piece(piece: dict, job: dict, encoder: Encoder, out: str) -> dict:
                     continue
                 if not text:
                     continue
-                h = split_hash(key)
+                data = text.encode("utf-8", "surrogatepass")  # a record's key is its text: one encode for both
+                h = split_hash(data)
                 split = "val" if h < threshold else "train"
                 if h == flip:
                     split = "train" if split == "val" else "val"
                 _track_extreme(stats, split, h, where)
+                if raw:  # bytes tokenizer: the tokens are these bytes
+                    writer = writers[split]
+                    writer.add(np.frombuffer(data, dtype=np.uint8))
+                    writer.add(eot)
+                    writer.docs += 1
+                    continue
                 batch.append((split, text))
                 if len(batch) >= 256:  # enough for the Rust threads, bounded memory
                     _write_batch(batch, encoder, writers, eot)
@@ -344,7 +354,8 @@ def encode_piece(piece: dict, job: dict, encoder: Encoder, out: str) -> dict:
             stats[f"docs_{s}"] = w.docs
     except BaseException:
         for w in writers.values():
-            w.file.close()
+            if w.file is not None:
+                w.file.close()
         raise
     return stats
 

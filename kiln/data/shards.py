@@ -65,9 +65,11 @@ class ShardWriter:
 
     def append(self, ids: np.ndarray) -> None:
         ids = np.asarray(ids)
-        if ids.size and int(ids.max()) > self._max_id:
-            raise ValueError(f"token id {int(ids.max())} does not fit the shard dtype {self.dtype} of {self.path}")
-        self._file.write(ids.astype(self.dtype, copy=False).tobytes())
+        if ids.dtype != self.dtype:  # the same dtype needs no check (and no copy)
+            if ids.size and int(ids.max()) > self._max_id:
+                raise ValueError(f"token id {int(ids.max())} does not fit the shard dtype {self.dtype} of {self.path}")
+            ids = ids.astype(self.dtype)
+        self._file.write(memoryview(np.ascontiguousarray(ids)))
         self.count += ids.size
 
     def close(self) -> None:

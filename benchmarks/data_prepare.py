@@ -14,6 +14,7 @@ import json
 import os
 import platform
 import random
+import resource
 import shutil
 import subprocess
 import sys
@@ -79,9 +80,9 @@ def files_of(path: Path) -> list[Path]:
     return sorted(p for p in path.iterdir() if p.suffix in (".jsonl", ".txt"))
 
 
-def bare_read(path: Path, kind: str) -> float:
-    """Seconds to read every file and turn it into bytes tokens (text) or parse every line (jsonl), one core."""
-    start = time.perf_counter()
+def bare_read(path: Path, kind: str) -> tuple[float, float]:
+    """(seconds, CPU seconds) to read every file and turn it into bytes tokens (text) or parse every line (jsonl)."""
+    start, cpu = time.perf_counter(), time.process_time()
     for f in files_of(path):
         if kind == "text":
             np.frombuffer(f.read_bytes(), dtype=np.uint8)
@@ -89,7 +90,7 @@ def bare_read(path: Path, kind: str) -> float:
             with f.open("rb") as fh:
                 for line in fh:
                     json.loads(line)
-    return time.perf_counter() - start
+    return time.perf_counter() - start, time.process_time() - cpu
 
 
 def tree_pss(pid: int) -> int:
@@ -108,25 +109,28 @@ def tree_pss(pid: int) -> int:
     return total
 
 
-def prepare(path: Path, kind: str, workers: int, cache: Path) -> tuple[float, int, str]:
-    """(seconds, peak PSS bytes, summary line) of one `kiln data prepare` in a child process."""
+def prepare(path: Path, kind: str, workers: int, cache: Path) -> tuple[float, int, str, float]:
+    """(seconds, peak PSS bytes, summary line, CPU seconds of the process tree) of one `kiln data prepare` in a child
+    process. The CPU seconds are the figure to compare on a shared machine: wall time there depends on the others."""
     shutil.rmtree(cache, ignore_errors=True)
     pattern = "*.jsonl" if kind == "jsonl" else "*.txt"
     cmd = [sys.executable, "-m", "kiln", "data", "prepare", f"--data.source={path}", f"--data.pattern={pattern}",
            f"--data.cache_dir={cache}", f"--data.workers={workers}"]
     env = dict(os.environ, PYTHONPATH=str(ROOT))
-    start = time.perf_counter()
+    start, cpu = time.perf_counter(), resource.getrusage(resource.RUSAGE_CHILDREN)
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=env)
     peak = 0
     while proc.poll() is None:
         peak = max(peak, tree_pss(proc.pid))
         time.sleep(0.1)
     seconds = time.perf_counter() - start
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)
+    cpu_s = after.ru_utime - cpu.ru_utime + after.ru_stime - cpu.ru_stime
     out = proc.stdout.read()
     if proc.returncode:
         raise SystemExit(f"prepare failed ({proc.returncode}): {out}")
     shutil.rmtree(cache, ignore_errors=True)
-    return seconds, peak, next((l for l in out.splitlines() if "summary" in l), "")
+    return seconds, peak, next((l for l in out.splitlines() if "summary" in l), ""), cpu_s
 
 
 def cpu_model() -> str:
@@ -147,17 +151,20 @@ def main() -> None:
     root = Path(args.dir).expanduser()
     cores = len(os.sched_getaffinity(0))
     print(f"CPU: {cpu_model()}, {cores} cores available; load average at start {os.getloadavg()[0]:.1f}")
-    print(f"{'corpus':<14}{'bare read':>12}{'w=1 MB/s':>10}{'peak':>10}{f'w={args.workers} MB/s':>12}{'peak':>10}"
-          f"{'speed-up':>10}{'w=1/bare':>10}")
+    print("wall: MB/s of the whole command (process start and imports included); cpu: MB per CPU-second of the "
+          "process tree; peak: summed PSS")
+    print(f"{'corpus':<14}{'bare wall':>10}{'bare cpu':>10}{'w=1 wall':>10}{'w=1 cpu':>9}{'peak':>10}"
+          f"{f'w={args.workers} wall':>10}{'cpu':>8}{'peak':>10}{'speed-up':>10}{'cpu/bare':>10}")
     for size in (float(s) for s in args.sizes.split(",")):
         for kind in args.kinds.split(","):
             path = make_corpus(root, kind, size)
             mb = sum(f.stat().st_size for f in files_of(path)) / 1e6
-            bare = bare_read(path, kind)
-            t1, p1, line1 = prepare(path, kind, 1, root / "cache")
-            tn, pn, linen = prepare(path, kind, args.workers, root / "cache")
-            print(f"{path.name:<14}{mb / bare:>9.1f} MB/s{mb / t1:>10.1f}{p1 / 2**20:>7.0f} MiB{mb / tn:>12.1f}"
-                  f"{pn / 2**20:>7.0f} MiB{t1 / tn:>9.2f}x{t1 / bare:>9.2f}x", flush=True)
+            bare, bare_cpu = bare_read(path, kind)
+            t1, p1, line1, c1 = prepare(path, kind, 1, root / "cache")
+            tn, pn, linen, cn = prepare(path, kind, args.workers, root / "cache")
+            print(f"{path.name:<14}{mb / bare:>10.1f}{mb / bare_cpu:>10.1f}{mb / t1:>10.1f}{mb / c1:>9.1f}"
+                  f"{p1 / 2**20:>6.0f} MiB{mb / tn:>10.1f}{mb / cn:>8.1f}{pn / 2**20:>6.0f} MiB{t1 / tn:>9.2f}x"
+                  f"{c1 / bare_cpu:>9.2f}x", flush=True)
             print(f"    w=1: {line1.removeprefix('data: ')}\n    w={args.workers}: {linen.removeprefix('data: ')}")
             if not args.keep:
                 shutil.rmtree(path)

@@ -29,7 +29,7 @@ from kiln.data import records
 from kiln.data.corpus import STDLIB, CorpusError, source_files
 from kiln.data.shards import HEADER_SIZE, ShardWriter, read_header
 
-PIECE_BYTES = 32 << 20  # input bytes per piece: enough work to amortize a worker round trip, small buffers
+PIECE_BYTES = 16 << 20  # input bytes per piece: enough work to amortize a worker round trip (~ms), small buffers
 COPY_TOKENS = 1 << 22  # tokens copied from a piece file into shards at a time
 PROGRESS = "progress.json"
 SPLITS = ("train", "val")

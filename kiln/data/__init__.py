@@ -168,7 +168,9 @@ def cache_key(cfg: DataConfig) -> str:
     if cfg.format == "tokens":
         files = token_files(cfg.source)
         recipe = {"tokens": {k: [_stat(p) for p in v] for k, v in files.items()}, "vocab_size": cfg.vocab_size,
-                  "pipeline_version": PIPELINE_VERSION}
+                  "tokenizer": cfg.tokenizer, "pipeline_version": PIPELINE_VERSION}
+        if cfg.tokenizer.startswith("hf:"):
+            recipe["tokenizer_file"] = _stat(Path(cfg.tokenizer[3:]) / TOKENIZER_FILE)
         return hashlib.blake2b(json.dumps(recipe, sort_keys=True).encode(), digest_size=8).hexdigest()
     _, files = source_files(cfg.source, cfg.pattern)
     listing = []

@@ -331,8 +331,9 @@ class Workers:
                 w = pipes[fd]
                 line = self.procs[w].stdout.readline()
                 if not line:
-                    raise RuntimeError(f"data worker {self.procs[w].pid} died (exit status {self.procs[w].poll()}) "
-                                       f"while tokenizing; see its error above")
+                    raise ChildProcessError(f"data worker {self.procs[w].pid} died (exit status "
+                                            f"{self.procs[w].wait()}) while tokenizing; see its error above, then "
+                                            f"run the prepare again: it resumes")
                 reply = json.loads(line)
                 self.done[reply["index"]] = reply
                 del self.busy[w]

@@ -277,3 +277,25 @@ def test_an_old_single_file_cache_is_not_misread(tmp_path):
     assert "is damaged" in log[0] and "lists no shards" in log[0]
     np.testing.assert_array_equal(np.asarray(again.train), np.asarray(first.train))
     assert ShardError  # the damaged-cache path is the ShardError path
+
+
+def test_a_bad_record_found_by_a_worker_process_is_the_same_one_line_error(tmp_path, small_pieces):
+    rows = [json.dumps({"text": f"good record {i} " * 20}) for i in range(300)]
+    rows[250] = '{"text": oops}'
+    (tmp_path / "a.jsonl").write_text("\n".join(rows) + "\n")
+    cfg = DataConfig(source=str(tmp_path / "a.jsonl"), cache_dir=str(tmp_path / "c"), workers=2)
+    with pytest.raises(CorpusError, match=r"a.jsonl:251: not valid JSON"):
+        prepare_data(cfg, log=Log())
+
+
+def test_bpe_trains_on_a_bounded_seeded_sample_from_many_pieces(tmp_path, small_pieces):
+    rows = write_jsonl(tmp_path / "a.jsonl", 2000)
+    cfg = DataConfig(source=str(tmp_path / "a.jsonl"), tokenizer="bpe", tokenizer_sample_bytes=20_000)
+    pieces = prep.plan_pieces(cfg)
+    sample = list(prep.tokenizer_sample(cfg, pieces, cfg.tokenizer_sample_bytes))
+    assert sample == list(prep.tokenizer_sample(cfg, pieces, cfg.tokenizer_sample_bytes))  # seeded
+    longest = max(map(len, rows))
+    assert 20_000 <= sum(map(len, sample)) < 20_000 + longest
+    numbers = sorted(int(t.rsplit("#", 1)[1]) for t in sample)
+    assert numbers[-1] - numbers[0] > 1000  # drawn from pieces all over the corpus, not its first 20 kB
+    assert set(sample) <= set(rows)

@@ -103,6 +103,7 @@ class SplitWriter:
         self.buffered = 0
         self.tokens = 0
         self.docs = 0
+        self._out = np.empty(0, dtype)  # reused: a fresh array per flush costs its page faults (4x a copy)
 
     def add(self, ids: np.ndarray) -> None:
         self.buffer.append(ids)
@@ -114,7 +115,10 @@ class SplitWriter:
         if not self.buffer:
             return
         # The dtype holds every id: the parent chose it from the vocabulary (uint16 up to 2**16 ids).
-        joined = np.concatenate(self.buffer, dtype=self.dtype, casting="unsafe")
+        if len(self._out) < self.buffered:
+            self._out = np.empty(max(self.buffered, FLUSH_TOKENS), self.dtype)
+        joined = self._out[: self.buffered]
+        np.concatenate(self.buffer, out=joined, casting="unsafe")
         self.buffer, self.buffered = [], 0
         if self.sink is not None:
             self.sink(joined)

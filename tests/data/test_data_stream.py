@@ -259,8 +259,8 @@ def test_peak_memory_does_not_grow_with_the_corpus(tmp_path, monkeypatch):
                                 shard_tokens=4_000_000), log=Log())
         peaks[mb] = tracemalloc.get_traced_memory()[1] / 2**20  # MiB
         tracemalloc.stop()
-    assert peaks[10] - peaks[2] < 1, peaks  # vs 8 MiB more text (measured: 2.4 MiB both, +0.06)
-    assert peaks[10] < 8, peaks
+    assert peaks[10] - peaks[2] < 1, peaks  # vs 8 MiB more text (measured: +0.04 MiB)
+    assert peaks[10] < 24, peaks  # measured 16 MiB: a 4M-token uint16 flush buffer per split
 
 
 def test_an_old_single_file_cache_is_not_misread(tmp_path):

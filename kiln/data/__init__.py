@@ -332,6 +332,7 @@ def _build_in(cfg: DataConfig, final: Path, scratch: Path, log: Callable[[str], 
         "workers": workers,
         "seconds": round(seconds, 3),
         "pieces": len(pieces),
+        "resumed": result["resumed"],  # what an interrupted prepare had finished, when this one continued it
     }
     (scratch / "flip.json").unlink(missing_ok=True)
     _write_json(scratch / "meta.json", meta)  # its presence marks "complete"

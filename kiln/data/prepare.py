@@ -385,6 +385,7 @@ def encode_all(cfg, scratch: Path, pieces: list[dict], job: dict, dtype, fingerp
     statistics, the shard counts and the token counts of the train split (for its unigram loss)."""
     plan_id = _plan_id(pieces, job, cfg.shard_tokens)
     state = _load_progress(scratch / PROGRESS, plan_id)
+    reused = None
     if state is None:
         state = {"plan": plan_id, "pieces": [],
                  "train": {"shards": 0, "piece": 0, "offset": 0}, "val": {"shards": 0, "piece": 0, "offset": 0}}
@@ -393,6 +394,7 @@ def encode_all(cfg, scratch: Path, pieces: list[dict], job: dict, dtype, fingerp
     else:
         total = len(list(scratch.glob("train-*.bin"))) + len(list(scratch.glob("val-*.bin")))
         kept = state["train"]["shards"] + state["val"]["shards"]
+        reused = {"shards": kept, "of_shards_on_disk": total, "pieces_done": len(state["pieces"])}
         log(f"data: resuming an interrupted prepare: reused {kept} of {total} shards on disk "
             f"({len(state['pieces'])} of {len(pieces)} pieces done)")
         for split in SPLITS:  # a shard finished after the last progress write is rebuilt, identically
@@ -438,7 +440,8 @@ def encode_all(cfg, scratch: Path, pieces: list[dict], job: dict, dtype, fingerp
     finally:
         pool.close()
     (scratch / PROGRESS).unlink(missing_ok=True)
-    return {"pieces": state["pieces"], "shards": {s: sinks[s].stream.done for s in SPLITS}, "counts": counts}
+    return {"pieces": state["pieces"], "shards": {s: sinks[s].stream.done for s in SPLITS}, "counts": counts,
+            "resumed": reused}
 
 
 class Sink:

@@ -123,6 +123,7 @@ def test_a_killed_prepare_resumes_to_the_same_bytes(tmp_path, small_pieces, work
     resumed = prepare_data(cfg, log=log)
     reused = [line for line in log if "resuming" in line]
     assert reused and "reused " in reused[0], log
+    assert json.loads((resumed.cache_dir / "meta.json").read_text())["resumed"]["shards"] >= 1
     fresh = prepare_data(DataConfig(source=cfg.source, cache_dir=str(tmp_path / "fresh"), shard_tokens=1500),
                          log=Log())
     assert cache_files(resumed.cache_dir) == cache_files(fresh.cache_dir)

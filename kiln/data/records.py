@@ -21,7 +21,6 @@ import gzip
 import hashlib
 import io
 import json
-import os
 import sys
 
 import numpy as np

@@ -15,7 +15,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from kiln.data import DataConfig, ShardError, prepare_data
+from kiln.data import DataConfig, prepare_data
 from kiln.data import prepare as prep
 from kiln.data.corpus import CorpusError
 from kiln.data.shards import ShardedTokens, write_shard
@@ -277,7 +277,6 @@ def test_an_old_single_file_cache_is_not_misread(tmp_path):
     again = prepare_data(cfg, log=log)
     assert "is damaged" in log[0] and "lists no shards" in log[0]
     np.testing.assert_array_equal(np.asarray(again.train), np.asarray(first.train))
-    assert ShardError  # the damaged-cache path is the ShardError path
 
 
 def test_a_bad_record_found_by_a_worker_process_is_the_same_one_line_error(tmp_path, small_pieces):

@@ -451,7 +451,8 @@ def cached_unigram_loss(cfg: DataConfig) -> float | None:
 def summary_line(label: str, meta: dict, unigram: float) -> str:
     """One source's summary: documents, tokens, bytes, bad records skipped, unigram loss, speed."""
     seconds = meta.get("seconds")
-    speed = f" | {meta['bytes'] / seconds / 1e6:.1f} MB/s with {meta['workers']} workers" if seconds else ""
+    workers = f"{meta.get('workers')} worker{'' if meta.get('workers') == 1 else 's'}"
+    speed = f" | {meta['bytes'] / seconds / 1e6:.1f} MB/s with {workers}" if seconds else ""
     skipped = f" | {meta.get('skipped_records', 0):,} bad records skipped" if "skipped_records" in meta else ""
     size = f" | {meta['bytes'] / 1e6:,.1f} MB read" if "bytes" in meta else ""
     return (f"data: {label} summary: {meta['docs']:,} documents (train {meta.get('train_docs', 0):,}, val "

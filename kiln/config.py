@@ -285,9 +285,18 @@ def to_toml(cfg: Config) -> str:
     lines = []
     for name, table in cfg.to_dict().items():
         lines.append(f"[{name}]")
-        lines += [f"{key} = {_toml_value(value)}" for key, value in table.items() if value is not None]
+        lines += [f"{key} = {_toml_value(value)}" for key, value in table.items() if value is not None
+                  and not _is_tables(value)]
         lines.append("")
+        for key, value in table.items():  # arrays of tables ([[data.mix]]) after their section's plain keys
+            if _is_tables(value):
+                for entry in value:
+                    lines += [f"[[{name}.{key}]]", *(f"{k} = {_toml_value(v)}" for k, v in entry.items()), ""]
     return "\n".join(lines)
+
+
+def _is_tables(value) -> bool:
+    return isinstance(value, (list, tuple)) and bool(value) and all(isinstance(v, dict) for v in value)
 
 
 def save_config(cfg: Config, path: Path) -> None:

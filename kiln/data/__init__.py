@@ -13,20 +13,38 @@ import hashlib
 import json
 import os
 import shutil
+import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Callable
 
 import numpy as np
 
-from kiln.data.corpus import STDLIB, CorpusError, Document, load_documents, source_files, split_documents
+from kiln.data.corpus import STDLIB, CorpusError, source_files
 from kiln.data.loader import TokenLoader, val_batches
+from kiln.data.mix import Mixture, check_mix, mix_sources
+from kiln.data import prepare as _prepare
+from kiln.data.prepare import (
+    Progress,
+    _write_json,
+    cache_lock,
+    encode_all,
+    entropy,
+    extremes,
+    file_kind,
+    plan_pieces,
+    summarize,
+    tokenizer_sample,
+    worker_count,
+)
+from kiln.data.pretokenized import check_ids, join, read_tokens, token_files
 from kiln.data.shards import VERSION as SHARD_VERSION
-from kiln.data.shards import ShardError, ShardWriter, dtype_for_vocab, read_shard
+from kiln.data.shards import ShardError, dtype_for_vocab, open_shards
 from kiln.data.tokenizer import (
     TOKENIZER_FILE,
     BPETokenizer,
     ByteTokenizer,
+    IdsTokenizer,
     Tokenizer,
     build_tokenizer,
     load_tokenizer,
@@ -35,15 +53,16 @@ from kiln.data.tokenizer import (
 __all__ = [
     "DataConfig", "PreparedData", "prepare_data", "Tokenizer", "ByteTokenizer", "BPETokenizer", "load_tokenizer",
     "TokenLoader", "val_batches", "ShardError", "CorpusError", "unigram_entropy", "cache_root", "cache_dir_for",
-    "cached_unigram_loss",
+    "cached_unigram_loss", "Mixture", "progress_line", "summary_line",
 ]
 
-FORMATS = ("auto", "text", "jsonl", "parquet", "arrow")
+FORMATS = ("auto", "text", "jsonl", "parquet", "arrow", "tokens")
+ON_BAD_RECORD = ("error", "skip")
 TOKENIZERS = ("bytes", "bpe")
 # Bump when the split rule, separator or anything else that changes the tokens (but not the shard layout)
 # changes, so old caches are not reused.
-PIPELINE_VERSION = 1
-_ENCODE_CHUNK = 256  # documents per encode_batch call: enough for the Rust threads, bounded memory
+# 2: streamed pieces into shards of data.shard_tokens (train-00000.bin, ...), strict UTF-8, BPE on a sample.
+PIPELINE_VERSION = 2
 
 
 @dataclass
@@ -51,16 +70,21 @@ class DataConfig:
     """The `data` section: where text comes from, how it is split and tokenized, and how batches are drawn."""
 
     source: str = STDLIB  # "stdlib" (this Python's standard library .py files), a file, a directory, or a .jsonl file
-    format: str = "auto"  # auto (by extension) | text | jsonl | parquet | arrow (a `datasets` shard; its directory works)
+    format: str = "auto"  # auto (by extension: .jsonl[.gz|.zst], .parquet, .arrow, else text) | text | jsonl | parquet | arrow (a `datasets` shard; its directory works) | tokens (pre-tokenized nanoGPT train.bin/val.bin or llm.c shards; the model's vocabulary is then data.vocab_size)
     text_field: str = "text"  # the JSONL field, or the Parquet / `datasets` column, holding each record's text
     pattern: str = "**/*.txt"  # glob of files to read when source is a directory (ignored otherwise)
     tokenizer: str = "bytes"  # "bytes" (256 ids) | "bpe" (byte-level BPE trained on the train split) | hf:DIR (its tokenizer.json)
-    vocab_size: int = 4096  # BPE vocabulary size including <|endoftext|>; ignored for bytes (fixed 256)
+    vocab_size: int = 4096  # the vocabulary: BPE's size including <|endoftext|> (bpe), the token files' (format=tokens, e.g. 50257 for GPT-2); ignored for bytes (256) and hf:DIR (its own)
     val_fraction: float = 0.05  # share of documents held out for validation, chosen by a hash of each document
     seq_len: int = 256  # tokens per training sequence; targets are the inputs shifted by one
     cache_dir: str = ""  # where token shards are cached; "" = $KILN_CACHE, else ~/.cache/kiln
     seed: int = 1337  # seed of the batch sampling order (independent of the model's seed)
     prefetch: int = 2  # batches prepared ahead by a background thread on an accelerator (CPU: on demand); 0 = off
+    workers: int = 0  # tokenizer processes of a prepare; 0 = one per CPU core. The shards are the same bytes for any count
+    shard_tokens: int = 100_000_000  # tokens per shard file (uint16 when the vocabulary fits, else uint32)
+    tokenizer_sample_bytes: int = 100_000_000  # characters of train text, drawn from seeded pieces, that BPE trains on (bounds its memory)
+    on_bad_record: str = "error"  # error: stop at the first unreadable record, naming file and line | skip: skip it and count it in the summary
+    mix: tuple = ()  # [[data.mix]] tables {source, weight, name, format, text_field, pattern}: a weighted mixture instead of data.source
 
     def validate(self) -> None:
         """Raise ValueError naming the field and the fix for the first bad value."""
@@ -94,6 +118,20 @@ class DataConfig:
             raise ValueError(f"data.seed={self.seed} must be >= 0 (numpy seeds are non-negative)")
         if self.prefetch < 0:
             raise ValueError(f"data.prefetch={self.prefetch} must be >= 0 (0 turns prefetching off)")
+        if self.workers < 0:
+            raise ValueError(f"data.workers={self.workers} must be >= 0 (0 = one per CPU core)")
+        if self.shard_tokens < 1:
+            raise ValueError(f"data.shard_tokens={self.shard_tokens} must be >= 1 (e.g. 100_000_000)")
+        if self.tokenizer_sample_bytes < 1:
+            raise ValueError(f"data.tokenizer_sample_bytes={self.tokenizer_sample_bytes} must be >= 1 (e.g. "
+                             f"100_000_000)")
+        if self.on_bad_record not in ON_BAD_RECORD:
+            raise ValueError(f"data.on_bad_record={self.on_bad_record!r} is unknown; use one of {ON_BAD_RECORD}")
+        if self.format == "tokens" and not 2 <= self.vocab_size <= 2**32:
+            raise ValueError(f"data.vocab_size={self.vocab_size}: with data.format=tokens it is the token files' "
+                             f"vocabulary (e.g. 50257 for GPT-2)")
+        if self.mix:
+            check_mix(self)
 
 
 @dataclass
@@ -102,7 +140,8 @@ class PreparedData:
     train: np.ndarray  # 1-D read-only memory map of token ids (uint16 or uint32)
     val: np.ndarray
     unigram_loss: float  # entropy of the train-split token frequencies, nats/token: the loss of a unigram model
-    cache_dir: Path | None = None  # the shard directory in use
+    cache_dir: Path | None = None  # the shard directory in use (a mixture's: its first source's)
+    sources: list | None = None  # a [[data.mix]]: (name, weight, PreparedData) per source; None for one source
 
 
 def _home_relative(path: Path) -> str:
@@ -124,26 +163,34 @@ def cache_key(cfg: DataConfig) -> str:
     """Hash of everything that decides the tokens: source files (path, size, mtime), split, tokenizer, versions.
 
     Settings that do not apply are left out (pattern for a file, vocab_size for bytes), so changing them does
-    not force a rebuild.
+    not force a rebuild. The worker count is not in it: every count writes the same bytes.
     """
+    if cfg.format == "tokens":
+        files = token_files(cfg.source)
+        recipe = {"tokens": {k: [_stat(p) for p in v] for k, v in files.items()}, "vocab_size": cfg.vocab_size,
+                  "tokenizer": cfg.tokenizer, "pipeline_version": PIPELINE_VERSION}
+        if cfg.tokenizer.startswith("hf:"):
+            recipe["tokenizer_file"] = _stat(Path(cfg.tokenizer[3:]) / TOKENIZER_FILE)
+        return hashlib.blake2b(json.dumps(recipe, sort_keys=True).encode(), digest_size=8).hexdigest()
     _, files = source_files(cfg.source, cfg.pattern)
     listing = []
     for path in files:
         st = path.stat()
         listing.append([str(path.resolve()), st.st_size, st.st_mtime_ns])
     is_dir = cfg.source != STDLIB and Path(cfg.source).expanduser().is_dir()
-    reads_jsonl = cfg.source != STDLIB and cfg.format != "text" and (  # any format whose text is a field
-        cfg.format in ("jsonl", "parquet", "arrow")
-        or any(p.suffix.lower() in (".jsonl", ".parquet", ".arrow") for p in files)
-    )
+    reads_records = cfg.source != STDLIB and any(file_kind(p, cfg.format)[0] != "text" for p in files)
     recipe = {
         "files": listing,
         "format": cfg.format if cfg.source != STDLIB else None,
-        "text_field": cfg.text_field if reads_jsonl else None,
+        "text_field": cfg.text_field if reads_records else None,
         "pattern": cfg.pattern if is_dir else None,
         "tokenizer": cfg.tokenizer,
         "vocab_size": cfg.vocab_size if cfg.tokenizer == "bpe" else None,
+        "tokenizer_sample_bytes": cfg.tokenizer_sample_bytes if cfg.tokenizer == "bpe" else None,
         "val_fraction": cfg.val_fraction,
+        "shard_tokens": cfg.shard_tokens,
+        "on_bad_record": cfg.on_bad_record,
+        "piece_bytes": _prepare.PIECE_BYTES,
         "shard_version": SHARD_VERSION,
         "pipeline_version": PIPELINE_VERSION,
     }
@@ -178,54 +225,125 @@ def unigram_entropy(tokens: np.ndarray, vocab_size: int) -> float:
     return float(-(p * np.log(p)).sum())
 
 
-def _write_split(path: Path, docs: list[Document], tok: Tokenizer) -> int:
-    eot = np.array([tok.eot_id])
-    with ShardWriter(path, dtype_for_vocab(tok.vocab_size), tok.fingerprint) as writer:
-        for first in range(0, len(docs), _ENCODE_CHUNK):
-            chunk = docs[first : first + _ENCODE_CHUNK]
-            encoded = tok.encode_batch([d.text for d in chunk])
-            writer.append(np.concatenate([part for ids in encoded for part in (ids, eot.astype(ids.dtype))]))
-        return writer.count
-
-
-def _build(cfg: DataConfig, final: Path, log: Callable[[str], None]) -> None:
-    """Read, split, tokenize and write shards into a scratch directory, then rename it into place."""
-    docs = load_documents(cfg.source, cfg.format, cfg.text_field, cfg.pattern)
-    train_docs, val_docs = split_documents(docs, cfg.val_fraction)
-    if cfg.tokenizer == "bpe":
-        log(f"data: training BPE tokenizer (vocab {cfg.vocab_size}) on {len(train_docs)} train documents")
-    tok = build_tokenizer(cfg.tokenizer, (d.text for d in train_docs), cfg.vocab_size)
-    scratch = final.with_name(f"{final.name}.tmp-{os.getpid()}")
-    shutil.rmtree(scratch, ignore_errors=True)
-    scratch.mkdir(parents=True)
-    try:
-        tok.save(scratch)
-        train_tokens = _write_split(scratch / "train.bin", train_docs, tok)
-        val_tokens = _write_split(scratch / "val.bin", val_docs, tok)
-        meta = {
-            "built_with": asdict(cfg),
-            "docs": len(docs),
-            "train_docs": len(train_docs),
-            "val_docs": len(val_docs),
-            "train_tokens": train_tokens,
-            "val_tokens": val_tokens,
-            "tokenizer": tok.kind,
-            "vocab_size": tok.vocab_size,
-            "fingerprint": tok.fingerprint,
-        }
-        (scratch / "meta.json").write_text(json.dumps(meta, indent=2) + "\n")  # its presence marks "complete"
-        try:
-            os.rename(scratch, final)
-        except OSError:
-            if not (final / "meta.json").is_file():
-                raise
-            # Another process finished the same cache first; its shards are identical, keep them.
-    finally:
-        shutil.rmtree(scratch, ignore_errors=True)
-
-
 def _millions(n: int) -> str:
     return f"{n / 1e6:.1f}M" if n >= 100_000 else f"{n / 1e3:.1f}k"
+
+
+def _every(seconds: float, log: Callable[[str], None]):
+    """A progress callback that logs one line at most every `seconds`."""
+    last = [time.perf_counter()]
+
+    def report(done: int, total: int, tokens: int, elapsed: float) -> None:
+        now = time.perf_counter()
+        if now - last[0] >= seconds and done < total:
+            last[0] = now
+            log("data: " + progress_line(done, total, tokens, elapsed))
+
+    return report
+
+
+def progress_line(done: int, total: int, tokens: int, elapsed: float) -> str:
+    rate = done / elapsed if elapsed > 0 else 0.0
+    eta = (total - done) / rate if rate > 0 else float("nan")
+    return (f"{done / 1e6:,.0f} of {total / 1e6:,.0f} MB ({done / max(total, 1):.0%}) | {rate / 1e6:.1f} MB/s | "
+            f"{tokens / max(elapsed, 1e-9) / 1e6:.2f}M tokens/s | ETA {eta:.0f} s")
+
+
+def _tokenizer_for(cfg: DataConfig, scratch: Path, pieces: list[dict], log: Callable[[str], None]) -> Tokenizer:
+    """The cache's tokenizer: the one saved in the scratch directory by an interrupted prepare, else built."""
+    if (scratch / TOKENIZER_FILE).is_file():
+        try:
+            return load_tokenizer(scratch)
+        except (ValueError, OSError, KeyError):
+            pass  # half-written by a killed prepare: build it again
+    if cfg.tokenizer == "bpe":
+        log(f"data: training BPE tokenizer (vocab {cfg.vocab_size}) on up to {cfg.tokenizer_sample_bytes / 1e6:,.0f}M "
+            f"characters of train documents")
+    tok = build_tokenizer(cfg.tokenizer, tokenizer_sample(cfg, pieces, cfg.tokenizer_sample_bytes), cfg.vocab_size)
+    tok.save(scratch)
+    return tok
+
+
+def _build(cfg: DataConfig, final: Path, log: Callable[[str], None], progress=None) -> None:
+    """Tokenize the source into shards in <cache>.partial (resuming one left by a killed prepare), then rename it
+    into place. Holds <cache>.lock throughout; returns at once when another prepare finished the cache meanwhile."""
+    with cache_lock(final, log):
+        if (final / "meta.json").is_file():
+            return
+        scratch = final.with_name(f"{final.name}.partial")
+        scratch.mkdir(parents=True, exist_ok=True)
+        try:
+            _build_in(cfg, final, scratch, log, progress)
+        except CorpusError:  # the input must change, and with it the cache key: nothing here can be resumed
+            shutil.rmtree(scratch, ignore_errors=True)
+            raise
+
+
+def _build_in(cfg: DataConfig, final: Path, scratch: Path, log: Callable[[str], None], progress) -> None:
+    started = time.perf_counter()
+    pieces = plan_pieces(cfg)
+    tok = _tokenizer_for(cfg, scratch, pieces, log)
+    dtype = dtype_for_vocab(tok.vocab_size)
+    workers = min(worker_count(cfg.workers), len(pieces))
+    flip = _saved_flip(scratch)
+    if flip is not None:
+        pieces = plan_pieces(cfg, flip)
+    while True:
+        job = {"tokenizer_file": str(scratch / TOKENIZER_FILE) if tok.kind == "bpe" else None,
+               "eot_id": tok.eot_id, "dtype": dtype.str, "text_field": cfg.text_field,
+               "on_bad_record": cfg.on_bad_record, "val_fraction": cfg.val_fraction, "flip": flip,
+               "fingerprint": tok.fingerprint}
+        total = sum(p["bytes"] for p in pieces)
+        result = encode_all(cfg, scratch, pieces, job, dtype, tok.fingerprint, workers,
+                            Progress(total, progress), log, tok.vocab_size)
+        summary = summarize(result["pieces"])
+        if summary["tokens_train"] and summary["tokens_val"]:
+            break
+        # The hash sent every document of a small corpus to one split: move the one nearest the threshold.
+        docs = summary["docs_train"] + summary["docs_val"]
+        if docs < 2:
+            raise CorpusError(f"data.source={cfg.source!r} holds only one document; kiln needs two to split (one "
+                              f"text file it cuts in two): give more text")
+        if flip is not None:
+            raise CorpusError(f"data.source={cfg.source!r}: all {docs} documents land in one split even after moving "
+                              f"one across, so they are identical; give distinct documents")
+        empty = "val" if not summary["tokens_val"] else "train"
+        flip = extremes(result["pieces"])["train" if empty == "val" else "val"][0]
+        for shard in scratch.glob("*-*.bin"):
+            shard.unlink()
+        (scratch / "flip.json").write_text(json.dumps({"flip": flip}))
+        pieces = plan_pieces(cfg, flip)
+    seconds = time.perf_counter() - started
+    meta = {
+        "unigram_loss": entropy(result["counts"]),
+        "built_with": asdict(cfg),
+        "docs": summary["docs_train"] + summary["docs_val"],
+        "train_docs": summary["docs_train"],
+        "val_docs": summary["docs_val"],
+        "train_tokens": summary["tokens_train"],
+        "val_tokens": summary["tokens_val"],
+        "shards": {s: [f"{s}-{i:05d}.bin" for i in range(result["shards"][s])] for s in ("train", "val")},
+        "bytes": summary["bytes"],
+        "skipped_records": summary["skipped"],
+        "skipped_examples": summary["examples"],
+        "tokenizer": tok.kind,
+        "vocab_size": tok.vocab_size,
+        "fingerprint": tok.fingerprint,
+        "workers": workers,
+        "seconds": round(seconds, 3),
+        "pieces": len(pieces),
+        "resumed": result["resumed"],  # what an interrupted prepare had finished, when this one continued it
+    }
+    (scratch / "flip.json").unlink(missing_ok=True)
+    _write_json(scratch / "meta.json", meta)  # its presence marks "complete"
+    os.rename(scratch, final)
+
+
+def _saved_flip(scratch: Path) -> int | None:
+    try:
+        return json.loads((scratch / "flip.json").read_text())["flip"]
+    except (OSError, ValueError, KeyError):
+        return None
 
 
 def _open_cache(final: Path):
@@ -235,12 +353,66 @@ def _open_cache(final: Path):
     if not (final / TOKENIZER_FILE).is_file():
         raise ShardError(f"{final / TOKENIZER_FILE} is missing from the shard cache")
     tok = load_tokenizer(final)
-    train = read_shard(final / "train.bin", tok.fingerprint)
-    val = read_shard(final / "val.bin", tok.fingerprint)
-    for name, tokens in (("train", train), ("val", val)):
-        if len(tokens) != meta[f"{name}_tokens"]:
-            raise ShardError(f"{name}.bin holds {len(tokens)} tokens, meta.json says {meta[f'{name}_tokens']}")
-    return meta, tok, train, val
+    if meta.get("format") == "tokens":
+        return meta, tok, *_open_token_files(meta)
+    if "shards" not in meta:
+        raise ShardError(f"{final / 'meta.json'} lists no shards (a cache of an older kiln)")
+    splits = {}
+    for name in ("train", "val"):
+        splits[name] = open_shards([final / f for f in meta["shards"][name]], tok.fingerprint)
+        if len(splits[name]) != meta[f"{name}_tokens"]:
+            raise ShardError(f"the {name} shards hold {len(splits[name])} tokens, meta.json says "
+                             f"{meta[f'{name}_tokens']}")
+    return meta, tok, splits["train"], splits["val"]
+
+
+def _open_token_files(meta: dict):
+    splits = []
+    for name in ("train", "val"):
+        arrays = []
+        for entry in meta["files"][name]:
+            path = Path(entry["path"])
+            st = path.stat()
+            if [st.st_size, st.st_mtime_ns] != [entry["size"], entry["mtime_ns"]]:
+                raise ShardError(f"{path} changed since it was checked")
+            arrays.append(read_tokens(path))
+        splits.append(join(arrays))
+    return splits
+
+
+def _build_tokens(cfg: DataConfig, final: Path, log: Callable[[str], None]) -> None:
+    """data.format=tokens: check the files' ids against data.vocab_size once and record them in meta.json."""
+    with cache_lock(final, log):
+        if (final / "meta.json").is_file():
+            return
+        if cfg.tokenizer.startswith("hf:"):
+            tok = BPETokenizer.from_hf(Path(cfg.tokenizer[3:]))
+        else:
+            if cfg.tokenizer == "bpe":
+                raise CorpusError("data.format=tokens reads ids as they are: data.tokenizer=bpe would train a new "
+                                  "vocabulary; use hf:DIR (the files' tokenizer) or leave the default")
+            log("data: data.format=tokens: the bytes tokenizer is ignored; ids are shown as <id> (give "
+                "data.tokenizer=hf:DIR to decode them)")
+            tok = IdsTokenizer(cfg.vocab_size)
+        files, meta_files, counts = token_files(cfg.source), {}, {}
+        for name, paths in files.items():
+            meta_files[name], counts[name] = [], 0
+            for path in paths:
+                tokens = read_tokens(path)
+                check_ids(path, tokens, cfg.vocab_size)
+                st = path.stat()
+                meta_files[name].append({"path": str(path.resolve()), "size": st.st_size, "mtime_ns": st.st_mtime_ns,
+                                         "tokens": len(tokens)})
+                counts[name] += len(tokens)
+        scratch = final.with_name(f"{final.name}.partial")
+        shutil.rmtree(scratch, ignore_errors=True)
+        scratch.mkdir(parents=True)
+        tok.save(scratch)
+        _write_json(scratch / "meta.json", {
+            "built_with": asdict(cfg), "format": "tokens", "files": meta_files, "docs": 0,
+            "train_tokens": counts["train"], "val_tokens": counts["val"], "tokenizer": tok.kind,
+            "vocab_size": cfg.vocab_size, "fingerprint": tok.fingerprint})
+        os.rename(scratch, final)
 
 
 def _discard(final: Path) -> None:
@@ -253,6 +425,8 @@ def _discard(final: Path) -> None:
 def cache_dir_for(cfg: DataConfig) -> Path:
     """The shard directory of cfg's tokens (it may not be built yet)."""
     kind = "hf" if cfg.tokenizer.startswith("hf:") else cfg.tokenizer  # the directory is in the key, not the name
+    if cfg.format == "tokens":
+        kind = "tokens"
     return cache_root(cfg) / f"{_source_label(cfg.source)}-{kind}-{cache_key(cfg)}"
 
 
@@ -260,22 +434,48 @@ def cached_unigram_loss(cfg: DataConfig) -> float | None:
     """The unigram baseline of cfg's training split when its shards are already cached, else None (nothing is
     built: a reader of a finished run should not tokenize a corpus)."""
     try:
+        if cfg.mix:
+            losses = [(w, cached_unigram_loss(one)) for _, w, one in mix_sources(cfg)]
+            if any(loss is None for _, loss in losses):
+                return None
+            return sum(w * loss for w, loss in losses) / sum(w for w, _ in losses)
         final = cache_dir_for(cfg)
         if not (final / "meta.json").is_file():
             return None
-        _, tok, train, _ = _open_cache(final)
+        meta, tok, train, _ = _open_cache(final)
     except (CorpusError, ShardError, ValueError, OSError):  # the source is gone here, or the cache is damaged
         return None
-    return unigram_entropy(train, tok.vocab_size)
+    return meta["unigram_loss"] if "unigram_loss" in meta else unigram_entropy(train, tok.vocab_size)
 
 
-def prepare_data(cfg: DataConfig, run_dir: Path | None = None, log: Callable[[str], None] = print) -> PreparedData:
-    """Token shards for cfg, built on the first call and reused while the source and settings are unchanged."""
+def summary_line(label: str, meta: dict, unigram: float) -> str:
+    """One source's summary: documents, tokens, bytes, bad records skipped, unigram loss, speed."""
+    seconds = meta.get("seconds")
+    workers = f"{meta.get('workers')} worker{'' if meta.get('workers') == 1 else 's'}"
+    speed = f" | {meta['bytes'] / seconds / 1e6:.1f} MB/s with {workers}" if seconds else ""
+    skipped = f" | {meta.get('skipped_records', 0):,} bad records skipped" if "skipped_records" in meta else ""
+    size = f" | {meta['bytes'] / 1e6:,.1f} MB read" if "bytes" in meta else ""
+    return (f"data: {label} summary: {meta['docs']:,} documents (train {meta.get('train_docs', 0):,}, val "
+            f"{meta.get('val_docs', 0):,}) | {meta['train_tokens'] + meta['val_tokens']:,} tokens{size}{skipped} | "
+            f"unigram loss {unigram:.4f} nats/token{speed}")
+
+
+def prepare_data(cfg: DataConfig, run_dir: Path | None = None, log: Callable[[str], None] = print,
+                 progress: Callable[[int, int, int, float], None] | None = None) -> PreparedData:
+    """Token shards for cfg, built on the first call and reused while the source and settings are unchanged.
+
+    progress(bytes done, total bytes, tokens, seconds) is called as pieces finish; by default a line is logged
+    every 30 s. A [[data.mix]] config prepares each source on its own; the result's train is their Mixture.
+    """
     cfg.validate()
+    if cfg.mix:
+        return _prepare_mix(cfg, run_dir, log, progress)
     final = cache_dir_for(cfg)
     built = not (final / "meta.json").is_file()
+    build = _build_tokens if cfg.format == "tokens" else \
+        lambda c, f, lg: _build(c, f, lg, progress or _every(30.0, lg))
     if built:
-        _build(cfg, final, log)
+        build(cfg, final, log)
     try:
         meta, tok, train, val = _open_cache(final)
     except (ShardError, ValueError, OSError) as e:
@@ -283,20 +483,49 @@ def prepare_data(cfg: DataConfig, run_dir: Path | None = None, log: Callable[[st
             raise
         log(f"data: the cache at {_home_relative(final)} is damaged ({e}); rebuilding it")
         _discard(final)
-        _build(cfg, final, log)
+        build(cfg, final, log)
         built = True
         meta, tok, train, val = _open_cache(final)
+    if meta.get("format") == "tokens":
+        tok.vocab_size = cfg.vocab_size  # the model's vocabulary is the files', whatever decodes them
     if run_dir is not None:
         tok.save(Path(run_dir))
+    unigram = meta["unigram_loss"] if "unigram_loss" in meta else unigram_entropy(train, tok.vocab_size)
+    if built and meta.get("format") != "tokens":
+        log(summary_line(_source_label(cfg.source), meta, unigram))
+        for example in meta.get("skipped_examples", []):
+            log(f"data: skipped: {example}")
     log(
         f"data: {_source_label(cfg.source)} {meta['docs']} docs, train {_millions(len(train))} tokens, "
         f"val {_millions(len(val))} tokens ({tok.kind} vocab {tok.vocab_size}, "
         f"{'built' if built else 'cached'} at {_home_relative(final)})"
     )
-    return PreparedData(
-        tokenizer=tok,
-        train=train,
-        val=val,
-        unigram_loss=unigram_entropy(train, tok.vocab_size),
-        cache_dir=final,
-    )
+    return PreparedData(tokenizer=tok, train=train, val=val, unigram_loss=unigram, cache_dir=final)
+
+
+def _prepare_mix(cfg: DataConfig, run_dir, log, progress) -> PreparedData:
+    parts = []
+    for name, weight, one in mix_sources(cfg):
+        prepared = prepare_data(one, None, log=lambda msg, n=name: log(msg.replace("data: ", f"data[{n}]: ", 1)),
+                                progress=progress)
+        parts.append((name, weight, prepared))
+    fingerprints = {p.tokenizer.fingerprint for _, _, p in parts}
+    if len(fingerprints) > 1:
+        raise CorpusError("the [[data.mix]] sources were tokenized with different tokenizers; give them one "
+                          "data.tokenizer")
+    for name, _, prepared in parts:
+        for split, tokens in (("train", prepared.train), ("val", prepared.val)):
+            if len(tokens) < cfg.seq_len + 1:
+                raise CorpusError(f"[[data.mix]] source {name!r}: its {split} split holds {len(tokens)} tokens, fewer "
+                                  f"than data.seq_len + 1 = {cfg.seq_len + 1}; give it more text, raise "
+                                  f"data.val_fraction or lower data.seq_len")
+    tok = parts[0][2].tokenizer
+    if run_dir is not None:
+        tok.save(Path(run_dir))
+    total = sum(w for _, w, _ in parts)
+    train = Mixture([n for n, _, _ in parts], [w for _, w, _ in parts], [p.train for _, _, p in parts])
+    val = Mixture([n for n, _, _ in parts], [w for _, w, _ in parts], [p.val for _, _, p in parts])
+    log("data: mixture " + ", ".join(f"{n} {w / total:.0%}" for n, w, _ in parts))
+    return PreparedData(tokenizer=tok, train=train, val=val,
+                        unigram_loss=sum(w * p.unigram_loss for _, w, p in parts) / total,
+                        cache_dir=parts[0][2].cache_dir, sources=parts)

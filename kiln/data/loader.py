@@ -15,10 +15,14 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from kiln.data.mix import Mixture
+
 _POLL_S = 0.1  # how often a blocked producer re-checks its stop flag; bounds how long close() can wait
 
 
 def _check_length(tokens: np.ndarray, seq_len: int, what: str) -> None:
+    if isinstance(tokens, Mixture):  # each source must hold a window
+        tokens.check_length(seq_len, what)
     if tokens.ndim != 1:
         raise ValueError(f"{what}: token array must be 1-D, got shape {tokens.shape}")
     if seq_len < 1:
@@ -45,8 +49,12 @@ def batch_starts(seed: int, index: int, batch_size: int, num_tokens: int, seq_le
 def _host_batch(
     tokens: np.ndarray, seed: int, index: int, batch_size: int, seq_len: int, pin: bool
 ) -> tuple[Tensor, Tensor]:
-    starts = batch_starts(seed, index, batch_size, len(tokens), seq_len)
-    x, y = (torch.from_numpy(a) for a in _windows(tokens, starts, seq_len))
+    if isinstance(tokens, Mixture):  # rows drawn from the sources by weight
+        rows = tokens.windows(seed, index, batch_size, seq_len)
+        x, y = torch.from_numpy(np.ascontiguousarray(rows[:, :-1])), torch.from_numpy(np.ascontiguousarray(rows[:, 1:]))
+    else:
+        starts = batch_starts(seed, index, batch_size, len(tokens), seq_len)
+        x, y = (torch.from_numpy(a) for a in _windows(tokens, starts, seq_len))
     if pin:
         x, y = x.pin_memory(), y.pin_memory()
     return x, y

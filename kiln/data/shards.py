@@ -65,9 +65,11 @@ class ShardWriter:
 
     def append(self, ids: np.ndarray) -> None:
         ids = np.asarray(ids)
-        if ids.size and int(ids.max()) > self._max_id:
-            raise ValueError(f"token id {int(ids.max())} does not fit the shard dtype {self.dtype} of {self.path}")
-        self._file.write(ids.astype(self.dtype, copy=False).tobytes())
+        if ids.dtype != self.dtype:  # the same dtype needs no check (and no copy)
+            if ids.size and int(ids.max()) > self._max_id:
+                raise ValueError(f"token id {int(ids.max())} does not fit the shard dtype {self.dtype} of {self.path}")
+            ids = ids.astype(self.dtype)
+        self._file.write(memoryview(np.ascontiguousarray(ids)))
         self.count += ids.size
 
     def close(self) -> None:
@@ -143,3 +145,68 @@ def read_shard(path: Path, fingerprint: str | None = None) -> np.ndarray:
     if count == 0:
         return np.zeros(0, dtype=dtype)  # np.memmap refuses to map zero bytes
     return np.memmap(path, dtype=dtype, mode="r", offset=HEADER_SIZE, shape=(count,))
+
+
+class ShardedTokens:
+    """Several shards read as one 1-D token array, without concatenating them: len(), slicing, integer-array
+    indexing (a batch's windows, which may cross a shard boundary) and a chunked max().
+
+    One shard is returned as its own memory map by `open_shards`, so the common small case stays a plain array.
+    """
+
+    ndim = 1
+
+    def __init__(self, parts: list[np.ndarray]) -> None:
+        self.parts = parts
+        self.ends = np.cumsum([len(p) for p in parts])  # exclusive end of each shard in the joint index
+        self.starts = self.ends - [len(p) for p in parts]
+        self.dtype = parts[0].dtype
+        self.shape = (int(self.ends[-1]),)
+
+    def __len__(self) -> int:
+        return self.shape[0]
+
+    def __getitem__(self, key):
+        if isinstance(key, slice):
+            start, stop, step = key.indices(len(self))
+            if step != 1:
+                return self[np.arange(start, stop, step)]
+            pieces = []
+            for part, first, end in zip(self.parts, self.starts, self.ends):
+                lo, hi = max(start, first), min(stop, end)
+                if lo < hi:
+                    pieces.append(part[lo - first: hi - first])
+            if len(pieces) == 1:
+                return pieces[0]
+            return np.concatenate(pieces) if pieces else np.zeros(0, self.dtype)
+        index = np.asarray(key)
+        if index.dtype.kind not in "iu":
+            raise TypeError(f"ShardedTokens takes a slice or an integer array, got {type(key).__name__}")
+        flat = np.where(index < 0, index + len(self), index).ravel()
+        if flat.size and (flat.min() < 0 or flat.max() >= len(self)):
+            raise IndexError(f"token index out of range for {len(self)} tokens")
+        shard = np.searchsorted(self.ends, flat, side="right")
+        out = np.empty(flat.shape, self.dtype)
+        for s in np.unique(shard):
+            mine = shard == s
+            out[mine] = self.parts[s][flat[mine] - self.starts[s]]
+        return out.reshape(index.shape)
+
+    def max(self, axis=None, out=None, **unused) -> int:  # np.max(view) calls this
+        if axis not in (None, 0) or out is not None:
+            raise TypeError("ShardedTokens.max takes no axis or out")
+        return max(int(part.max()) for part in self.parts if len(part))
+
+    def __array__(self, dtype=None, copy=None):
+        joined = np.concatenate(self.parts)
+        return joined.astype(dtype) if dtype is not None else joined
+
+    def tolist(self) -> list[int]:
+        return np.asarray(self).tolist()
+
+
+def open_shards(paths: list[Path], fingerprint: str | None = None):
+    """The shards as one token array: the memory map itself for one shard, a ShardedTokens view for several."""
+    parts = [read_shard(p, fingerprint) for p in paths]
+    parts = [p for p in parts if len(p)] or parts[:1]
+    return parts[0] if len(parts) == 1 else ShardedTokens(parts)

@@ -156,6 +156,35 @@ class BPETokenizer:
         return f"BPETokenizer(vocab_size={self.vocab_size})"
 
 
+class IdsTokenizer:
+    """The stand-in of a pre-tokenized corpus (data.format=tokens) without a tokenizer: ids only, shown as <id>."""
+
+    kind = "ids"
+    eot_id = -1  # the files' own end-of-text id is unknown here; nothing is inserted
+
+    def __init__(self, vocab_size: int) -> None:
+        self.vocab_size = vocab_size
+        self.fingerprint = _fingerprint("ids", str(vocab_size))
+
+    def encode(self, text: str) -> list[int]:
+        raise ValueError("this run reads pre-tokenized files without a tokenizer, so it cannot encode text; give "
+                         "data.tokenizer=hf:DIR (the files' tokenizer) to sample from a prompt")
+
+    def decode(self, ids: Iterable[int]) -> str:
+        return "".join(f"<{int(i)}>" for i in ids)
+
+    def encode_batch(self, texts: list[str]) -> list[np.ndarray]:
+        return [np.asarray(self.encode(t)) for t in texts]
+
+    def save(self, run_dir: Path) -> None:
+        Path(run_dir).mkdir(parents=True, exist_ok=True)
+        (Path(run_dir) / TOKENIZER_FILE).write_text(json.dumps({"kind": self.kind, "vocab_size": self.vocab_size})
+                                                    + "\n")
+
+    def __repr__(self) -> str:
+        return f"IdsTokenizer(vocab_size={self.vocab_size})"
+
+
 def load_tokenizer(run_dir: Path) -> Tokenizer:
     """The tokenizer saved in run_dir (or in a shard cache directory) by `save`."""
     path = Path(run_dir) / TOKENIZER_FILE
@@ -167,6 +196,8 @@ def load_tokenizer(run_dir: Path) -> Tokenizer:
         raise ValueError(f"{path} is not valid JSON ({e.msg}); delete it and re-run prepare to rebuild") from None
     if payload.get("kind") == "bytes":
         return ByteTokenizer()
+    if payload.get("kind") == "ids":
+        return IdsTokenizer(int(payload["vocab_size"]))
     if "model" in payload:
         eot = Path(run_dir) / EOT_FILE
         if eot.is_file():

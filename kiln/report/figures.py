@@ -165,6 +165,7 @@ def build_charts(runs: list[Run], clip_thresholds: list[float | None]) -> list[C
     mem = Chart("peak_memory", "peak memory (CUDA allocator; process RSS on CPU)", "step", "GiB")
     skipped = Chart("skipped_steps", "steps skipped so far (update withheld)", "step", "steps")
     gap = Chart("gap", "generalisation gap (val loss − train loss since the previous evaluation)", "step", "gap")
+    per_source = Chart("val_loss_sources", "validation loss per data source ([[data.mix]])", "step", loss_step.ylabel)
     extra: dict[str, Chart] = {}
     for i, run in enumerate(runs):
         x, y = series(run.train, "loss")
@@ -196,13 +197,19 @@ def build_charts(runs: list[Run], clip_thresholds: list[float | None]) -> list[C
         if any(y):
             skipped.lines.append(Line(i, run.name, x, y))
         gap.lines.append(Line(i, run.name, *series(run.eval, "gap"), "points"))
+        sources = dict.fromkeys(k for r in run.eval for k in r if k.startswith("val_loss/"))
+        for j, key in enumerate(sources):  # one colour per source (per run when comparing runs)
+            per_source.lines.append(Line(i if multi else j, name(run, key.removeprefix("val_loss/")),
+                                         *series(run.eval, key), "solid" if not multi else ("solid", "dashed",
+                                                                                            "dotted")[j % 3]))
         for records, charted, kind in ((run.train, CHARTED_TRAIN, "train"), (run.eval, CHARTED_EVAL, "eval")):
-            for key in dict.fromkeys(k for r in records for k in r if k not in charted):
+            for key in dict.fromkeys(k for r in records for k in r if k not in charted
+                                     and not k.startswith("val_loss/")):
                 x, y = series(records, key)
                 if x:
                     chart = extra.setdefault(key, Chart(f"{kind}_{key}", f"{key} ({kind} records)", "step", key))
                     chart.lines.append(Line(i, run.name, x, y))
-    charts = [loss_step, loss_seen, gap, lr, grad, rate, step_time, util, scale, mem, skipped, *extra.values()]
+    charts = [loss_step, loss_seen, per_source, gap, lr, grad, rate, step_time, util, scale, mem, skipped, *extra.values()]
     for c in charts:
         c.lines = [line for line in c.lines if line.x]
     shown = {"solid": "MFU (solid)", "dashed": "HFU (dashed)", "dotted": "device busy (dotted)"}

@@ -62,12 +62,13 @@ def aligned(tokenizer, inputs, targets, width: int = 110) -> list[str]:
 
 
 def statistics(data) -> DataStats:
-    meta = json.loads((data.cache_dir / "meta.json").read_text())
+    parts = [part for _, _, part in data.sources] if data.sources else [data]  # a mixture: each source's cache
+    documents = sum(json.loads((part.cache_dir / "meta.json").read_text())["docs"] for part in parts)
     counts = np.zeros(data.tokenizer.vocab_size, dtype=np.int64)
     for start in range(0, len(data.train), 1 << 24):
         counts += np.bincount(data.train[start:start + (1 << 24)], minlength=data.tokenizer.vocab_size)
     top = np.argsort(-counts)[:8]
-    return DataStats(documents=meta["docs"], train_tokens=len(data.train), val_tokens=len(data.val),
+    return DataStats(documents=documents, train_tokens=len(data.train), val_tokens=len(data.val),
                      vocab_size=data.tokenizer.vocab_size, used=int((counts > 0).sum()),
                      top=[(cell(data.tokenizer, int(t)), counts[t] / counts.sum()) for t in top if counts[t]])
 

@@ -108,9 +108,18 @@ class LMRun:
     def model_cfg(self) -> ModelConfig:
         return self.cfg.model
 
-    def evaluate(self, model) -> float:
+    def evaluate(self, model) -> float | dict[str, float]:
+        """The validation loss; for a [[data.mix]], {"val_loss": mix-weighted mean, "val_loss/<name>": each}."""
+        if self.data.sources:
+            losses = {f"val_loss/{name}": self._evaluate_on(model, part.val) for name, _, part in self.data.sources}
+            weights = {f"val_loss/{name}": w for name, w, _ in self.data.sources}
+            mean = sum(weights[k] * v for k, v in losses.items()) / sum(weights.values())
+            return {**losses, "val_loss": mean}
+        return self._evaluate_on(model, self.data.val)
+
+    def _evaluate_on(self, model, tokens) -> float:
         c, world = self.cfg, self.state.world
-        batches = val_batches(self.data.val, c.train.micro_batch_size, c.data.seq_len, c.train.eval_batches)
+        batches = val_batches(tokens, c.train.micro_batch_size, c.data.seq_len, c.train.eval_batches)
         mine = itertools.islice(batches, world.rank, None, world.size)  # each rank its share; totals all-reduced
         return evaluate(model, (to_device(b, self.state.device) for b in mine), self.state.objective,
                         self.state.precision, self.state.device, world if world.size > 1 else None)
@@ -261,7 +270,8 @@ def _train(lm: LMRun, cfg: Config, run_dir: Path, resume: bool, con: Console) ->
     con.print(f"done at step {result.step} ({result.stop_reason}): val_loss {shown_val} | unigram baseline "
               f"{lm.data.unigram_loss:.4f} | checkpoint {result.checkpoint}", highlight=False)
     result.unigram_loss = lm.data.unigram_loss
-    if lm.cfg.train.sample_tokens and world.main and result.failure is None:  # NaN weights cannot be sampled
+    # NaN weights cannot be sampled; token-id data (ids) has no text to prompt with
+    if lm.cfg.train.sample_tokens and world.main and result.failure is None and lm.data.tokenizer.kind != "ids":
         result.sample = lm.sample(lm.cfg.train.sample_prompt, lm.cfg.train.sample_tokens)
         con.rule("sample")
         con.print(result.sample, markup=False, highlight=False)

@@ -433,10 +433,10 @@ class Trainer:
             return
         state, tc = self.state, self.cfg.train
         self.val_loss = self._evaluate_fn(state.model)
-        if isinstance(self.val_loss, dict):  # fit(metrics=...): {"val_loss": ..., "val_<name>": ...}
+        if isinstance(self.val_loss, dict):  # fit(metrics=...) or a data mixture: {"val_loss": ..., "val_<name>": ...}
             self.val_metrics = {k: v for k, v in self.val_loss.items() if k != "val_loss"}
             self.val_loss = self.val_loss["val_loss"]
-        record = {"step": state.step, "val_loss": self.val_loss} | (self.val_metrics or {})
+        record = {"step": state.step, **(self.val_metrics or {}), "val_loss": self.val_loss}
         if self._train_losses and all(math.isfinite(x) for x in self._train_losses):
             record["train_loss"] = sum(self._train_losses) / len(self._train_losses)  # logged since the last eval
             record["gap"] = self.val_loss - record["train_loss"]

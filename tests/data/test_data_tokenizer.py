@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 import tokenizers
 
-from kiln.data.corpus import load_documents
+from kiln.data.corpus import stdlib_files
 from kiln.data.tokenizer import EOT_TEXT, TOKENIZER_FILE, BPETokenizer, ByteTokenizer, load_tokenizer
 
 SAMPLES = [
@@ -20,7 +20,7 @@ SAMPLES = [
 @pytest.fixture(scope="module")
 def bpe():
     # ~60 kB of real Python trains a 400-token vocabulary in well under a second.
-    texts = [d.text for d in load_documents("stdlib")[:40]]
+    texts = [f.read_text() for f in stdlib_files()[:40]]
     return BPETokenizer.train(texts, vocab_size=400)
 
 
@@ -73,7 +73,7 @@ def test_save_load_keeps_fingerprint_and_ids(bpe, tmp_path):
 
 
 def test_fingerprint_tells_tokenizers_apart(bpe):
-    other = BPETokenizer.train([d.text for d in load_documents("stdlib")[:40]], vocab_size=300)
+    other = BPETokenizer.train([f.read_text() for f in stdlib_files()[:40]], vocab_size=300)
     assert len({ByteTokenizer().fingerprint, bpe.fingerprint, other.fingerprint}) == 3
 
 

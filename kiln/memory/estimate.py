@@ -15,6 +15,7 @@ import re
 from dataclasses import dataclass, field
 
 from kiln.models.config import ModelConfig
+from kiln.models.registry import family
 
 KiB, MiB, GiB = 1024, 1024**2, 1024**3
 _UNITS = {"": 1, "b": 1, "k": 1e3, "kb": 1e3, "m": 1e6, "mb": 1e6, "g": 1e9, "gb": 1e9, "t": 1e12, "tb": 1e12,
@@ -176,30 +177,7 @@ def recompute_plan(policy: str, n_layer: int, every: int = 2) -> tuple[str, ...]
 
 def parameter_shapes(cfg: ModelConfig) -> list[tuple[str, tuple[int, ...]]]:
     """(name, shape) of every parameter tensor of Transformer(cfg), tied weights once, in model order."""
-    d, ff, hd, V = cfg.d_model, cfg.d_ff, cfg.head_dim, cfg.padded_vocab
-    gpt2 = cfg.arch == "gpt2"
-    bias = bool(cfg.bias) and gpt2
-    qkv = (cfg.n_head + 2 * cfg.n_kv_head) * hd
-    fc = ff if gpt2 else 2 * ff
-    out = [("embed.weight", (V, d))]
-    if gpt2:
-        out.append(("pos_embed.weight", (cfg.max_seq_len, d)))
-
-    def norm(name):
-        return [(f"{name}.weight", (d,))] + ([(f"{name}.bias", (d,))] if bias else [])
-
-    def linear(name, n_in, n_out, with_bias):
-        return [(f"{name}.weight", (n_out, n_in))] + ([(f"{name}.bias", (n_out,))] if with_bias else [])
-
-    for i in range(cfg.n_layer):
-        b = f"blocks.{i}"
-        out += norm(f"{b}.norm1") + linear(f"{b}.attn.qkv", d, qkv, bias)
-        out += linear(f"{b}.attn.proj", cfg.n_head * hd, d, bias) + norm(f"{b}.norm2")
-        out += linear(f"{b}.mlp.fc", d, fc, bias) + linear(f"{b}.mlp.proj", ff, d, bias)
-    out += norm("norm")
-    if not cfg.tie_embeddings:
-        out.append(("head.weight", (V, d)))
-    return out
+    return family(cfg.arch).parameter_shapes(cfg)
 
 
 def parameter_numels(cfg: ModelConfig) -> list[tuple[str, int]]:
@@ -246,15 +224,13 @@ def rank_state(job: "Job") -> dict[str, int]:
 
 
 def block_matmul_numel(cfg: ModelConfig) -> int:
-    """Weights one block multiplies by (what autocast copies to half precision)."""
-    d, hd = cfg.d_model, cfg.head_dim
-    fc = cfg.d_ff if cfg.arch == "gpt2" else 2 * cfg.d_ff
-    return d * (cfg.n_head + 2 * cfg.n_kv_head) * hd + cfg.n_head * hd * d + d * fc + cfg.d_ff * d
+    """Weights one block multiplies by (what autocast copies to half precision): every expert of an MoE."""
+    return family(cfg.arch).block_matmul_numel(cfg)
 
 
 def buffer_bytes(cfg: ModelConfig, num: Numerics) -> int:
     """Non-parameter model state: the RoPE cos/sin tables (fp32; bf16 after .to(bf16) in bf16-master)."""
-    if cfg.arch == "gpt2":
+    if family(cfg.arch).positions != "rope":
         return 0
     return 2 * cfg.max_seq_len * (cfg.head_dim // 2) * (2 if num.param == 2 else 4)
 
@@ -276,7 +252,7 @@ def optimizer_state_bytes(numels: list[int], optimizer: str, momentum: float = 0
 def _norm_tensors(cfg, N, num, target, name) -> dict[str, int]:
     """What a norm saves for backward; the input is the residual stream."""
     d, r = cfg.d_model, num.residual
-    if cfg.arch == "gpt2":  # nn.LayerNorm: input, mean, rstd
+    if family(cfg.arch).norm == "layernorm":  # nn.LayerNorm: input, mean, rstd
         return {f"{name}.input": N * d * r, f"{name}.stats": 2 * N * target.layernorm_stat_bytes(r)}
     # RMSNorm computes in fp32: x.float() (a copy when x is bf16), rsqrt per token, the normalized y;
     # y * weight.float() keeps the fp32 weight (a copy when the weight is bf16).
@@ -318,51 +294,104 @@ def _attention_core(cfg, B, T, num, target, backend, rotary: bool) -> dict[str, 
 
 
 def _block_tensors(cfg: ModelConfig, B: int, T: int, num: Numerics, target: Target, backend: str) -> dict[str, int]:
-    """Every tensor one block saves for backward without recomputation: {kind: bytes}."""
-    N, d, F, c = B * T, cfg.d_model, cfg.d_ff, num.compute
-    llama = cfg.arch == "llama"
+    """Every tensor one block saves for backward without recomputation: {kind: bytes}, from the parts its family
+    names (kiln.models.family: norm, positions, qk_norm, mlp)."""
+    fam = family(cfg.arch)
+    N, d, c = B * T, cfg.d_model, num.compute
+    rotary = fam.positions == "rope"
     t = {}
     t.update(_norm_tensors(cfg, N, num, target, "norm1"))
     t["attn.qkv_input"] = N * d * c  # fp32: the norm output; autocast: its half copy; bf16-master: the output
-    if llama and num.autocast:
+    if rotary and num.autocast:
         t["attn.rope_tables"] = 4 * T * (cfg.head_dim // 2) * c  # cos, sin cast to bf16, per q and per k call
-    t.update(_attention_core(cfg, B, T, num, target, backend, rotary=llama))
+    if fam.qk_norm:
+        t.update(_qk_norm_tensors(cfg, N, num))
+    t.update(_attention_core(cfg, B, T, num, target, backend, rotary=rotary))
     if cfg.dropout > 0:
         t["resid.dropout_masks"] = 2 * N * d * target.mask_bytes(c)
     t.update(_norm_tensors(cfg, N, num, target, "norm2"))
-    t["mlp.fc_input"] = N * d * c
-    if llama:
-        t["mlp.gate_up"] = N * 2 * F * c  # silu(gate) and the product keep the fc output's storage
-        t["mlp.silu_out"] = N * F * c
+    t["mlp.fc_input"] = N * d * c  # (an MoE: the router's input)
+    if fam.mlp == "moe":
+        t.update(_moe_tensors(cfg, N, num))
     else:
-        t["mlp.act_input"] = N * F * c  # GELU saves its input (the fc output)
-    t["mlp.proj_input"] = N * F * c
+        t.update(_mlp_tensors(fam.mlp, N, cfg.d_ff, c))
     if num.autocast:
         t["weight_casts"] = 2 * block_matmul_numel(cfg)
-    if llama:  # RMSNorm's fp32 copies of a bf16 weight are weight copies too
-        w = t.pop("norm1.weight_fp32", 0) + t.pop("norm2.weight_fp32", 0)
-        if w:
-            t["weight_casts"] = t.get("weight_casts", 0) + w
+    # RMSNorm's fp32 copies of a bf16 weight are weight copies too
+    w = sum(t.pop(f"{name}.weight_fp32", 0) for name in ("norm1", "norm2", "attn.q_norm", "attn.k_norm"))
+    if w:
+        t["weight_casts"] = t.get("weight_casts", 0) + w
     return {k: v for k, v in t.items() if v}
+
+
+def _mlp_tensors(kind: str, N: int, F: int, c: int) -> dict[str, int]:
+    """A dense MLP of width F on N tokens, beyond its input."""
+    if kind == "swiglu":
+        t = {"mlp.gate_up": N * 2 * F * c,  # silu(gate) and the product keep the fc output's storage
+             "mlp.silu_out": N * F * c}
+    else:
+        t = {"mlp.act_input": N * F * c}  # GELU saves its input (the fc output)
+    t["mlp.proj_input"] = N * F * c
+    return t
+
+
+def _qk_norm_tensors(cfg: ModelConfig, N: int, num: Numerics) -> dict[str, int]:
+    """Qwen3's RMSNorm over each head of q and k: an RMSNorm over N·heads rows of head_dim. Its input is a view of
+    the qkv output (counted by the attention core) unless RMSNorm makes an fp32 copy of a half input."""
+    hd, out = cfg.head_dim, {}
+    for name, heads in (("attn.q_norm", cfg.n_head), ("attn.k_norm", cfg.n_kv_head)):
+        rows = N * heads
+        out[f"{name}.input"] = rows * hd * 4 if num.compute != 4 else 0
+        out[f"{name}.stats"] = rows * 4
+        out[f"{name}.normed"] = rows * hd * 4
+        if num.param == 2:
+            out[f"{name}.weight_fp32"] = hd * 4
+    return out
+
+
+def _moe_tensors(cfg: ModelConfig, N: int, num: Numerics) -> dict[str, int]:
+    """kiln.models.moe.MoE beyond its input (the router's): the routing, then every (token, slot) pair as a row
+    of its expert's SwiGLU — N·K rows over all experts whatever the routing — and the weighted sum back."""
+    E, K, F, d, c, r = cfg.n_experts, cfg.n_experts_active, cfg.moe_d_ff, cfg.d_model, num.compute, num.residual
+    S = N * K  # routed (token, slot) pairs
+    t = {"moe.probs": N * E * 4,  # softmax in fp32, kept by topk and by the load-balancing loss
+         "moe.topk_index": S * 8}
+    if cfg.moe_norm_topk:
+        t["moe.topk_weights"] = S * 4 + N * 4  # the division keeps the top-k probabilities and their sum
+    if cfg.moe_z_coef:
+        t["moe.z_loss"] = N * E * 4 + N * 4  # fp32 logits and their logsumexp
+    t["moe.token_index"] = S * 8  # the gather of each pair's token, and the scatter back (one tensor)
+    t["moe.expert_inputs"] = S * d * c
+    t.update({f"moe.experts.{k.removeprefix('mlp.')}": v for k, v in _mlp_tensors("swiglu", S, F, c).items()})
+    t["moe.order"] = S * 8  # pairs sorted by expert
+    t["moe.slot_weights"] = S * r  # each pair's routing weight, in the residual dtype
+    t["moe.expert_outputs"] = S * d * c
+    t["moe.weighted"] = S * d * r  # expert output × weight (promoted to the residual dtype), scattered back
+    return t
+
+
+def _moe_loss_tensors(cfg: ModelConfig) -> dict[str, int]:
+    """The load-balancing loss over all blocks (kiln.models.moe.moe_losses): the routed shares (fp32, E) and the
+    valid-token count (int64) its product with the summed loss keeps."""
+    return {"moe.aux_loss": cfg.n_experts * 4 + 8} if family(cfg.arch).mlp == "moe" else {}
 
 
 def _selective_tensors(cfg: ModelConfig, B: int, T: int, num: Numerics) -> dict[str, int]:
     """Selective recompute keeps the block input and every matmul output; the rest is recomputed."""
-    N, d, F, hd, c = B * T, cfg.d_model, cfg.d_ff, cfg.head_dim, num.compute
-    fc = F if cfg.arch == "gpt2" else 2 * F
-    return {
-        "block_input": N * d * num.residual,
-        "attn.qkv": N * (cfg.n_head + 2 * cfg.n_kv_head) * hd * c,
-        "attn.proj_out": N * d * c,
-        "mlp.fc_out": N * fc * c,
-        "mlp.proj_out": N * d * c,
-    }
+    N, d, c = B * T, cfg.d_model, num.compute
+    out = {"block_input": N * d * num.residual}
+    names = {"attn.qkv": "attn.qkv", "attn.proj": "attn.proj_out", "mlp.fc": "mlp.fc_out", "mlp.proj": "mlp.proj_out",
+             "mlp.router": "mlp.router_out", "mlp.experts.fc": "mlp.experts.fc_out",
+             "mlp.experts.proj": "mlp.experts.proj_out"}
+    for lin in family(cfg.arch).linears(cfg):
+        out[names[lin.name]] = N * lin.active * lin.n_out * c
+    return out
 
 
 def _embed_tensors(cfg: ModelConfig, B: int, T: int, num: Numerics, target: Target) -> dict[str, int]:
     N = B * T
     t = {"embed.token_ids": N * 8}
-    if cfg.arch == "gpt2":
+    if family(cfg.arch).positions == "learned":
         t["embed.positions"] = T * 8
     if cfg.dropout > 0:
         t["embed.dropout_mask"] = N * cfg.d_model * target.mask_bytes(num.residual)
@@ -376,6 +405,7 @@ def _head_tensors(cfg: ModelConfig, B: int, T: int, num: Numerics, target: Targe
     w = t.pop("norm.weight_fp32", 0)
     t["loss.input"] = N * d * c
     t["loss.targets"] = N * 8
+    t.update(_moe_loss_tensors(cfg))
     if chunk:
         t["loss.logsumexp"] = N * 4
     else:
@@ -410,11 +440,26 @@ def _loss_transients(cfg: ModelConfig, N: int, num: Numerics, chunk: int) -> tup
 def _block_grad_transient(cfg: ModelConfig, N: int, num: Numerics) -> int:
     """Bytes beyond the saved tensors when a block's backward peaks, at the MLP output projection: the gradient
     of the block output (and its half copy under autocast), the gradient of the projection's input (SwiGLU: with
-    the (N, 2F) gate/up gradient that follows it) and the projection's weight gradient (half, then fp32)."""
+    the (N, 2F) gate/up gradient that follows it) and the projection's weight gradient (half, then fp32). An MoE:
+    the same for one expert's share of the routed pairs, beside the gradients of all pairs' outputs."""
     d, F, c, r = cfg.d_model, cfg.d_ff, num.compute, num.residual
-    wide = 3 * F if cfg.arch == "llama" else F
+    mlp = family(cfg.arch).mlp
+    rows, extra = N, 0
+    if mlp == "moe":
+        S = N * cfg.n_experts_active
+        F, rows, extra = cfg.moe_d_ff, math.ceil(S / cfg.n_experts), S * d * (r + c)
+    wide = F if mlp == "gelu" else 3 * F
     grad_w = F * d * (c + 4 if num.autocast else num.grad)
-    return N * d * (r + (c if num.autocast else 0)) + N * wide * c + grad_w
+    return N * d * (r + (c if num.autocast else 0)) + rows * wide * c + grad_w + extra
+
+
+def _forward_width(cfg: ModelConfig) -> int:
+    """Elements per token of the widest MLP tensors alive together in a block's forward (SwiGLU: gate/up, silu,
+    product; an MoE: those of every routed pair)."""
+    mlp = family(cfg.arch).mlp
+    if mlp == "moe":
+        return cfg.n_experts_active * 4 * cfg.moe_d_ff
+    return 4 * cfg.d_ff if mlp == "swiglu" else 2 * cfg.d_ff
 
 
 # ---------------------------------------------------------------- the step
@@ -477,9 +522,9 @@ def _split(kinds: dict[str, int]) -> dict[str, int]:
 
 
 def block_flops(cfg: ModelConfig, B: int, T: int, causal_kernel: bool) -> tuple[float, float]:
-    """(matmul, attention-core) forward FLOPs of one block."""
+    """(matmul, attention-core) forward FLOPs of one block (an MoE: its active experts only)."""
     N = B * T
-    matmul = 2 * N * block_matmul_numel(cfg)
+    matmul = 2 * N * family(cfg.arch).active_matmul_numel(cfg)
     attn = 4 * B * cfg.n_head * T * T * cfg.head_dim * (0.5 if causal_kernel else 1.0)
     return matmul, attn
 
@@ -590,8 +635,7 @@ def estimate(job: Job) -> Breakdown:
     work_full = sum(full_block.values()) - full_block.get("weight_casts", 0)
     # Forward of one block: the residual stream, its half copy and the widest MLP tensors (SwiGLU: gate/up,
     # silu, product) are alive together; a block that keeps nothing frees them as it goes.
-    wide = 4 * cfg.d_ff if cfg.arch == "llama" else 2 * cfg.d_ff
-    fwd_tmp = N * (cfg.d_model * (num.residual + num.compute) + wide * num.compute)
+    fwd_tmp = N * (cfg.d_model * (num.residual + num.compute) + _forward_width(cfg) * num.compute)
     mm_flops, attn_flops = block_flops(cfg, B, T, job.backend != "math")
 
     def simulate(first_step: bool, accumulating: bool):

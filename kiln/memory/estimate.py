@@ -305,10 +305,11 @@ def _block_tensors(cfg: ModelConfig, B: int, T: int, num: Numerics, target: Targ
     if rotary and num.autocast:
         t["attn.rope_tables"] = 4 * T * (cfg.head_dim // 2) * c  # cos, sin cast to bf16, per q and per k call
     if fam.qk_norm:
-        t.update(_qk_norm_tensors(cfg, N, num))
+        t.update(_qk_norm_tensors(cfg, N, num, backend))
     t.update(_attention_core(cfg, B, T, num, target, backend, rotary=rotary))
-    if cfg.dropout > 0:
-        t["resid.dropout_masks"] = 2 * N * d * target.mask_bytes(c)
+    if cfg.dropout > 0:  # on the attention and MLP outputs: an MoE's sums its experts in the residual dtype
+        mlp_out = num.residual if fam.mlp == "moe" else c
+        t["resid.dropout_masks"] = N * d * (target.mask_bytes(c) + target.mask_bytes(mlp_out))
     t.update(_norm_tensors(cfg, N, num, target, "norm2"))
     t["mlp.fc_input"] = N * d * c  # (an MoE: the router's input)
     if fam.mlp == "moe":
@@ -335,10 +336,13 @@ def _mlp_tensors(kind: str, N: int, F: int, c: int) -> dict[str, int]:
     return t
 
 
-def _qk_norm_tensors(cfg: ModelConfig, N: int, num: Numerics) -> dict[str, int]:
+def _qk_norm_tensors(cfg: ModelConfig, N: int, num: Numerics, backend: str) -> dict[str, int]:
     """Qwen3's RMSNorm over each head of q and k: an RMSNorm over N·heads rows of head_dim. Its input is a view of
-    the qkv output (counted by the attention core) unless RMSNorm makes an fp32 copy of a half input."""
+    the qkv output unless RMSNorm makes an fp32 copy of a half input; the flash kernels keep that storage anyway
+    (v is a view of it), the math path does not (it copies v), so there the norm's input keeps it alive."""
     hd, out = cfg.head_dim, {}
+    if num.compute == 4 and backend == "math":
+        out["attn.qkv"] = N * (cfg.n_head + 2 * cfg.n_kv_head) * hd * 4
     for name, heads in (("attn.q_norm", cfg.n_head), ("attn.k_norm", cfg.n_kv_head)):
         rows = N * heads
         out[f"{name}.input"] = rows * hd * 4 if num.compute != 4 else 0

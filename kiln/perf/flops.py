@@ -44,7 +44,11 @@ def recompute_flops_per_token(cfg: ModelConfig, seq_len: int, plan: tuple[str, .
     recomputing once it has every saved tensor back (checked against torch's FLOP counter)."""
     attention = 4 * seq_len * cfg.n_head * cfg.head_dim
     block = 2 * (matmul_params(cfg) - cfg.padded_vocab * cfg.d_model) / cfg.n_layer + attention
-    last = family(cfg.arch).linears(cfg)[-1]  # the MLP's output projection (an MoE: its top-k experts')
+    fam = family(cfg.arch)
+    last = fam.linears(cfg)[-1]  # the MLP's output projection
+    # An MoE weights and scatters its experts' outputs after the projection, saving tensors there: checkpoint
+    # recomputes through every expert's projection.
+    skipped = 0 if fam.mlp == "moe" else 2 * last.n_in * last.n_out * last.active
     total = 0.0
     for i, policy in enumerate(plan):
         if policy == "selective":
@@ -52,7 +56,7 @@ def recompute_flops_per_token(cfg: ModelConfig, seq_len: int, plan: tuple[str, .
         elif policy in ("full", "seg"):
             total += block
             if i + 1 == len(plan) or plan[i + 1] != "seg":  # the segment's last block
-                total -= 2 * last.n_in * last.n_out * last.active
+                total -= skipped
     return total
 
 

@@ -62,6 +62,9 @@ def test_gpt2_xl_on_a_v100():
     ["--precision.mode=bf16", "--optim.name=adamw8bit"],
     ["--precision.mode=bf16-master", "--optim.name=sgd"],
     ["--precision.mode=bf16-master", "--optim.offload=host"],
+    ["--precision.mode=bf16", "--model.arch=llama"],
+    ["--precision.mode=fp32", "--model.arch=qwen3", "--model.n_kv_head=1", "--model.head_dim=24"],
+    ["--precision.mode=bf16-master", "--model.arch=qwen3_moe", "--model.n_experts=4", "--optim.name=adamw8bit"],
 ], ids=lambda o: " ".join(o))
 def test_model_state_measured_exactly(overrides):
     cfg = load_config(None, ["--model.n_layer=2", "--model.d_model=64", "--model.n_head=2", "--data.seq_len=32",

@@ -83,7 +83,7 @@ class Transformer(nn.Module):
         total = self.loss(h.flatten(0, 1), self.head_weight, targets.flatten())
         count = (targets != IGNORE_INDEX).sum()
         if self.moe and self.training:
-            total = total + self._moe_penalty() * (count if reduction == "sum" else 1)
+            total = total + self._moe_penalty() * count
         if reduction == "sum":
             return total
         return total / count.clamp(min=1)

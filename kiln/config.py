@@ -280,10 +280,6 @@ def to_toml(cfg: Config) -> str:
     return "\n".join(lines)
 
 
-def save_config(cfg: Config, path: Path) -> None:
-    Path(path).write_text(to_toml(cfg))
-
-
 def field_help(cls) -> dict[str, str]:
     """{field: one-line description} from the `# comment` after each field in the dataclass source."""
     try:

@@ -82,23 +82,6 @@ def communication(job: Job, link: float, compute_s: float) -> dict[str, float]:
     return {"bytes": moved, "seconds": moved / bw, "exposed": max(0.0, moved / bw - compute_s)}
 
 
-def scaling_table(job: Job, device, counts=(1, 8, 64, 512, 1024), node: int = 8, intra: str = "nvlink4",
-                  inter: str = "ib-ndr") -> list[dict]:
-    """Simulated weak scaling: job (one rank's micro-batches) on n GPUs, nodes of `node` GPUs joined by `inter`.
-    A ring across nodes runs at the slowest link's bandwidth. A model, not a measurement."""
-    rows, base = [], None
-    for n in counts:
-        link = INTERCONNECTS[intra if n <= node else inter]
-        t = step_time(replace(job, world=n), device, link)
-        tokens = n * job.grad_accum * job.micro_batch * job.seq_len
-        rate = tokens / t["total"]
-        base = base or rate
-        rows.append({"gpus": n, "link": intra if n <= node else inter, "step_s": t["total"],
-                     "communication_s": t["communication"], "exposed_s": t["exposed_communication"],
-                     "tokens_per_s": rate, "scaling_efficiency": rate / (n * base)})
-    return rows
-
-
 # ---------------------------------------------------------------- step time
 
 

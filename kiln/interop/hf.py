@@ -21,7 +21,6 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
 from kiln.models import ModelConfig, family
-from kiln.models.family import HFTensor
 from kiln.models.registry import by_hf_model_type
 
 INDEX = "model.safetensors.index.json"

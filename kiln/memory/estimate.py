@@ -235,6 +235,23 @@ def buffer_bytes(cfg: ModelConfig, num: Numerics) -> int:
     return 2 * cfg.max_seq_len * (cfg.head_dim // 2) * (2 if num.param == 2 else 4)
 
 
+def expert_parallel_split(cfg: ModelConfig, ep: int, bytes_per_element: int = 2) -> dict[str, float]:
+    """How expert parallelism (not built yet; for the planner later) would divide a mixture of experts over `ep`
+    ranks: each rank keeps n_experts / ep whole experts of every block (the linears whose layout is "expert") and
+    everything else replicated; each routed (token, slot) pair travels to its expert's rank and back, two
+    all-to-alls of d_model elements per pair and block, forward and again in backward. A dense family has no
+    experts: ep divides nothing."""
+    fam = family(cfg.arch)
+    expert = sum(x.numel for x in fam.linears(cfg) if x.tp == "expert") * cfg.n_layer
+    total = sum(math.prod(shape) for _, shape in fam.parameter_shapes(cfg))
+    if expert and cfg.n_experts % ep:
+        raise ValueError(f"expert parallelism over {ep} ranks needs model.n_experts={cfg.n_experts} divisible by it")
+    pairs = cfg.n_experts_active if expert else 0
+    return {"experts_per_rank": cfg.n_experts / ep if expert else 0, "expert_parameters": expert,
+            "parameters_per_rank": total - expert + expert // ep,
+            "all_to_all_bytes_per_token": 4 * pairs * cfg.d_model * cfg.n_layer * bytes_per_element * (ep - 1) / ep}
+
+
 def optimizer_state_bytes(numels: list[int], optimizer: str, momentum: float = 0.9) -> int:
     """Optimizer state for parameter tensors of these sizes (fp32 masters or parameters)."""
     if optimizer in ("adamw", "adam"):
@@ -590,150 +607,190 @@ def _comm_buffers(job: Job, block_params: dict) -> CommBuffers:
                        keep_gathered=not job.reshard_after_forward)
 
 
+@dataclass
+class _Step:
+    """What walking one micro-batch needs, computed once per estimate."""
+
+    job: Job
+    state: dict[str, int]  # model state on the device after an update: parameters, buffers, masters, optimizer
+    step_gradients: int  # gradient bytes during the optimizer step (bf16-master: fp32, on the masters)
+    embed: dict[str, int]  # saved-for-backward bytes by kind
+    head: dict[str, int]
+    blocks: list[dict[str, int]]  # per block, {} where offloaded to the host
+    held: dict  # gradient elements one rank keeps per part of the model (grad_shares)
+    comm: CommBuffers
+    casts: int  # autocast's half copies of one block's weights
+    loss_fwd: int
+    loss_bwd: int
+    grad_tmp: int  # a block backward's transient bytes
+    fwd_tmp: int  # a recomputed block forward's transient bytes
+    work_full: int  # bytes a fully recomputed block brings back
+    selective_kept: int  # bytes selective recompute keeps per block
+    tied_head: int  # elements of a head tied to the embedding (0 if untied)
+    step_tmp: int  # the optimizer step's transient bytes
+    offloaded: set
+
+
+def _model_state(job: Job, numels: list[tuple[str, int]]) -> tuple[dict[str, int], int, dict[str, int]]:
+    """(model state on the device after an update, gradient bytes during the optimizer step, host bytes)."""
+    num, n_params = job.num, sum(n for _, n in numels)
+    host_opt = job.optimizer_offload != "none"
+    per_rank = rank_state(job)
+    state = {"parameters": per_rank["parameters"], "buffers": buffer_bytes(job.model, num),
+             "master_weights": 0 if host_opt else n_params * num.master,
+             "optimizer_states": 0 if host_opt else per_rank["optimizer_states"],
+             "gradients": per_rank["gradients"]}
+    step_gradients = 0 if host_opt else (n_params * 4 if num.master else 0)  # fp32 gradients on the masters
+    host = {}
+    if host_opt:
+        host = {"master_weights": n_params * 4, "gradients": n_params * 4,
+                "optimizer_states": optimizer_state_bytes([n for _, n in numels], job.optimizer, job.sgd_momentum)}
+    return state, step_gradients, host
+
+
+def _block_parameters(numels: list[tuple[str, int]]) -> dict:
+    """Parameter elements per part of the model: block index, "embed", "pos_embed", "norm", "head"."""
+    out: dict = {}
+    for name, n in numels:
+        key = int(name.split(".")[1]) if name.startswith("blocks.") else name.split(".")[0]
+        out[key] = out.get(key, 0) + n
+    return out
+
+
+def _simulate(p: _Step, first_step: bool, accumulating: bool) -> list[tuple[str, dict[str, int]]]:
+    """Walk one micro-batch and the optimizer step; return [(event, live bytes per component)]."""
+    job, num, cfg = p.job, p.job.num, p.job.model
+    N, L = job.micro_batch * job.seq_len, cfg.n_layer
+    events = []
+    state = dict(p.state, optimizer_states=0 if first_step else p.state["optimizer_states"],
+                 gradients=p.state["gradients"] if accumulating else 0)
+    live = {"activations": 0, "logits": 0, "weight_casts": 0}
+    cache = 0
+
+    def snap(name, temporaries=0, extra_casts=0, gathered=()):
+        comp = {**state, **live, "temporaries": temporaries}
+        comp["weight_casts"] += extra_casts
+        comp["comm_buffers"] = p.comm.persistent + sum(p.comm.gathered[i] for i in gathered)
+        events.append((name, comp))
+
+    def add(kinds, sign=1):
+        for k, v in _split(kinds).items():
+            live[k] += sign * v
+
+    add(p.embed)
+    snap("forward: embeddings")
+    for i in range(L):
+        add(p.blocks[i])
+        recomputed = job.policy(i) != "none"
+        if (recomputed or i in p.offloaded) and num.autocast:
+            cache += p.casts  # not saved on the device, but in autocast's cache until forward ends
+        snap(f"forward: block {i}", temporaries=p.fwd_tmp if recomputed else N * cfg.d_model * 4, extra_casts=cache,
+             gathered=p.comm.forward(i))
+    add(p.head)
+    snap("forward: loss", temporaries=p.loss_fwd, extra_casts=cache)
+    snap("forward: end", extra_casts=cache)
+    cache = 0  # autocast exits before backward
+    snap("backward: loss", temporaries=p.loss_bwd)
+    add(p.head, sign=-1)
+    held = p.held
+    if not accumulating:
+        state["gradients"] += (held["head"] + held["norm"] + (held["embed"] if p.tied_head else 0)) * num.grad
+    snap("backward: head", temporaries=N * cfg.d_model * (num.compute + num.residual)
+         + cfg.padded_vocab * cfg.d_model * (num.compute + 4 if num.autocast else 0))
+    for first, stop, policy in reversed(job.segments()):
+        # Recomputing a segment brings back what its blocks would have saved (selective: minus what it kept).
+        per_block_work = {"none": 0, "full": p.work_full, "selective": p.work_full - p.selective_kept}[policy]
+        work = (stop - first) * per_block_work
+        for i in reversed(range(first, stop)):
+            casts = p.casts if (num.autocast and policy != "none") else 0
+            snap(f"backward: block {i}", temporaries=work + p.grad_tmp + p.comm.reduce_scatter.get(i, 0),
+                 extra_casts=casts, gathered=p.comm.backward(i))
+            if not accumulating:
+                state["gradients"] += held[i] * num.grad
+            add(p.blocks[i], sign=-1)
+            work -= per_block_work
+    add(p.embed, sign=-1)
+    if not accumulating:  # a tied embedding got its grad at the head
+        state["gradients"] += (held["pos_embed"] + (0 if p.tied_head else held["embed"])) * num.grad
+    # a tied embedding's dense gradient is made, then added to the head's: a second V x d for a moment
+    snap("backward: embeddings", temporaries=p.tied_head * num.grad)
+    # optimizer step (after the last micro-batch): bf16-master moves gradients to fp32 masters first
+    if num.master and job.optimizer_offload == "none":
+        state["gradients"] = p.step_gradients
+    state["optimizer_states"] = p.state["optimizer_states"]
+    snap("optimizer step", temporaries=p.step_tmp)
+    return events
+
+
+def _recompute_flops(job: Job) -> float:
+    """Forward FLOPs per micro-batch that recomputation runs again."""
+    mm_flops, attn_flops = block_flops(job.model, job.micro_batch, job.seq_len, job.backend != "math")
+    total = 0.0
+    for first, stop, policy in job.segments():
+        n = stop - first
+        if policy == "full":
+            total += n * (mm_flops + attn_flops)
+        elif policy == "selective":
+            total += n * attn_flops
+    return total
+
+
 def estimate(job: Job) -> Breakdown:
+    """The step's bytes: model state, what the forward saves (per block, by kind), the transients, walked event
+    by event through a steady step and the first one (no optimizer state yet); the peak is the largest event."""
     cfg, num, tgt = job.model, job.num, job.target
     B, T, L = job.micro_batch, job.seq_len, cfg.n_layer
     N = B * T
     numels = parameter_numels(cfg)
     n_params = sum(n for _, n in numels)
-    host_opt = job.optimizer_offload != "none"
-    per_rank = rank_state(job)
-    P = per_rank["parameters"]
-    G = per_rank["gradients"]
-    M = 0 if host_opt else n_params * num.master
-    S = 0 if host_opt else per_rank["optimizer_states"]
-    MG = 0 if host_opt else (n_params * 4 if num.master else 0)  # fp32 gradients on the masters during the step
-    buffers = buffer_bytes(cfg, num)
-    host = {}
-    if host_opt:
-        host = {"master_weights": n_params * 4, "gradients": n_params * 4,
-                "optimizer_states": optimizer_state_bytes([n for _, n in numels], job.optimizer, job.sgd_momentum)}
+    state, step_gradients, host = _model_state(job, numels)
 
     embed, blocks, head = saved_tensors(job)
     full_block = _block_tensors(cfg, B, T, num, tgt, job.backend)
     offloaded = {i for i in job.offload if 0 <= i < L and job.policy(i) == "none"} if tgt.kind == "cuda" else set()
-    device_blocks = [({} if i in offloaded else b) for i, b in enumerate(blocks)]
     if offloaded:
         host["activations"] = sum(sum(blocks[i].values()) for i in offloaded)
-
     all_saved: dict[str, int] = {}
     for part in [embed, head, *blocks]:
         for k, v in part.items():
             all_saved[k] = all_saved.get(k, 0) + v
 
-    # Per-block parameter gradients (created during the first micro-batch's backward).
-    block_params = {}
-    for name, n in numels:
-        key = int(name.split(".")[1]) if name.startswith("blocks.") else name.split(".")[0]
-        block_params[key] = block_params.get(key, 0) + n
-    head_params = block_params.get("head", 0) + block_params.get("norm", 0)
-    embed_params = block_params.get("embed", 0) + block_params.get("pos_embed", 0)
-    tied_head = cfg.padded_vocab * cfg.d_model if cfg.tie_embeddings else 0
-    comm = _comm_buffers(job, block_params)
-    held = grad_shares(job)  # what a gradient leaves behind once made (FSDP: the rank's padded shard)
-
-    casts_cached = 2 * block_matmul_numel(cfg) if num.autocast else 0  # autocast's cache during forward
+    comm = _comm_buffers(job, _block_parameters(numels))
     loss_fwd, loss_bwd = _loss_transients(cfg, N, num, job.chunked_loss)
-    grad_tmp = _block_grad_transient(cfg, N, num)
-    selective = _selective_tensors(cfg, B, T, num)
-    work_full = sum(full_block.values()) - full_block.get("weight_casts", 0)
-    # Forward of one block: the residual stream, its half copy and the widest MLP tensors (SwiGLU: gate/up,
-    # silu, product) are alive together; a block that keeps nothing frees them as it goes.
-    fwd_tmp = N * (cfg.d_model * (num.residual + num.compute) + _forward_width(cfg) * num.compute)
-    mm_flops, attn_flops = block_flops(cfg, B, T, job.backend != "math")
+    host_opt = job.optimizer_offload != "none"
+    parts = _Step(
+        job=job, state=state, step_gradients=step_gradients, embed=embed, head=head,
+        blocks=[({} if i in offloaded else b) for i, b in enumerate(blocks)], held=grad_shares(job), comm=comm,
+        casts=2 * block_matmul_numel(cfg) if num.autocast else 0, loss_fwd=loss_fwd, loss_bwd=loss_bwd,
+        grad_tmp=_block_grad_transient(cfg, N, num),
+        # Forward of one block: the residual stream, its half copy and the widest MLP tensors (SwiGLU: gate/up,
+        # silu, product) are alive together; a block that keeps nothing frees them as it goes.
+        fwd_tmp=N * (cfg.d_model * (num.residual + num.compute) + _forward_width(cfg) * num.compute),
+        work_full=sum(full_block.values()) - full_block.get("weight_casts", 0),
+        selective_kept=sum(_selective_tensors(cfg, B, T, num).values()),
+        tied_head=cfg.padded_vocab * cfg.d_model if cfg.tie_embeddings else 0,
+        step_tmp=min(max(n for _, n in numels), ADAM8BIT_CHUNK) * 16 if job.optimizer == "adamw8bit" and not host_opt
+        else 0,
+        offloaded=offloaded)
 
-    def simulate(first_step: bool, accumulating: bool):
-        """Walk one micro-batch and the optimizer step; return [(event, components)]."""
-        events = []
-        state = {"parameters": P, "buffers": buffers, "master_weights": M,
-                 "optimizer_states": 0 if first_step else S,
-                 "gradients": G if accumulating else 0}
-        live = {"activations": 0, "logits": 0, "weight_casts": 0}
-        cache = 0
-
-        def snap(name, temporaries=0, extra_casts=0, gathered=()):
-            comp = {**state, **live, "temporaries": temporaries}
-            comp["weight_casts"] += extra_casts
-            comp["comm_buffers"] = comm.persistent + sum(comm.gathered[i] for i in gathered)
-            events.append((name, comp))
-
-        def add(kinds, sign=1):
-            for k, v in _split(kinds).items():
-                live[k] += sign * v
-
-        add(embed)
-        snap("forward: embeddings")
-        for i in range(L):
-            add(device_blocks[i])
-            recomputed = job.policy(i) != "none"
-            if (recomputed or i in offloaded) and num.autocast:
-                cache += casts_cached  # not saved on the device, but in autocast's cache until forward ends
-            snap(f"forward: block {i}", temporaries=fwd_tmp if recomputed else N * cfg.d_model * 4, extra_casts=cache,
-                 gathered=comm.forward(i))
-        add(head)
-        snap("forward: loss", temporaries=loss_fwd, extra_casts=cache)
-        snap("forward: end", extra_casts=cache)
-        cache = 0  # autocast exits before backward
-        snap("backward: loss", temporaries=loss_bwd)
-        add(head, sign=-1)
-        if not accumulating:
-            state["gradients"] += (held["head"] + held["norm"] + (held["embed"] if tied_head else 0)) * num.grad
-        snap("backward: head", temporaries=N * cfg.d_model * (num.compute + num.residual)
-             + cfg.padded_vocab * cfg.d_model * (num.compute + 4 if num.autocast else 0))
-        for first, stop, policy in reversed(job.segments()):
-            # Recomputing a segment brings back what its blocks would have saved (selective: minus what it kept).
-            per_block_work = {"none": 0, "full": work_full, "selective": work_full - sum(selective.values())}[policy]
-            work = (stop - first) * per_block_work
-            for i in reversed(range(first, stop)):
-                casts = 2 * block_matmul_numel(cfg) if (num.autocast and policy != "none") else 0
-                snap(f"backward: block {i}", temporaries=work + grad_tmp + comm.reduce_scatter.get(i, 0),
-                     extra_casts=casts, gathered=comm.backward(i))
-                if not accumulating:
-                    state["gradients"] += held[i] * num.grad
-                add(device_blocks[i], sign=-1)
-                work -= per_block_work
-        add(embed, sign=-1)
-        if not accumulating:  # a tied embedding got its grad at the head
-            state["gradients"] += (held["pos_embed"] + (0 if tied_head else held["embed"])) * num.grad
-        # a tied embedding's dense gradient is made, then added to the head's: a second V x d for a moment
-        snap("backward: embeddings", temporaries=tied_head * num.grad)
-        # optimizer step (after the last micro-batch): bf16-master moves gradients to fp32 masters first
-        if num.master and not host_opt:
-            state["gradients"] = MG
-        state["optimizer_states"] = S
-        step_tmp = 0
-        if job.optimizer == "adamw8bit" and not host_opt:
-            step_tmp = min(max(n for _, n in numels), ADAM8BIT_CHUNK) * 16
-        snap("optimizer step", temporaries=step_tmp)
-        return events
-
-    steady = simulate(first_step=False, accumulating=job.grad_accum > 1)
-    first = simulate(first_step=True, accumulating=job.grad_accum > 1)
+    steady = _simulate(parts, first_step=False, accumulating=job.grad_accum > 1)
+    first = _simulate(parts, first_step=True, accumulating=job.grad_accum > 1)
     if job.grad_accum > 1:  # the first micro-batch of a step has no gradients yet; its peak can differ
-        steady = simulate(first_step=False, accumulating=False)[:-1] + steady
-        first = simulate(first_step=True, accumulating=False)[:-1] + first
+        steady = _simulate(parts, first_step=False, accumulating=False)[:-1] + steady
+        first = _simulate(parts, first_step=True, accumulating=False)[:-1] + first
     peak_name, peak = max(steady, key=lambda e: sum(e[1].values()))
     allocated = sum(peak.values())
-    overhead = tgt.context_bytes + int(tgt.fragmentation * allocated)
     components = {k: int(peak.get(k, 0)) for k in COMPONENTS if k != "device_overhead"}
-    components["device_overhead"] = overhead
-    first_peak = max(sum(e[1].values()) for e in first)
-
-    recompute = 0.0
-    for first_blk, stop, policy in job.segments():
-        n = stop - first_blk
-        if policy == "full":
-            recompute += n * (mm_flops + attn_flops)
-        elif policy == "selective":
-            recompute += n * attn_flops
-    model_state = {"parameters": P, "gradients": G, "master_weights": M, "optimizer_states": S, "buffers": buffers}
+    components["device_overhead"] = tgt.context_bytes + int(tgt.fragmentation * allocated)
+    model_state = {k: state[k] for k in ("parameters", "gradients", "master_weights", "optimizer_states",
+                                         "buffers")}
     if comm.persistent:
         model_state["comm_buffers"] = comm.persistent
     return Breakdown(job=job, param_count=n_params, components=components, total_bytes=sum(components.values()),
                      peak_phase=peak_name, host=host, activations_saved=all_saved,
                      per_block=[dict(b) for b in blocks], model_state=model_state, timeline=steady,
-                     first_timeline=first,
-                     first_step_peak=first_peak, backend=job.backend, recompute_flops=recompute)
+                     first_timeline=first, first_step_peak=max(sum(e[1].values()) for e in first),
+                     backend=job.backend, recompute_flops=_recompute_flops(job))
 
 
 def peak_allocated(b: Breakdown) -> int:

@@ -137,7 +137,7 @@ def step_time(job: Job, device, link: float | None = None) -> dict[str, float]:
     total. link: per-GPU interconnect bytes/s for job.parallel on job.world ranks (default NVLink 4)."""
     cfg, num = job.model, job.num
     B, T, L = job.micro_batch, job.seq_len, cfg.n_layer
-    N, d, F, hd, V = B * T, cfg.d_model, cfg.d_ff, cfg.head_dim, cfg.padded_vocab
+    N, d, hd, V = B * T, cfg.d_model, cfg.head_dim, cfg.padded_vocab
     H, KV, c, r = cfg.n_head, cfg.n_kv_head, num.compute, num.residual
     peak, bw = device.flops(job.precision), device.bandwidth
     me, be, op_s, _ = time_constants(device)

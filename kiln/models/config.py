@@ -13,6 +13,8 @@ from kiln.util import closest
 
 # What a preset keeps when `model.arch` switches it to another family; every other field is the family's.
 SIZE_FIELDS = ("n_layer", "n_head", "d_model", "vocab_size", "max_seq_len", "dropout", "init")
+# How a model trains rather than what it is: a Hugging Face checkpoint (model.init) sets the rest, the user these.
+TRAINING_FIELDS = ("dropout", "moe_aux_coef", "moe_z_coef")
 
 
 @dataclass
@@ -107,3 +109,9 @@ def param_count(cfg: ModelConfig) -> int:
 
     cfg = cfg.resolve() if not cfg.arch else cfg
     return sum(math.prod(shape) for _, shape in family(cfg.arch).parameter_shapes(cfg))
+
+
+def with_training_fields(shape: ModelConfig, mine: ModelConfig) -> ModelConfig:
+    """A checkpoint's shape with the training fields the user set (dropout, the MoE's loss coefficients)."""
+    return replace(shape, **{name: getattr(mine, name) for name in TRAINING_FIELDS
+                             if name == "dropout" or getattr(mine, name) is not None})

@@ -159,3 +159,12 @@ def test_expert_parallelism_divides_whole_experts_and_nothing_else():
         expert_parallel_split(cfg, 3)
     dense = ModelConfig(preset="llama-125m").resolve()
     assert expert_parallel_split(dense, 4)["parameters_per_rank"] == param_count(dense)
+
+
+def test_a_checkpoint_shape_keeps_the_training_fields_the_user_set():
+    from kiln.models.config import with_training_fields
+
+    shape = ModelConfig(preset="qwen3-moe-nano", vocab_size=256).resolve()  # moe_aux_coef 0.001, as HF's default
+    assert with_training_fields(shape, ModelConfig(moe_aux_coef=0.0, dropout=0.1)).moe_aux_coef == 0.0
+    kept = with_training_fields(shape, ModelConfig())
+    assert kept.moe_aux_coef == 0.001 and kept.dropout == 0.0 and kept.n_experts == shape.n_experts

@@ -1,12 +1,19 @@
 """Bytes of one training step, derived tensor by tensor from kiln's own model code.
 
     estimate(job) -> Breakdown     components alive at the predicted peak, per-block activations, a timeline
-    job_from_config(cfg, device)   the Job (everything memory depends on) of a kiln Config on a device
+    Job                            everything memory depends on (kiln.memory.levers.make_job builds it from a Config)
 
-Every saved-for-backward tensor of `kiln/models/transformer.py` is listed in `_block_tensors` and `_head_tensors`
-with its size as a function of micro-batch B, sequence T, width d, heads H, kv-heads KV, head size hd, MLP width F,
-vocabulary V, the precision mode and the attention backend. `docs/memory.md` derives each line; the tests compare
-the sum with the bytes that torch.autograd.graph.saved_tensors_hooks sees, storage by storage.
+Every saved-for-backward tensor of kiln's model is listed in `_block_tensors` and `_head_tensors` with its size as
+a function of micro-batch B, sequence T, width d, heads H, kv-heads KV, head size hd, MLP width F, vocabulary V,
+the precision mode and the attention backend. A block's tensors come from the parts its family's description
+names (kiln.models.family: norm, positions, qk_norm, mlp), each part accounted once (`_norm_tensors`,
+`_qk_norm_tensors`, `_attention_core`, `_mlp_tensors`, `_moe_tensors`): nothing here knows a family's name.
+`docs/memory.md` derives each line; the tests compare the sum with the bytes that
+torch.autograd.graph.saved_tensors_hooks sees, storage by storage, for every family.
+
+The step (`estimate`): `_model_state` (parameters, gradients, masters, optimizer state, on the device and the
+host), `saved_tensors` (per block, by recompute policy), the transients, then `_simulate` walks a steady step
+and the first one event by event; the peak is the largest event.
 """
 from __future__ import annotations
 

@@ -29,7 +29,7 @@ train: install
 	$(VENV)/bin/kiln train
 
 test: install-test
-	$(PY) -m pytest -q tests
+	$(PY) -m pytest -q --durations=15 tests
 
 bench: install
 	$(PY) benchmarks/throughput.py

@@ -299,10 +299,6 @@ def _is_tables(value) -> bool:
     return isinstance(value, (list, tuple)) and bool(value) and all(isinstance(v, dict) for v in value)
 
 
-def save_config(cfg: Config, path: Path) -> None:
-    Path(path).write_text(to_toml(cfg))
-
-
 def field_help(cls) -> dict[str, str]:
     """{field: one-line description} from the `# comment` after each field in the dataclass source."""
     try:

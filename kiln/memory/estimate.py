@@ -1,12 +1,19 @@
 """Bytes of one training step, derived tensor by tensor from kiln's own model code.
 
     estimate(job) -> Breakdown     components alive at the predicted peak, per-block activations, a timeline
-    job_from_config(cfg, device)   the Job (everything memory depends on) of a kiln Config on a device
+    Job                            everything memory depends on (kiln.memory.levers.make_job builds it from a Config)
 
-Every saved-for-backward tensor of `kiln/models/transformer.py` is listed in `_block_tensors` and `_head_tensors`
-with its size as a function of micro-batch B, sequence T, width d, heads H, kv-heads KV, head size hd, MLP width F,
-vocabulary V, the precision mode and the attention backend. `docs/memory.md` derives each line; the tests compare
-the sum with the bytes that torch.autograd.graph.saved_tensors_hooks sees, storage by storage.
+Every saved-for-backward tensor of kiln's model is listed in `_block_tensors` and `_head_tensors` with its size as
+a function of micro-batch B, sequence T, width d, heads H, kv-heads KV, head size hd, MLP width F, vocabulary V,
+the precision mode and the attention backend. A block's tensors come from the parts its family's description
+names (kiln.models.family: norm, positions, qk_norm, mlp), each part accounted once (`_norm_tensors`,
+`_qk_norm_tensors`, `_attention_core`, `_mlp_tensors`, `_moe_tensors`): nothing here knows a family's name.
+`docs/memory.md` derives each line; the tests compare the sum with the bytes that
+torch.autograd.graph.saved_tensors_hooks sees, storage by storage, for every family.
+
+The step (`estimate`): `_model_state` (parameters, gradients, masters, optimizer state, on the device and the
+host), `saved_tensors` (per block, by recompute policy), the transients, then `_simulate` walks a steady step
+and the first one event by event; the peak is the largest event.
 """
 from __future__ import annotations
 
@@ -15,6 +22,7 @@ import re
 from dataclasses import dataclass, field
 
 from kiln.models.config import ModelConfig
+from kiln.models.registry import family
 
 KiB, MiB, GiB = 1024, 1024**2, 1024**3
 _UNITS = {"": 1, "b": 1, "k": 1e3, "kb": 1e3, "m": 1e6, "mb": 1e6, "g": 1e9, "gb": 1e9, "t": 1e12, "tb": 1e12,
@@ -176,30 +184,7 @@ def recompute_plan(policy: str, n_layer: int, every: int = 2) -> tuple[str, ...]
 
 def parameter_shapes(cfg: ModelConfig) -> list[tuple[str, tuple[int, ...]]]:
     """(name, shape) of every parameter tensor of Transformer(cfg), tied weights once, in model order."""
-    d, ff, hd, V = cfg.d_model, cfg.d_ff, cfg.head_dim, cfg.padded_vocab
-    gpt2 = cfg.arch == "gpt2"
-    bias = bool(cfg.bias) and gpt2
-    qkv = (cfg.n_head + 2 * cfg.n_kv_head) * hd
-    fc = ff if gpt2 else 2 * ff
-    out = [("embed.weight", (V, d))]
-    if gpt2:
-        out.append(("pos_embed.weight", (cfg.max_seq_len, d)))
-
-    def norm(name):
-        return [(f"{name}.weight", (d,))] + ([(f"{name}.bias", (d,))] if bias else [])
-
-    def linear(name, n_in, n_out, with_bias):
-        return [(f"{name}.weight", (n_out, n_in))] + ([(f"{name}.bias", (n_out,))] if with_bias else [])
-
-    for i in range(cfg.n_layer):
-        b = f"blocks.{i}"
-        out += norm(f"{b}.norm1") + linear(f"{b}.attn.qkv", d, qkv, bias)
-        out += linear(f"{b}.attn.proj", cfg.n_head * hd, d, bias) + norm(f"{b}.norm2")
-        out += linear(f"{b}.mlp.fc", d, fc, bias) + linear(f"{b}.mlp.proj", ff, d, bias)
-    out += norm("norm")
-    if not cfg.tie_embeddings:
-        out.append(("head.weight", (V, d)))
-    return out
+    return family(cfg.arch).parameter_shapes(cfg)
 
 
 def parameter_numels(cfg: ModelConfig) -> list[tuple[str, int]]:
@@ -246,17 +231,32 @@ def rank_state(job: "Job") -> dict[str, int]:
 
 
 def block_matmul_numel(cfg: ModelConfig) -> int:
-    """Weights one block multiplies by (what autocast copies to half precision)."""
-    d, hd = cfg.d_model, cfg.head_dim
-    fc = cfg.d_ff if cfg.arch == "gpt2" else 2 * cfg.d_ff
-    return d * (cfg.n_head + 2 * cfg.n_kv_head) * hd + cfg.n_head * hd * d + d * fc + cfg.d_ff * d
+    """Weights one block multiplies by (what autocast copies to half precision): every expert of an MoE."""
+    return family(cfg.arch).block_matmul_numel(cfg)
 
 
 def buffer_bytes(cfg: ModelConfig, num: Numerics) -> int:
     """Non-parameter model state: the RoPE cos/sin tables (fp32; bf16 after .to(bf16) in bf16-master)."""
-    if cfg.arch == "gpt2":
+    if family(cfg.arch).positions != "rope":
         return 0
     return 2 * cfg.max_seq_len * (cfg.head_dim // 2) * (2 if num.param == 2 else 4)
+
+
+def expert_parallel_split(cfg: ModelConfig, ep: int, bytes_per_element: int = 2) -> dict[str, float]:
+    """How expert parallelism (not built yet; for the planner later) would divide a mixture of experts over `ep`
+    ranks: each rank keeps n_experts / ep whole experts of every block (the linears whose layout is "expert") and
+    everything else replicated; each routed (token, slot) pair travels to its expert's rank and back, two
+    all-to-alls of d_model elements per pair and block, forward and again in backward. A dense family has no
+    experts: ep divides nothing."""
+    fam = family(cfg.arch)
+    expert = sum(x.numel for x in fam.linears(cfg) if x.tp == "expert") * cfg.n_layer
+    total = sum(math.prod(shape) for _, shape in fam.parameter_shapes(cfg))
+    if expert and cfg.n_experts % ep:
+        raise ValueError(f"expert parallelism over {ep} ranks needs model.n_experts={cfg.n_experts} divisible by it")
+    pairs = cfg.n_experts_active if expert else 0
+    return {"experts_per_rank": cfg.n_experts / ep if expert else 0, "expert_parameters": expert,
+            "parameters_per_rank": total - expert + expert // ep,
+            "all_to_all_bytes_per_token": 4 * pairs * cfg.d_model * cfg.n_layer * bytes_per_element * (ep - 1) / ep}
 
 
 def optimizer_state_bytes(numels: list[int], optimizer: str, momentum: float = 0.9) -> int:
@@ -276,7 +276,7 @@ def optimizer_state_bytes(numels: list[int], optimizer: str, momentum: float = 0
 def _norm_tensors(cfg, N, num, target, name) -> dict[str, int]:
     """What a norm saves for backward; the input is the residual stream."""
     d, r = cfg.d_model, num.residual
-    if cfg.arch == "gpt2":  # nn.LayerNorm: input, mean, rstd
+    if family(cfg.arch).norm == "layernorm":  # nn.LayerNorm: input, mean, rstd
         return {f"{name}.input": N * d * r, f"{name}.stats": 2 * N * target.layernorm_stat_bytes(r)}
     # RMSNorm computes in fp32: x.float() (a copy when x is bf16), rsqrt per token, the normalized y;
     # y * weight.float() keeps the fp32 weight (a copy when the weight is bf16).
@@ -318,51 +318,108 @@ def _attention_core(cfg, B, T, num, target, backend, rotary: bool) -> dict[str, 
 
 
 def _block_tensors(cfg: ModelConfig, B: int, T: int, num: Numerics, target: Target, backend: str) -> dict[str, int]:
-    """Every tensor one block saves for backward without recomputation: {kind: bytes}."""
-    N, d, F, c = B * T, cfg.d_model, cfg.d_ff, num.compute
-    llama = cfg.arch == "llama"
+    """Every tensor one block saves for backward without recomputation: {kind: bytes}, from the parts its family
+    names (kiln.models.family: norm, positions, qk_norm, mlp)."""
+    fam = family(cfg.arch)
+    N, d, c = B * T, cfg.d_model, num.compute
+    rotary = fam.positions == "rope"
     t = {}
     t.update(_norm_tensors(cfg, N, num, target, "norm1"))
     t["attn.qkv_input"] = N * d * c  # fp32: the norm output; autocast: its half copy; bf16-master: the output
-    if llama and num.autocast:
+    if rotary and num.autocast:
         t["attn.rope_tables"] = 4 * T * (cfg.head_dim // 2) * c  # cos, sin cast to bf16, per q and per k call
-    t.update(_attention_core(cfg, B, T, num, target, backend, rotary=llama))
-    if cfg.dropout > 0:
-        t["resid.dropout_masks"] = 2 * N * d * target.mask_bytes(c)
+    if fam.qk_norm:
+        t.update(_qk_norm_tensors(cfg, N, num, backend))
+    t.update(_attention_core(cfg, B, T, num, target, backend, rotary=rotary))
+    if cfg.dropout > 0:  # on the attention and MLP outputs: an MoE's sums its experts in the residual dtype
+        mlp_out = num.residual if fam.mlp == "moe" else c
+        t["resid.dropout_masks"] = N * d * (target.mask_bytes(c) + target.mask_bytes(mlp_out))
     t.update(_norm_tensors(cfg, N, num, target, "norm2"))
-    t["mlp.fc_input"] = N * d * c
-    if llama:
-        t["mlp.gate_up"] = N * 2 * F * c  # silu(gate) and the product keep the fc output's storage
-        t["mlp.silu_out"] = N * F * c
+    t["mlp.fc_input"] = N * d * c  # (an MoE: the router's input)
+    if fam.mlp == "moe":
+        t.update(_moe_tensors(cfg, N, num))
     else:
-        t["mlp.act_input"] = N * F * c  # GELU saves its input (the fc output)
-    t["mlp.proj_input"] = N * F * c
+        t.update(_mlp_tensors(fam.mlp, N, cfg.d_ff, c))
     if num.autocast:
         t["weight_casts"] = 2 * block_matmul_numel(cfg)
-    if llama:  # RMSNorm's fp32 copies of a bf16 weight are weight copies too
-        w = t.pop("norm1.weight_fp32", 0) + t.pop("norm2.weight_fp32", 0)
-        if w:
-            t["weight_casts"] = t.get("weight_casts", 0) + w
+    # RMSNorm's fp32 copies of a bf16 weight are weight copies too
+    w = sum(t.pop(f"{name}.weight_fp32", 0) for name in ("norm1", "norm2", "attn.q_norm", "attn.k_norm"))
+    if w:
+        t["weight_casts"] = t.get("weight_casts", 0) + w
     return {k: v for k, v in t.items() if v}
+
+
+def _mlp_tensors(kind: str, N: int, F: int, c: int) -> dict[str, int]:
+    """A dense MLP of width F on N tokens, beyond its input."""
+    if kind == "swiglu":
+        t = {"mlp.gate_up": N * 2 * F * c,  # silu(gate) and the product keep the fc output's storage
+             "mlp.silu_out": N * F * c}
+    else:
+        t = {"mlp.act_input": N * F * c}  # GELU saves its input (the fc output)
+    t["mlp.proj_input"] = N * F * c
+    return t
+
+
+def _qk_norm_tensors(cfg: ModelConfig, N: int, num: Numerics, backend: str) -> dict[str, int]:
+    """Qwen3's RMSNorm over each head of q and k: an RMSNorm over N·heads rows of head_dim. Its input is a view of
+    the qkv output unless RMSNorm makes an fp32 copy of a half input; the flash kernels keep that storage anyway
+    (v is a view of it), the math path does not (it copies v), so there the norm's input keeps it alive."""
+    hd, out = cfg.head_dim, {}
+    if num.compute == 4 and backend == "math":
+        out["attn.qkv"] = N * (cfg.n_head + 2 * cfg.n_kv_head) * hd * 4
+    for name, heads in (("attn.q_norm", cfg.n_head), ("attn.k_norm", cfg.n_kv_head)):
+        rows = N * heads
+        out[f"{name}.input"] = rows * hd * 4 if num.compute != 4 else 0
+        out[f"{name}.stats"] = rows * 4
+        out[f"{name}.normed"] = rows * hd * 4
+        if num.param == 2:
+            out[f"{name}.weight_fp32"] = hd * 4
+    return out
+
+
+def _moe_tensors(cfg: ModelConfig, N: int, num: Numerics) -> dict[str, int]:
+    """kiln.models.moe.MoE beyond its input (the router's): the routing, then every (token, slot) pair as a row
+    of its expert's SwiGLU — N·K rows over all experts whatever the routing — and the weighted sum back."""
+    E, K, F, d, c, r = cfg.n_experts, cfg.n_experts_active, cfg.moe_d_ff, cfg.d_model, num.compute, num.residual
+    S = N * K  # routed (token, slot) pairs
+    t = {"moe.probs": N * E * 4,  # softmax in fp32, kept by topk and by the load-balancing loss
+         "moe.topk_index": S * 8}
+    if cfg.moe_norm_topk:
+        t["moe.topk_weights"] = S * 4 + N * 4  # the division keeps the top-k probabilities and their sum
+    if cfg.moe_z_coef:
+        t["moe.z_loss"] = N * E * 4 + N * 4  # fp32 logits and their logsumexp
+    t["moe.token_index"] = S * 8  # the gather of each pair's token, and the scatter back (one tensor)
+    t["moe.expert_inputs"] = S * d * c
+    t.update({f"moe.experts.{k.removeprefix('mlp.')}": v for k, v in _mlp_tensors("swiglu", S, F, c).items()})
+    t["moe.order"] = S * 8  # pairs sorted by expert
+    t["moe.slot_weights"] = S * r  # each pair's routing weight, in the residual dtype
+    t["moe.expert_outputs"] = S * d * c
+    t["moe.weighted"] = S * d * r  # expert output × weight (promoted to the residual dtype), scattered back
+    return t
+
+
+def _moe_loss_tensors(cfg: ModelConfig) -> dict[str, int]:
+    """The load-balancing loss over all blocks (kiln.models.moe.moe_losses): the routed shares (fp32, E) and the
+    valid-token count (int64) its product with the summed loss keeps."""
+    return {"moe.aux_loss": cfg.n_experts * 4 + 8} if family(cfg.arch).mlp == "moe" else {}
 
 
 def _selective_tensors(cfg: ModelConfig, B: int, T: int, num: Numerics) -> dict[str, int]:
     """Selective recompute keeps the block input and every matmul output; the rest is recomputed."""
-    N, d, F, hd, c = B * T, cfg.d_model, cfg.d_ff, cfg.head_dim, num.compute
-    fc = F if cfg.arch == "gpt2" else 2 * F
-    return {
-        "block_input": N * d * num.residual,
-        "attn.qkv": N * (cfg.n_head + 2 * cfg.n_kv_head) * hd * c,
-        "attn.proj_out": N * d * c,
-        "mlp.fc_out": N * fc * c,
-        "mlp.proj_out": N * d * c,
-    }
+    N, d, c = B * T, cfg.d_model, num.compute
+    out = {"block_input": N * d * num.residual}
+    names = {"attn.qkv": "attn.qkv", "attn.proj": "attn.proj_out", "mlp.fc": "mlp.fc_out", "mlp.proj": "mlp.proj_out",
+             "mlp.router": "mlp.router_out", "mlp.experts.fc": "mlp.experts.fc_out",
+             "mlp.experts.proj": "mlp.experts.proj_out"}
+    for lin in family(cfg.arch).linears(cfg):
+        out[names[lin.name]] = N * lin.active * lin.n_out * c
+    return out
 
 
 def _embed_tensors(cfg: ModelConfig, B: int, T: int, num: Numerics, target: Target) -> dict[str, int]:
     N = B * T
     t = {"embed.token_ids": N * 8}
-    if cfg.arch == "gpt2":
+    if family(cfg.arch).positions == "learned":
         t["embed.positions"] = T * 8
     if cfg.dropout > 0:
         t["embed.dropout_mask"] = N * cfg.d_model * target.mask_bytes(num.residual)
@@ -376,6 +433,7 @@ def _head_tensors(cfg: ModelConfig, B: int, T: int, num: Numerics, target: Targe
     w = t.pop("norm.weight_fp32", 0)
     t["loss.input"] = N * d * c
     t["loss.targets"] = N * 8
+    t.update(_moe_loss_tensors(cfg))
     if chunk:
         t["loss.logsumexp"] = N * 4
     else:
@@ -410,11 +468,26 @@ def _loss_transients(cfg: ModelConfig, N: int, num: Numerics, chunk: int) -> tup
 def _block_grad_transient(cfg: ModelConfig, N: int, num: Numerics) -> int:
     """Bytes beyond the saved tensors when a block's backward peaks, at the MLP output projection: the gradient
     of the block output (and its half copy under autocast), the gradient of the projection's input (SwiGLU: with
-    the (N, 2F) gate/up gradient that follows it) and the projection's weight gradient (half, then fp32)."""
+    the (N, 2F) gate/up gradient that follows it) and the projection's weight gradient (half, then fp32). An MoE:
+    the same for one expert's share of the routed pairs, beside the gradients of all pairs' outputs."""
     d, F, c, r = cfg.d_model, cfg.d_ff, num.compute, num.residual
-    wide = 3 * F if cfg.arch == "llama" else F
+    mlp = family(cfg.arch).mlp
+    rows, extra = N, 0
+    if mlp == "moe":
+        S = N * cfg.n_experts_active
+        F, rows, extra = cfg.moe_d_ff, math.ceil(S / cfg.n_experts), S * d * (r + c)
+    wide = F if mlp == "gelu" else 3 * F
     grad_w = F * d * (c + 4 if num.autocast else num.grad)
-    return N * d * (r + (c if num.autocast else 0)) + N * wide * c + grad_w
+    return N * d * (r + (c if num.autocast else 0)) + rows * wide * c + grad_w + extra
+
+
+def _forward_width(cfg: ModelConfig) -> int:
+    """Elements per token of the widest MLP tensors alive together in a block's forward (SwiGLU: gate/up, silu,
+    product; an MoE: those of every routed pair)."""
+    mlp = family(cfg.arch).mlp
+    if mlp == "moe":
+        return cfg.n_experts_active * 4 * cfg.moe_d_ff
+    return 4 * cfg.d_ff if mlp == "swiglu" else 2 * cfg.d_ff
 
 
 # ---------------------------------------------------------------- the step
@@ -477,9 +550,9 @@ def _split(kinds: dict[str, int]) -> dict[str, int]:
 
 
 def block_flops(cfg: ModelConfig, B: int, T: int, causal_kernel: bool) -> tuple[float, float]:
-    """(matmul, attention-core) forward FLOPs of one block."""
+    """(matmul, attention-core) forward FLOPs of one block (an MoE: its active experts only)."""
     N = B * T
-    matmul = 2 * N * block_matmul_numel(cfg)
+    matmul = 2 * N * family(cfg.arch).active_matmul_numel(cfg)
     attn = 4 * B * cfg.n_head * T * T * cfg.head_dim * (0.5 if causal_kernel else 1.0)
     return matmul, attn
 
@@ -541,151 +614,190 @@ def _comm_buffers(job: Job, block_params: dict) -> CommBuffers:
                        keep_gathered=not job.reshard_after_forward)
 
 
+@dataclass
+class _Step:
+    """What walking one micro-batch needs, computed once per estimate."""
+
+    job: Job
+    state: dict[str, int]  # model state on the device after an update: parameters, buffers, masters, optimizer
+    step_gradients: int  # gradient bytes during the optimizer step (bf16-master: fp32, on the masters)
+    embed: dict[str, int]  # saved-for-backward bytes by kind
+    head: dict[str, int]
+    blocks: list[dict[str, int]]  # per block, {} where offloaded to the host
+    held: dict  # gradient elements one rank keeps per part of the model (grad_shares)
+    comm: CommBuffers
+    casts: int  # autocast's half copies of one block's weights
+    loss_fwd: int
+    loss_bwd: int
+    grad_tmp: int  # a block backward's transient bytes
+    fwd_tmp: int  # a recomputed block forward's transient bytes
+    work_full: int  # bytes a fully recomputed block brings back
+    selective_kept: int  # bytes selective recompute keeps per block
+    tied_head: int  # elements of a head tied to the embedding (0 if untied)
+    step_tmp: int  # the optimizer step's transient bytes
+    offloaded: set
+
+
+def _model_state(job: Job, numels: list[tuple[str, int]]) -> tuple[dict[str, int], int, dict[str, int]]:
+    """(model state on the device after an update, gradient bytes during the optimizer step, host bytes)."""
+    num, n_params = job.num, sum(n for _, n in numels)
+    host_opt = job.optimizer_offload != "none"
+    per_rank = rank_state(job)
+    state = {"parameters": per_rank["parameters"], "buffers": buffer_bytes(job.model, num),
+             "master_weights": 0 if host_opt else n_params * num.master,
+             "optimizer_states": 0 if host_opt else per_rank["optimizer_states"],
+             "gradients": per_rank["gradients"]}
+    step_gradients = 0 if host_opt else (n_params * 4 if num.master else 0)  # fp32 gradients on the masters
+    host = {}
+    if host_opt:
+        host = {"master_weights": n_params * 4, "gradients": n_params * 4,
+                "optimizer_states": optimizer_state_bytes([n for _, n in numels], job.optimizer, job.sgd_momentum)}
+    return state, step_gradients, host
+
+
+def _block_parameters(numels: list[tuple[str, int]]) -> dict:
+    """Parameter elements per part of the model: block index, "embed", "pos_embed", "norm", "head"."""
+    out: dict = {}
+    for name, n in numels:
+        key = int(name.split(".")[1]) if name.startswith("blocks.") else name.split(".")[0]
+        out[key] = out.get(key, 0) + n
+    return out
+
+
+def _simulate(p: _Step, first_step: bool, accumulating: bool) -> list[tuple[str, dict[str, int]]]:
+    """Walk one micro-batch and the optimizer step; return [(event, live bytes per component)]."""
+    job, num, cfg = p.job, p.job.num, p.job.model
+    N, L = job.micro_batch * job.seq_len, cfg.n_layer
+    events = []
+    state = dict(p.state, optimizer_states=0 if first_step else p.state["optimizer_states"],
+                 gradients=p.state["gradients"] if accumulating else 0)
+    live = {"activations": 0, "logits": 0, "weight_casts": 0}
+    cache = 0
+
+    def snap(name, temporaries=0, extra_casts=0, gathered=()):
+        comp = {**state, **live, "temporaries": temporaries}
+        comp["weight_casts"] += extra_casts
+        comp["comm_buffers"] = p.comm.persistent + sum(p.comm.gathered[i] for i in gathered)
+        events.append((name, comp))
+
+    def add(kinds, sign=1):
+        for k, v in _split(kinds).items():
+            live[k] += sign * v
+
+    add(p.embed)
+    snap("forward: embeddings")
+    for i in range(L):
+        add(p.blocks[i])
+        recomputed = job.policy(i) != "none"
+        if (recomputed or i in p.offloaded) and num.autocast:
+            cache += p.casts  # not saved on the device, but in autocast's cache until forward ends
+        snap(f"forward: block {i}", temporaries=p.fwd_tmp if recomputed else N * cfg.d_model * 4, extra_casts=cache,
+             gathered=p.comm.forward(i))
+    add(p.head)
+    snap("forward: loss", temporaries=p.loss_fwd, extra_casts=cache)
+    snap("forward: end", extra_casts=cache)
+    cache = 0  # autocast exits before backward
+    snap("backward: loss", temporaries=p.loss_bwd)
+    add(p.head, sign=-1)
+    held = p.held
+    if not accumulating:
+        state["gradients"] += (held["head"] + held["norm"] + (held["embed"] if p.tied_head else 0)) * num.grad
+    snap("backward: head", temporaries=N * cfg.d_model * (num.compute + num.residual)
+         + cfg.padded_vocab * cfg.d_model * (num.compute + 4 if num.autocast else 0))
+    for first, stop, policy in reversed(job.segments()):
+        # Recomputing a segment brings back what its blocks would have saved (selective: minus what it kept).
+        per_block_work = {"none": 0, "full": p.work_full, "selective": p.work_full - p.selective_kept}[policy]
+        work = (stop - first) * per_block_work
+        for i in reversed(range(first, stop)):
+            casts = p.casts if (num.autocast and policy != "none") else 0
+            snap(f"backward: block {i}", temporaries=work + p.grad_tmp + p.comm.reduce_scatter.get(i, 0),
+                 extra_casts=casts, gathered=p.comm.backward(i))
+            if not accumulating:
+                state["gradients"] += held[i] * num.grad
+            add(p.blocks[i], sign=-1)
+            work -= per_block_work
+    add(p.embed, sign=-1)
+    if not accumulating:  # a tied embedding got its grad at the head
+        state["gradients"] += (held["pos_embed"] + (0 if p.tied_head else held["embed"])) * num.grad
+    # a tied embedding's dense gradient is made, then added to the head's: a second V x d for a moment
+    snap("backward: embeddings", temporaries=p.tied_head * num.grad)
+    # optimizer step (after the last micro-batch): bf16-master moves gradients to fp32 masters first
+    if num.master and job.optimizer_offload == "none":
+        state["gradients"] = p.step_gradients
+    state["optimizer_states"] = p.state["optimizer_states"]
+    snap("optimizer step", temporaries=p.step_tmp)
+    return events
+
+
+def _recompute_flops(job: Job) -> float:
+    """Forward FLOPs per micro-batch that recomputation runs again."""
+    mm_flops, attn_flops = block_flops(job.model, job.micro_batch, job.seq_len, job.backend != "math")
+    total = 0.0
+    for first, stop, policy in job.segments():
+        n = stop - first
+        if policy == "full":
+            total += n * (mm_flops + attn_flops)
+        elif policy == "selective":
+            total += n * attn_flops
+    return total
+
+
 def estimate(job: Job) -> Breakdown:
+    """The step's bytes: model state, what the forward saves (per block, by kind), the transients, walked event
+    by event through a steady step and the first one (no optimizer state yet); the peak is the largest event."""
     cfg, num, tgt = job.model, job.num, job.target
     B, T, L = job.micro_batch, job.seq_len, cfg.n_layer
     N = B * T
     numels = parameter_numels(cfg)
     n_params = sum(n for _, n in numels)
-    host_opt = job.optimizer_offload != "none"
-    per_rank = rank_state(job)
-    P = per_rank["parameters"]
-    G = per_rank["gradients"]
-    M = 0 if host_opt else n_params * num.master
-    S = 0 if host_opt else per_rank["optimizer_states"]
-    MG = 0 if host_opt else (n_params * 4 if num.master else 0)  # fp32 gradients on the masters during the step
-    buffers = buffer_bytes(cfg, num)
-    host = {}
-    if host_opt:
-        host = {"master_weights": n_params * 4, "gradients": n_params * 4,
-                "optimizer_states": optimizer_state_bytes([n for _, n in numels], job.optimizer, job.sgd_momentum)}
+    state, step_gradients, host = _model_state(job, numels)
 
     embed, blocks, head = saved_tensors(job)
     full_block = _block_tensors(cfg, B, T, num, tgt, job.backend)
     offloaded = {i for i in job.offload if 0 <= i < L and job.policy(i) == "none"} if tgt.kind == "cuda" else set()
-    device_blocks = [({} if i in offloaded else b) for i, b in enumerate(blocks)]
     if offloaded:
         host["activations"] = sum(sum(blocks[i].values()) for i in offloaded)
-
     all_saved: dict[str, int] = {}
     for part in [embed, head, *blocks]:
         for k, v in part.items():
             all_saved[k] = all_saved.get(k, 0) + v
 
-    # Per-block parameter gradients (created during the first micro-batch's backward).
-    block_params = {}
-    for name, n in numels:
-        key = int(name.split(".")[1]) if name.startswith("blocks.") else name.split(".")[0]
-        block_params[key] = block_params.get(key, 0) + n
-    head_params = block_params.get("head", 0) + block_params.get("norm", 0)
-    embed_params = block_params.get("embed", 0) + block_params.get("pos_embed", 0)
-    tied_head = cfg.padded_vocab * cfg.d_model if cfg.tie_embeddings else 0
-    comm = _comm_buffers(job, block_params)
-    held = grad_shares(job)  # what a gradient leaves behind once made (FSDP: the rank's padded shard)
-
-    casts_cached = 2 * block_matmul_numel(cfg) if num.autocast else 0  # autocast's cache during forward
+    comm = _comm_buffers(job, _block_parameters(numels))
     loss_fwd, loss_bwd = _loss_transients(cfg, N, num, job.chunked_loss)
-    grad_tmp = _block_grad_transient(cfg, N, num)
-    selective = _selective_tensors(cfg, B, T, num)
-    work_full = sum(full_block.values()) - full_block.get("weight_casts", 0)
-    # Forward of one block: the residual stream, its half copy and the widest MLP tensors (SwiGLU: gate/up,
-    # silu, product) are alive together; a block that keeps nothing frees them as it goes.
-    wide = 4 * cfg.d_ff if cfg.arch == "llama" else 2 * cfg.d_ff
-    fwd_tmp = N * (cfg.d_model * (num.residual + num.compute) + wide * num.compute)
-    mm_flops, attn_flops = block_flops(cfg, B, T, job.backend != "math")
+    host_opt = job.optimizer_offload != "none"
+    parts = _Step(
+        job=job, state=state, step_gradients=step_gradients, embed=embed, head=head,
+        blocks=[({} if i in offloaded else b) for i, b in enumerate(blocks)], held=grad_shares(job), comm=comm,
+        casts=2 * block_matmul_numel(cfg) if num.autocast else 0, loss_fwd=loss_fwd, loss_bwd=loss_bwd,
+        grad_tmp=_block_grad_transient(cfg, N, num),
+        # Forward of one block: the residual stream, its half copy and the widest MLP tensors (SwiGLU: gate/up,
+        # silu, product) are alive together; a block that keeps nothing frees them as it goes.
+        fwd_tmp=N * (cfg.d_model * (num.residual + num.compute) + _forward_width(cfg) * num.compute),
+        work_full=sum(full_block.values()) - full_block.get("weight_casts", 0),
+        selective_kept=sum(_selective_tensors(cfg, B, T, num).values()),
+        tied_head=cfg.padded_vocab * cfg.d_model if cfg.tie_embeddings else 0,
+        step_tmp=min(max(n for _, n in numels), ADAM8BIT_CHUNK) * 16 if job.optimizer == "adamw8bit" and not host_opt
+        else 0,
+        offloaded=offloaded)
 
-    def simulate(first_step: bool, accumulating: bool):
-        """Walk one micro-batch and the optimizer step; return [(event, components)]."""
-        events = []
-        state = {"parameters": P, "buffers": buffers, "master_weights": M,
-                 "optimizer_states": 0 if first_step else S,
-                 "gradients": G if accumulating else 0}
-        live = {"activations": 0, "logits": 0, "weight_casts": 0}
-        cache = 0
-
-        def snap(name, temporaries=0, extra_casts=0, gathered=()):
-            comp = {**state, **live, "temporaries": temporaries}
-            comp["weight_casts"] += extra_casts
-            comp["comm_buffers"] = comm.persistent + sum(comm.gathered[i] for i in gathered)
-            events.append((name, comp))
-
-        def add(kinds, sign=1):
-            for k, v in _split(kinds).items():
-                live[k] += sign * v
-
-        add(embed)
-        snap("forward: embeddings")
-        for i in range(L):
-            add(device_blocks[i])
-            recomputed = job.policy(i) != "none"
-            if (recomputed or i in offloaded) and num.autocast:
-                cache += casts_cached  # not saved on the device, but in autocast's cache until forward ends
-            snap(f"forward: block {i}", temporaries=fwd_tmp if recomputed else N * cfg.d_model * 4, extra_casts=cache,
-                 gathered=comm.forward(i))
-        add(head)
-        snap("forward: loss", temporaries=loss_fwd, extra_casts=cache)
-        snap("forward: end", extra_casts=cache)
-        cache = 0  # autocast exits before backward
-        snap("backward: loss", temporaries=loss_bwd)
-        add(head, sign=-1)
-        if not accumulating:
-            state["gradients"] += (held["head"] + held["norm"] + (held["embed"] if tied_head else 0)) * num.grad
-        snap("backward: head", temporaries=N * cfg.d_model * (num.compute + num.residual)
-             + cfg.padded_vocab * cfg.d_model * (num.compute + 4 if num.autocast else 0))
-        for first, stop, policy in reversed(job.segments()):
-            # Recomputing a segment brings back what its blocks would have saved (selective: minus what it kept).
-            per_block_work = {"none": 0, "full": work_full, "selective": work_full - sum(selective.values())}[policy]
-            work = (stop - first) * per_block_work
-            for i in reversed(range(first, stop)):
-                casts = 2 * block_matmul_numel(cfg) if (num.autocast and policy != "none") else 0
-                snap(f"backward: block {i}", temporaries=work + grad_tmp + comm.reduce_scatter.get(i, 0),
-                     extra_casts=casts, gathered=comm.backward(i))
-                if not accumulating:
-                    state["gradients"] += held[i] * num.grad
-                add(device_blocks[i], sign=-1)
-                work -= per_block_work
-        add(embed, sign=-1)
-        if not accumulating:  # a tied embedding got its grad at the head
-            state["gradients"] += (held["pos_embed"] + (0 if tied_head else held["embed"])) * num.grad
-        # a tied embedding's dense gradient is made, then added to the head's: a second V x d for a moment
-        snap("backward: embeddings", temporaries=tied_head * num.grad)
-        # optimizer step (after the last micro-batch): bf16-master moves gradients to fp32 masters first
-        if num.master and not host_opt:
-            state["gradients"] = MG
-        state["optimizer_states"] = S
-        step_tmp = 0
-        if job.optimizer == "adamw8bit" and not host_opt:
-            step_tmp = min(max(n for _, n in numels), ADAM8BIT_CHUNK) * 16
-        snap("optimizer step", temporaries=step_tmp)
-        return events
-
-    steady = simulate(first_step=False, accumulating=job.grad_accum > 1)
-    first = simulate(first_step=True, accumulating=job.grad_accum > 1)
+    steady = _simulate(parts, first_step=False, accumulating=job.grad_accum > 1)
+    first = _simulate(parts, first_step=True, accumulating=job.grad_accum > 1)
     if job.grad_accum > 1:  # the first micro-batch of a step has no gradients yet; its peak can differ
-        steady = simulate(first_step=False, accumulating=False)[:-1] + steady
-        first = simulate(first_step=True, accumulating=False)[:-1] + first
+        steady = _simulate(parts, first_step=False, accumulating=False)[:-1] + steady
+        first = _simulate(parts, first_step=True, accumulating=False)[:-1] + first
     peak_name, peak = max(steady, key=lambda e: sum(e[1].values()))
     allocated = sum(peak.values())
-    overhead = tgt.context_bytes + int(tgt.fragmentation * allocated)
     components = {k: int(peak.get(k, 0)) for k in COMPONENTS if k != "device_overhead"}
-    components["device_overhead"] = overhead
-    first_peak = max(sum(e[1].values()) for e in first)
-
-    recompute = 0.0
-    for first_blk, stop, policy in job.segments():
-        n = stop - first_blk
-        if policy == "full":
-            recompute += n * (mm_flops + attn_flops)
-        elif policy == "selective":
-            recompute += n * attn_flops
-    model_state = {"parameters": P, "gradients": G, "master_weights": M, "optimizer_states": S, "buffers": buffers}
+    components["device_overhead"] = tgt.context_bytes + int(tgt.fragmentation * allocated)
+    model_state = {k: state[k] for k in ("parameters", "gradients", "master_weights", "optimizer_states",
+                                         "buffers")}
     if comm.persistent:
         model_state["comm_buffers"] = comm.persistent
     return Breakdown(job=job, param_count=n_params, components=components, total_bytes=sum(components.values()),
                      peak_phase=peak_name, host=host, activations_saved=all_saved,
                      per_block=[dict(b) for b in blocks], model_state=model_state, timeline=steady,
-                     first_timeline=first,
-                     first_step_peak=first_peak, backend=job.backend, recompute_flops=recompute)
+                     first_timeline=first, first_step_peak=max(sum(e[1].values()) for e in first),
+                     backend=job.backend, recompute_flops=_recompute_flops(job))
 
 
 def peak_allocated(b: Breakdown) -> int:

@@ -20,6 +20,7 @@ from kiln.memory.estimate import (Breakdown, Job, block_matmul_numel, estimate, 
                                   parse_bytes, recompute_plan, saved_tensors)
 from kiln.memory.levers import job_for
 from kiln.memory.recompute import solve_budget
+from kiln.models.registry import family
 
 MATMUL_EFFICIENCY = 0.6  # share of peak FLOP/s large matmuls reach (GPU: 55-70% is typical for bf16 GEMMs)
 BANDWIDTH_EFFICIENCY = 0.75  # share of peak bandwidth elementwise kernels and copies reach
@@ -81,23 +82,6 @@ def communication(job: Job, link: float, compute_s: float) -> dict[str, float]:
     return {"bytes": moved, "seconds": moved / bw, "exposed": max(0.0, moved / bw - compute_s)}
 
 
-def scaling_table(job: Job, device, counts=(1, 8, 64, 512, 1024), node: int = 8, intra: str = "nvlink4",
-                  inter: str = "ib-ndr") -> list[dict]:
-    """Simulated weak scaling: job (one rank's micro-batches) on n GPUs, nodes of `node` GPUs joined by `inter`.
-    A ring across nodes runs at the slowest link's bandwidth. A model, not a measurement."""
-    rows, base = [], None
-    for n in counts:
-        link = INTERCONNECTS[intra if n <= node else inter]
-        t = step_time(replace(job, world=n), device, link)
-        tokens = n * job.grad_accum * job.micro_batch * job.seq_len
-        rate = tokens / t["total"]
-        base = base or rate
-        rows.append({"gpus": n, "link": intra if n <= node else inter, "step_s": t["total"],
-                     "communication_s": t["communication"], "exposed_s": t["exposed_communication"],
-                     "tokens_per_s": rate, "scaling_efficiency": rate / (n * base)})
-    return rows
-
-
 # ---------------------------------------------------------------- step time
 
 
@@ -139,23 +123,34 @@ def fit_time_model(device, observations: list[tuple[Job, float]], bandwidth_effi
     return {"matmul_efficiency": min(1.0, 1 / u) if u > 0 else 1.0, "op_overhead_s": max(o, 0.0)}
 
 
+def _elementwise_width(cfg) -> int:
+    """Elements per token the MLP's elementwise ops read and write (GELU 2F, SwiGLU 3F, an MoE 3F per routed
+    pair plus its routing and weighting)."""
+    mlp = family(cfg.arch).mlp
+    if mlp == "moe":
+        return cfg.n_experts_active * (3 * cfg.moe_d_ff + 2 * cfg.d_model) + 2 * cfg.n_experts
+    return cfg.d_ff * (3 if mlp == "swiglu" else 2)
+
+
 def step_time(job: Job, device, link: float | None = None) -> dict[str, float]:
     """Predicted seconds of one optimizer step, by part (compute, optimizer, transfers, communication) and in
     total. link: per-GPU interconnect bytes/s for job.parallel on job.world ranks (default NVLink 4)."""
     cfg, num = job.model, job.num
     B, T, L = job.micro_batch, job.seq_len, cfg.n_layer
-    N, d, F, hd, V = B * T, cfg.d_model, cfg.d_ff, cfg.head_dim, cfg.padded_vocab
+    N, d, hd, V = B * T, cfg.d_model, cfg.head_dim, cfg.padded_vocab
     H, KV, c, r = cfg.n_head, cfg.n_kv_head, num.compute, num.residual
     peak, bw = device.flops(job.precision), device.bandwidth
     me, be, op_s, _ = time_constants(device)
-    fc = F if cfg.arch == "gpt2" else 2 * F
-    mms = [(d, (H + 2 * KV) * hd), (H * hd, d), (d, fc), (F, d)]
-    mm = sum(_roofline(2 * N * k * n, (N * k + k * n + N * n) * c, peak, bw, me, be) for k, n in mms)
+    # every matmul of the block from its family's description; an MoE's experts as one roofline over the routed
+    # rows that reads every expert's weights (expert parallelism would divide `copies` among the ranks)
+    mm = sum(_roofline(2 * N * x.active * x.n_in * x.n_out,
+                       (N * x.active * x.n_in + x.copies * x.n_in * x.n_out + N * x.active * x.n_out) * c,
+                       peak, bw, me, be) for x in family(cfg.arch).linears(cfg))
     fused = job.backend != "math"
     attn_flops = 4 * B * H * T * T * hd * (0.5 if fused else 1.0)
     attn_bytes = N * (H + 2 * KV) * hd * c + N * H * hd * c + (0 if fused else 4 * B * H * T * T * 4)
     attn = _roofline(attn_flops, attn_bytes, peak, bw, me, be)
-    elem_bytes = N * d * r * 14 + N * F * c * (3 if cfg.arch == "llama" else 2)
+    elem_bytes = N * d * r * 14 + N * _elementwise_width(cfg) * c
     if num.autocast:
         elem_bytes += block_matmul_numel(cfg) * 6  # fp32 weights read, half copies written, every micro-batch
     elem = elem_bytes / (bw * be)

@@ -1,7 +1,11 @@
-"""Models: a decoder-only transformer (GPT-2 and Llama flavours) and its presets."""
+"""Models: a decoder-only transformer in four families (gpt2, llama, qwen3, qwen3_moe), each described once in
+kiln/models/<family>.py and listed in kiln.models.registry; the presets of all of them."""
 import torch
 
-from kiln.models.config import PRESETS, ModelConfig, param_count
+from kiln.models.config import ModelConfig, param_count
+from kiln.models.family import Family
+from kiln.models.moe import moe_metrics
+from kiln.models.registry import ARCHS, FAMILIES, PRESETS, family
 from kiln.models.transformer import IGNORE_INDEX, Transformer
 
 
@@ -15,4 +19,5 @@ def build_model(cfg: ModelConfig, device="cpu") -> Transformer:
         return Transformer(cfg)
 
 
-__all__ = ["PRESETS", "ModelConfig", "Transformer", "IGNORE_INDEX", "build_model", "param_count"]
+__all__ = ["ARCHS", "FAMILIES", "PRESETS", "Family", "ModelConfig", "Transformer", "IGNORE_INDEX", "build_model",
+           "family", "moe_metrics", "param_count"]

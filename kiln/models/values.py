@@ -19,10 +19,11 @@ SENTINEL_MEANING = {
 
 def check_values(cfg) -> None:
     """A resolved model config (every preset value filled in) whose numbers cannot train: one line, the fix."""
-    if cfg.arch == "llama" and not (math.isfinite(cfg.rope_theta) and cfg.rope_theta > 0):
-        shape = f"preset {cfg.preset!r} is a gpt2 shape: it has none" if cfg.rope_theta == 0 else "it must be > 0"
-        raise ValueError(f"model.rope_theta={cfg.rope_theta:g}: arch='llama' rotates queries and keys by RoPE, "
-                         f"whose base frequency must be > 0 ({shape}); set --model.rope_theta=10000 (Llama 2) or "
+    from kiln.models.registry import family  # lazy: the family files import kiln.models.config, which imports this
+
+    if family(cfg.arch).positions == "rope" and not (math.isfinite(cfg.rope_theta) and cfg.rope_theta > 0):
+        raise ValueError(f"model.rope_theta={cfg.rope_theta:g}: arch={cfg.arch!r} rotates queries and keys by RoPE, "
+                         f"whose base frequency must be > 0; set --model.rope_theta=10000 (Llama 2) or "
                          f"500000 (Llama 3)")
     if not cfg.norm_eps > 0:
         raise ValueError(f"model.norm_eps={cfg.norm_eps:g}: normalization divides by sqrt(variance + eps), which "

@@ -12,6 +12,7 @@ import time
 import torch
 
 from kiln.models.config import ModelConfig
+from kiln.models.registry import family
 
 # Dense (no sparsity) peak FLOP/s from vendor datasheets: {name: {dtype: flops}}.
 DEVICE_PEAKS = {
@@ -25,11 +26,9 @@ DEVICE_PEAKS = {
 
 
 def matmul_params(cfg: ModelConfig) -> int:
-    """Parameters that take part in a matmul per token: every linear, plus the output head (tied or not)."""
-    d, ff, hd = cfg.d_model, cfg.d_ff, cfg.head_dim
-    attn = d * (cfg.n_head + 2 * cfg.n_kv_head) * hd + cfg.n_head * hd * d
-    mlp = d * ff * (1 if cfg.arch == "gpt2" else 2) + ff * d
-    return cfg.n_layer * (attn + mlp) + cfg.padded_vocab * d
+    """Parameters that take part in a matmul per token: every linear (an MoE's router and its top-k experts, not
+    all experts: 6·N_active), plus the output head (tied or not)."""
+    return cfg.n_layer * family(cfg.arch).active_matmul_numel(cfg) + cfg.padded_vocab * cfg.d_model
 
 
 def flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
@@ -45,6 +44,11 @@ def recompute_flops_per_token(cfg: ModelConfig, seq_len: int, plan: tuple[str, .
     recomputing once it has every saved tensor back (checked against torch's FLOP counter)."""
     attention = 4 * seq_len * cfg.n_head * cfg.head_dim
     block = 2 * (matmul_params(cfg) - cfg.padded_vocab * cfg.d_model) / cfg.n_layer + attention
+    fam = family(cfg.arch)
+    last = fam.linears(cfg)[-1]  # the MLP's output projection
+    # An MoE weights and scatters its experts' outputs after the projection, saving tensors there: checkpoint
+    # recomputes through every expert's projection.
+    skipped = 0 if fam.mlp == "moe" else 2 * last.n_in * last.n_out * last.active
     total = 0.0
     for i, policy in enumerate(plan):
         if policy == "selective":
@@ -52,7 +56,7 @@ def recompute_flops_per_token(cfg: ModelConfig, seq_len: int, plan: tuple[str, .
         elif policy in ("full", "seg"):
             total += block
             if i + 1 == len(plan) or plan[i + 1] != "seg":  # the segment's last block
-                total -= 2 * cfg.d_ff * cfg.d_model
+                total -= skipped
     return total
 
 

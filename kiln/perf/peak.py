@@ -20,6 +20,7 @@ import time
 import torch
 import torch.nn.functional as F
 
+from kiln.models import family
 from kiln.perf.flops import cpu_peak, device_peak_flops
 
 MAX_ROWS, MAX_OUT = 2048, 4096  # the largest product timed: a 50k-vocabulary head is timed on 4096 of its rows
@@ -28,12 +29,10 @@ _cache: dict[tuple, float] = {}
 
 
 def linear_shapes(cfg, rows: int) -> list[tuple[int, int, int]]:
-    """(rows, in, out) of the model's linears per micro-batch: attention in/out, MLP in/out, the LM head."""
-    d, hd = cfg.d_model, cfg.head_dim
-    qkv = (cfg.n_head + 2 * cfg.n_kv_head) * hd
-    up = cfg.d_ff * (1 if cfg.arch == "gpt2" else 2)
-    shapes = [(d, qkv), (cfg.n_head * hd, d), (d, up), (cfg.d_ff, d), (d, cfg.padded_vocab)]
-    return [(rows, k, n) for k, n in dict.fromkeys(shapes)]
+    """(rows, in, out) of the model's linears per micro-batch: each block matmul of the family's description (an
+    expert's rows are its average share of the routed tokens) and the LM head."""
+    shapes = [(max(1, rows * lin.active // lin.copies), lin.n_in, lin.n_out) for lin in family(cfg.arch).linears(cfg)]
+    return list(dict.fromkeys(shapes + [(rows, cfg.d_model, cfg.padded_vocab)]))
 
 
 def _timed(fn) -> float:

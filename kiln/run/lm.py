@@ -28,6 +28,7 @@ from kiln.memory.estimate import fmt_bytes, parse_bytes
 from kiln.memory.levers import runtime_job
 from kiln.memory.planner import search
 from kiln.models import ModelConfig, Transformer, build_model
+from kiln.models.config import with_training_fields
 from kiln.numerics.faults import DelayedLoader
 from kiln.perf import flops_per_token
 from kiln.perf.flops import recompute_flops_per_token
@@ -171,7 +172,7 @@ def _build_lm(cfg: Config, run_dir, log, device: torch.device, with_data: bool, 
     if cfg.model.init:  # a Hugging Face checkpoint: its shape, its weights and (unless told) its tokenizer
         directory = Path(cfg.model.init.removeprefix("hf:"))
         shape, initial = read_hf(directory)
-        cfg = replace(cfg, model=replace(shape, dropout=cfg.model.dropout, init=cfg.model.init))
+        cfg = replace(cfg, model=replace(with_training_fields(shape, cfg.model), init=cfg.model.init))
         if cfg.data.tokenizer == "bytes" and (directory / "tokenizer.json").is_file():
             cfg = replace(cfg, data=replace(cfg.data, tokenizer=cfg.model.init))
     data = None

@@ -165,10 +165,3 @@ class HostOptimizer(torch.optim.Optimizer):
         for (p, m), saved in zip(self.pairs, state["masters"]):
             m.copy_(saved)
             p.copy_(m)
-
-    def host_bytes(self) -> int:
-        """Host memory this optimizer holds: masters, their gradients and the inner optimizer's state."""
-        total = sum(2 * m.numel() * 4 for _, m in self.pairs)
-        for state in self.inner.state.values():
-            total += sum(v.numel() * v.element_size() for v in state.values() if isinstance(v, torch.Tensor))
-        return total

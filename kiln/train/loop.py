@@ -27,6 +27,7 @@ from typing import Callable
 import torch
 from rich.console import Console
 
+from kiln.models import moe_metrics
 from kiln.numerics.monitor import Handles, Numerics
 from kiln.numerics.outcome import LossWatch
 from kiln.perf.peak import utilisation
@@ -411,6 +412,7 @@ class Trainer:
             # ddp, zero1: seconds per step the gradient all-reduces were in flight (overlapping the backward)
             "comm_s": state.world.comm.take() / self.window_steps if state.world.comm is not None else None,
             "utilisation": self._utilisation(elapsed),
+            **moe_metrics(state.model),  # a mixture of experts: moe_aux_loss, moe_load_max, moe_load_min
         }
         self.logger.log(record, kind="train")
         self.window_start, self.window_steps, self.window_units, self.window_busy = time.perf_counter(), 0, 0, 0.0

@@ -13,24 +13,12 @@ uneven sizes or valid-token counts, give the gradient of one batch k times large
 """
 from __future__ import annotations
 
-from typing import Protocol
-
 import torch
 import torch.nn as nn
 
 from kiln.data.batches import map_tensors
 from kiln.models.transformer import IGNORE_INDEX
 from kiln.train.losses import NTXent, as_loss
-
-
-class Objective(Protocol):
-    unit: str  # what count() and size() count: "tokens" | "samples"
-
-    def count(self, batch) -> torch.Tensor: ...
-
-    def size(self, batch) -> int: ...
-
-    def __call__(self, model: nn.Module, batch) -> torch.Tensor: ...
 
 
 def _pair(batch, what: str):

@@ -17,7 +17,21 @@ def llama_cfg(**kw) -> ModelConfig:
     return ModelConfig(**(base | kw)).resolve()
 
 
-MODELS = {"gpt2": gpt2_cfg, "llama": llama_cfg}
+def qwen3_cfg(**kw) -> ModelConfig:
+    """Llama's test shape with QK-norm and a head width of its own (24, not 64 / 4)."""
+    base = dict(preset="qwen3-0.6b", n_layer=2, n_head=4, n_kv_head=2, head_dim=24, d_model=64, d_ff=160,
+                max_seq_len=64, vocab_size=200)
+    return ModelConfig(**(base | kw)).resolve()
+
+
+def qwen3_moe_cfg(**kw) -> ModelConfig:
+    """qwen3_cfg's attention with 4 experts of width 48, 2 per token."""
+    base = dict(preset="qwen3-moe-nano", n_layer=2, n_head=4, n_kv_head=2, head_dim=24, d_model=64, max_seq_len=64,
+                vocab_size=200, n_experts=4, n_experts_active=2, moe_d_ff=48)
+    return ModelConfig(**(base | kw)).resolve()
+
+
+MODELS = {"gpt2": gpt2_cfg, "llama": llama_cfg, "qwen3": qwen3_cfg, "qwen3_moe": qwen3_moe_cfg}
 
 
 @pytest.fixture(autouse=True)

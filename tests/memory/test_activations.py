@@ -35,11 +35,16 @@ def measured(cfg, mode, plan, B, T, chunk=0):
     return measure_saved(model, x, y, precision)
 
 
+POLICIES = ["none", "full", "every_k", "selective"]
+
+
 @pytest.mark.parametrize("arch,mode,policy,shape", list(itertools.product(
-    ["gpt2", "llama"], ["fp32", "bf16"], ["none", "full", "every_k", "selective"], SHAPES)),
+    ["gpt2", "llama"], ["fp32", "bf16"], POLICIES, SHAPES)) + list(itertools.product(
+    ["qwen3", "qwen3_moe"], ["fp32", "bf16"], POLICIES, SHAPES[1:])),
     ids=lambda v: f"{v[0]}x{v[1]}" if isinstance(v, tuple) else str(v))
 def test_saved_bytes_match_within_one_percent(arch, mode, policy, shape):
-    """The acceptance grid: {GPT-2, Llama GQA} x {fp32, bf16} x {none, full, every_k, selective} x 2 shapes."""
+    """The acceptance grid: {GPT-2, Llama GQA} x {fp32, bf16} x {none, full, every_k, selective} x 2 shapes; the
+    same for Qwen3 (QK-norm, its own head width) and Qwen3-MoE (4 experts, top-2) on one shape."""
     cfg = MODELS[arch]()
     B, T = shape
     plan = recompute_plan(policy, cfg.n_layer, 2)
@@ -55,7 +60,9 @@ def test_saved_bytes_match_within_one_percent(arch, mode, policy, shape):
 
 @pytest.mark.parametrize("arch,mode,dropout,chunk", [
     ("gpt2", "bf16-master", 0.0, 0), ("llama", "bf16-master", 0.0, 0), ("gpt2", "fp32", 0.1, 0),
-    ("llama", "bf16", 0.1, 0), ("gpt2", "bf16", 0.0, 16), ("llama", "fp32", 0.0, 48)])
+    ("llama", "bf16", 0.1, 0), ("gpt2", "bf16", 0.0, 16), ("llama", "fp32", 0.0, 48),
+    ("qwen3", "bf16-master", 0.0, 16), ("qwen3", "fp32", 0.1, 0), ("qwen3_moe", "bf16-master", 0.0, 0),
+    ("qwen3_moe", "bf16", 0.1, 0), ("qwen3_moe", "fp32", 0.1, 48)])
 def test_saved_bytes_other_modes(arch, mode, dropout, chunk):
     """bf16-master, dropout (CPU picks the math attention kernel then) and the chunked loss."""
     cfg = MODELS[arch](dropout=dropout)
@@ -93,3 +100,16 @@ def test_selective_kept_matmuls_are_counted_where_the_policy_cannot_see_them(arc
     seen_by_mode = measured(cfg, "fp32", plan, B, T)
     assert seen_by_mode.components == seen_by_policy.components and seen_by_mode.per_block == seen_by_policy.per_block
     assert seen_by_mode.components["activations"] > 0
+
+
+@pytest.mark.parametrize("mode", ["fp32", "bf16"])
+@pytest.mark.parametrize("routing", [{"moe_z_coef": 0.01}, {"moe_norm_topk": False}], ids=["z-loss", "raw-topk"])
+def test_moe_routing_options_saved_bytes(mode, routing):
+    """The router z-loss keeps fp32 logits and their logsumexp; raw top-k weights skip the renormalisation."""
+    cfg = MODELS["qwen3_moe"](**routing)
+    B, T = 3, 40
+    plan = ("none",) * cfg.n_layer
+    pred, pred_blocks = predicted(Job(model=cfg, micro_batch=B, seq_len=T, precision=mode, target=Target("cpu"),
+                                      recompute=plan))
+    got = measured(cfg, mode, plan, B, T)
+    assert got.components == pred and got.per_block == pred_blocks

@@ -20,10 +20,11 @@ def grads_of(model, x, y, autocast=False):
     return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}
 
 
-@pytest.mark.parametrize("arch", ["gpt2", "llama"])
+@pytest.mark.parametrize("arch", ["gpt2", "llama", "qwen3_moe"])
 @pytest.mark.parametrize("plan", [("full", "full", "full"), ("full", "seg", "seg"), ("selective",) * 3,
                                   ("selective", "full", "none")])
 def test_recompute_keeps_loss_and_gradients(arch, plan):
+    """(Qwen3-MoE: the routing, run again in the backward, and the load-balancing loss in the loss.)"""
     cfg = MODELS[arch](n_layer=3, dropout=0.1)
     model = build_model(cfg)
     x, y = torch.randint(0, 200, (2, 24)), torch.randint(0, 200, (2, 24))

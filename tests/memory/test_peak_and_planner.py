@@ -23,6 +23,9 @@ SMALL = ["--model.n_layer=3", "--model.d_model=96", "--model.n_head=4", "--data.
     ["--precision.mode=bf16-master", "--train.grad_accum_steps=2"],
     ["--precision.mode=bf16", "--model.preset=llama-125m", "--model.n_kv_head=2", "--model.d_ff=256",
      "--memory.recompute=selective", "--memory.chunked_loss=64"],
+    ["--precision.mode=fp32", "--model.arch=qwen3", "--model.n_kv_head=2", "--model.head_dim=32"],
+    ["--precision.mode=bf16", "--model.arch=qwen3_moe", "--model.n_experts=6", "--model.n_experts_active=2",
+     "--model.moe_d_ff=64"],
 ], ids=lambda o: " ".join(o))
 def test_predicted_peak_within_5_percent_of_live_bytes_on_cpu(overrides):
     """Not the GPU acceptance (3% of max_memory_allocated, see docs/benchmarks.md), but the same event model

@@ -14,7 +14,11 @@ from kiln.train.pipeline import ModelPlan, prepare_model
     dict(preset="tiny", n_layer=2, n_head=4, d_model=64, max_seq_len=32, vocab_size=259),
     dict(preset="llama-125m", n_layer=2, n_head=4, n_kv_head=2, d_model=64, d_ff=96, max_seq_len=32,
          vocab_size=300),
-], ids=["gpt2", "llama-gqa"])
+    dict(preset="qwen3-0.6b", n_layer=2, n_head=4, n_kv_head=2, head_dim=24, d_model=64, d_ff=96, max_seq_len=32,
+         vocab_size=300),
+    dict(preset="qwen3-moe-nano", n_layer=2, n_head=4, n_kv_head=2, head_dim=24, d_model=64, n_experts=6,
+         n_experts_active=2, moe_d_ff=32, max_seq_len=32, vocab_size=300),
+], ids=["gpt2", "llama-gqa", "qwen3", "qwen3-moe"])
 def test_flops_per_token_equals_counted_matmul_flops(arch):
     """6·N + 12·L·T·d_attn is what the model's matmuls do, forward and backward, when attention is counted over
     the full T×T square (torch's math attention computes the whole square, masked)."""
@@ -57,7 +61,9 @@ def test_names_gpu_is_whole_word():
     dict(preset="tiny", n_layer=3, n_head=4, d_model=64, max_seq_len=32, vocab_size=259),
     dict(preset="llama-125m", n_layer=3, n_head=4, n_kv_head=2, d_model=64, d_ff=96, max_seq_len=32,
          vocab_size=300),
-], ids=["gpt2", "llama-gqa"])
+    dict(preset="qwen3-moe-nano", n_layer=3, n_head=4, n_kv_head=2, head_dim=24, d_model=64, n_experts=6,
+         n_experts_active=2, moe_d_ff=32, max_seq_len=32, vocab_size=300),
+], ids=["gpt2", "llama-gqa", "qwen3-moe"])
 def test_hardware_flops_equal_counted_flops_with_each_recompute_plan(arch, plan):
     """HFU's numerator: the model's FLOPs plus what recomputation runs again, against torch's FLOP counter over a
     real forward and backward of the model with that recompute plan installed."""

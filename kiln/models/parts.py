@@ -1,0 +1,178 @@
+"""The parts kiln's model families share: norms, attention, MLPs, RoPE and the loss.
+
+A family (kiln/models/gpt2.py, llama.py, qwen3.py, qwen3_moe.py) builds its block from these. Each is a small
+nn.Module so that recompute policies, offload and Triton kernels (kiln.kernels.apply swaps them by type) are
+applied to a built model from outside.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from kiln.models.config import ModelConfig
+
+IGNORE_INDEX = -100
+
+
+def at_least_fp32(x: torch.Tensor) -> torch.Tensor:
+    """x in fp32, or as it is when it is wider already (fp64 reference runs)."""
+    return x if x.dtype == torch.float64 else x.float()
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float = 1e-6):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x):
+        # Statistics in fp32 whatever the input dtype: bf16 sums of squares lose 3 digits at d=4096.
+        xf = at_least_fp32(x)
+        y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (y * at_least_fp32(self.weight)).type_as(x)
+
+
+class SwiGLU(nn.Module):
+    """silu(gate) * up."""
+
+    def forward(self, gate, up):
+        return F.silu(gate) * up
+
+
+class Rotary(nn.Module):
+    """Rotate-half RoPE: x of shape (B, H, T, D), cos/sin of shape (T, D/2)."""
+
+    def forward(self, x, cos, sin):
+        x1, x2 = x.chunk(2, dim=-1)
+        cos, sin = cos.to(x.dtype), sin.to(x.dtype)
+        return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+
+
+class SDPA(nn.Module):
+    """Causal attention core through torch.nn.functional.scaled_dot_product_attention."""
+
+    def __init__(self, dropout: float = 0.0):
+        super().__init__()
+        self.dropout = dropout
+
+    def forward(self, q, k, v):  # q (B, H, T, D); k, v (B, KV, T, D)
+        gqa = k.shape[1] != q.shape[1]
+        p = self.dropout if self.training else 0.0
+        return F.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=True, enable_gqa=gqa)
+
+
+class LMLoss(nn.Module):
+    """Output head + cross-entropy: returns the SUM of token losses over valid targets, in fp32.
+
+    Summing (not averaging) lets the trainer divide by the valid-token count of the whole global batch.
+    """
+
+    def forward(self, h, weight, targets):  # h (N, C), weight (V, C), targets (N,)
+        logits = at_least_fp32(F.linear(h, weight))  # (N, V): loss and softmax statistics in fp32
+        return F.cross_entropy(logits, targets, ignore_index=IGNORE_INDEX, reduction="sum")
+
+
+class Attention(nn.Module):
+    """Causal self-attention: fused q/k/v projection, optional per-head RMSNorm of q and k (Qwen3's QK-norm),
+    optional RoPE, grouped-query heads (n_kv_head ≤ n_head), output projection."""
+
+    def __init__(self, cfg: ModelConfig, rotary: bool, bias: bool = False, qk_norm: bool = False):
+        super().__init__()
+        self.n_head, self.n_kv_head, self.head_dim = cfg.n_head, cfg.n_kv_head, cfg.head_dim
+        self.qkv = nn.Linear(cfg.d_model, (cfg.n_head + 2 * cfg.n_kv_head) * cfg.head_dim, bias=bias)
+        self.q_norm = RMSNorm(cfg.head_dim, eps=cfg.norm_eps) if qk_norm else None
+        self.k_norm = RMSNorm(cfg.head_dim, eps=cfg.norm_eps) if qk_norm else None
+        self.rope = Rotary() if rotary else None
+        self.core = SDPA(cfg.dropout)
+        self.proj = nn.Linear(cfg.n_head * cfg.head_dim, cfg.d_model, bias=bias)
+        self.proj.residual = True
+
+    def forward(self, x, rope_cache=None):
+        B, T, _ = x.shape
+        q, k, v = self.qkv(x).split(
+            [self.n_head * self.head_dim, self.n_kv_head * self.head_dim, self.n_kv_head * self.head_dim], dim=-1
+        )
+        q = q.view(B, T, self.n_head, self.head_dim)  # (B, T, H, D)
+        k = k.view(B, T, self.n_kv_head, self.head_dim)  # (B, T, KV, D)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = q.transpose(1, 2), k.transpose(1, 2)  # (B, H, T, D), (B, KV, T, D)
+        v = v.view(B, T, self.n_kv_head, self.head_dim).transpose(1, 2)
+        if self.rope is not None:
+            cos, sin = rope_cache
+            q, k = self.rope(q, cos[:T], sin[:T]), self.rope(k, cos[:T], sin[:T])
+        y = self.core(q, k, v)  # (B, H, T, D)
+        y = y.transpose(1, 2).reshape(B, T, self.n_head * self.head_dim)  # (B, T, H·D)
+        return self.proj(y)
+
+
+class GeluMLP(nn.Module):
+    def __init__(self, d_model: int, d_ff: int, bias: bool):
+        super().__init__()
+        self.fc = nn.Linear(d_model, d_ff, bias=bias)
+        self.act = nn.GELU(approximate="tanh")
+        self.proj = nn.Linear(d_ff, d_model, bias=bias)
+        self.proj.residual = True
+
+    def forward(self, x):
+        return self.proj(self.act(self.fc(x)))
+
+
+class SwiGLUMLP(nn.Module):
+    def __init__(self, d_model: int, d_ff: int):
+        super().__init__()
+        self.fc = nn.Linear(d_model, 2 * d_ff, bias=False)  # gate and up in one matmul
+        self.act = SwiGLU()
+        self.proj = nn.Linear(d_ff, d_model, bias=False)
+        self.proj.residual = True
+
+    def forward(self, x):
+        gate, up = self.fc(x).chunk(2, dim=-1)  # (..., F) each
+        return self.proj(self.act(gate, up))
+
+
+def make_norm(kind: str, dim: int, eps: float, bias: bool = False) -> nn.Module:
+    """A family's norm by the name its description gives: "layernorm" (GPT-2) or "rmsnorm"."""
+    if kind == "layernorm":
+        return nn.LayerNorm(dim, eps=eps, bias=bias)
+    return RMSNorm(dim, eps=eps)
+
+
+class PreNormBlock(nn.Module):
+    """x + attn(norm1(x)), then + mlp(norm2(x)): the block every family here shares; a family picks the parts."""
+
+    def __init__(self, norm1: nn.Module, attn: nn.Module, norm2: nn.Module, mlp: nn.Module, dropout: float):
+        super().__init__()
+        self.norm1, self.attn, self.norm2, self.mlp = norm1, attn, norm2, mlp
+        self.drop = nn.Dropout(dropout)
+
+    def forward(self, x, rope_cache=None):
+        x = x + self.drop(self.attn(self.norm1(x), rope_cache))
+        return x + self.drop(self.mlp(self.norm2(x)))
+
+
+def llama3_frequencies(inv_freq: torch.Tensor, factor: float, low: float, high: float, original: float):
+    """Llama 3's RoPE scaling: long wavelengths slowed by `factor`, short ones kept, those between blended."""
+    wavelen = 2 * math.pi / inv_freq
+    low_wavelen, high_wavelen = original / low, original / high
+    scaled = torch.where(wavelen > low_wavelen, inv_freq / factor, inv_freq)
+    smooth = (original / wavelen - low) / (high - low)
+    blended = (1 - smooth) * scaled / factor + smooth * scaled
+    between = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
+    return torch.where(between, blended, scaled)
+
+
+def rope_cache(head_dim: int, max_seq_len: int, theta: float, device=None,
+               scaling: tuple = ()) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin of shape (max_seq_len, head_dim/2), in fp32; `scaling`: Llama 3's (factor, low_freq_factor,
+    high_freq_factor, original_max_len), or () for none."""
+    inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, device=device, dtype=torch.float32) / head_dim)
+    if scaling:
+        inv_freq = llama3_frequencies(inv_freq, *scaling)
+    angles = torch.outer(torch.arange(max_seq_len, device=device, dtype=torch.float32), inv_freq)
+    return angles.cos(), angles.sin()
+
+

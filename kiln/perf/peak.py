@@ -11,7 +11,8 @@ model runs: on an AMD EPYC (Zen 4, AVX512-BF16, no AVX512-FP16; 2 cores, shared)
 micro-batch's tokens), timed as the model runs them: F.linear under the run's autocast dtype. The attention
 matmuls and everything else are not in it, and a CPU's rate moves with the other work on the machine, so the
 loop still raises the peak to the rate the model achieved if that is higher: MFU is then 100%, never more, and
-each train record carries the peak used (`mfu_peak_flops`).
+each train record carries the peak used (`mfu_peak_flops`). The raise holds for that record only, so one
+interval whose rate was misjudged (a window cut by an evaluation) cannot lower every later MFU.
 """
 from __future__ import annotations
 

@@ -50,9 +50,8 @@ def test_fp16_mfu_never_exceeds_one(small_config, tmp_path, monkeypatch, shapes_
         rate_flops = r["mfu"] * r["mfu_peak_flops"]  # what the model achieved, FLOP/s
         assert rate_flops == pytest.approx(flops.flops_per_token(model, 32) * r["tokens_per_s"],
                                            rel=1e-6)
-    if shapes_too:  # nothing measured was near the model's rate: the peak is the best rate it achieved
-        assert records[0]["mfu"] == pytest.approx(1.0)
-        assert records[-1]["mfu_peak_flops"] == max(r["mfu"] * r["mfu_peak_flops"] for r in records)
+    if shapes_too:  # nothing measured was near the model's rate: each record's peak is the rate it achieved
+        assert all(r["mfu"] == pytest.approx(1.0) for r in records)
     else:  # the model's own shapes were measured, far above the square product
         assert min(r["mfu_peak_flops"] for r in records) > 1e8
 

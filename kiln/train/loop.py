@@ -396,9 +396,9 @@ class Trainer:
         self.losses.observe(state.step, loss)
         elapsed = time.perf_counter() - self.window_start
         rate = self.window_units * state.world.size / elapsed  # global: every rank served as many
-        # per device: the global rate shared by the ranks; a CPU's measured peak is raised if the model beat it
-        mfu, hfu, self.peak = utilisation(self.flops_per_unit or 0.0, self.hardware_flops_per_unit or 0.0,
-                                          rate / state.world.size, self.peak)
+        # per device: the global rate shared by the ranks; a measured peak the model beat is raised to its rate
+        mfu, hfu, peak = utilisation(self.flops_per_unit or 0.0, self.hardware_flops_per_unit or 0.0,
+                                     rate / state.world.size, self.peak)
         record = {
             "step": state.step, "loss": loss, "lr": lr, "grad_norm": grad_norm,
             # the global-norm threshold in force (norm: optim.grad_clip; adaptive: this step's percentile)
@@ -407,7 +407,7 @@ class Trainer:
             f"{self.unit}_seen": state.tokens_seen * state.world.size,
             "peak_mem_bytes": peak_memory_bytes(state.device),
             "mfu": mfu if self.flops_per_unit else None, "hfu": hfu if self.flops_per_unit else None,
-            "mfu_peak_flops": self.peak if self.flops_per_unit else None,  # raised to the achieved rate if beaten
+            "mfu_peak_flops": peak if self.flops_per_unit else None,  # the peak this record's MFU divides by
             "skipped_steps": int(skipped), "loss_scale": scale if state.scaler.enabled else None,
             # ddp, zero1: seconds per step the gradient all-reduces were in flight (overlapping the backward)
             "comm_s": state.world.comm.take() / self.window_steps if state.world.comm is not None else None,

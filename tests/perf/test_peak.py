@@ -41,18 +41,17 @@ def test_fp16_mfu_never_exceeds_one(small_config, tmp_path, monkeypatch, shapes_
     if shapes_too:
         monkeypatch.setattr(peak, "linear_rate", lambda *args: 1e6)
     cfg = small_config(precision={"mode": "fp16"}, train={"max_steps": 4})
-    train(cfg, tmp_path / "run")
+    model = train(cfg, tmp_path / "run").cfg.model  # resolved: the byte vocabulary filled in
     records = _train_records(tmp_path / "run")
     assert len(records) == 4
     for r in records:
         assert 0 < r["mfu"] <= r["hfu"] <= 1.0
         assert r["mfu_peak_flops"] >= 1e6
         rate_flops = r["mfu"] * r["mfu_peak_flops"]  # what the model achieved, FLOP/s
-        assert rate_flops == pytest.approx(flops.flops_per_token(cfg.model.resolve(), 32) * r["tokens_per_s"],
+        assert rate_flops == pytest.approx(flops.flops_per_token(model, 32) * r["tokens_per_s"],
                                            rel=1e-6)
-    if shapes_too:  # nothing measured was near the model's rate: the peak is the best rate it achieved
-        assert records[0]["mfu"] == pytest.approx(1.0)
-        assert records[-1]["mfu_peak_flops"] == max(r["mfu"] * r["mfu_peak_flops"] for r in records)
+    if shapes_too:  # nothing measured was near the model's rate: each record's peak is the rate it achieved
+        assert all(r["mfu"] == pytest.approx(1.0) for r in records)
     else:  # the model's own shapes were measured, far above the square product
         assert min(r["mfu_peak_flops"] for r in records) > 1e8
 

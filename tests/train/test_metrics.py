@@ -5,7 +5,7 @@ from kiln.run.lm import train
 from kiln.train.logging import KINDS
 
 TRAIN_KEYS = {"kind", "step", "loss", "lr", "grad_norm", "tokens_per_s", "step_time_s", "tokens_seen",
-              "peak_mem_bytes", "mfu", "hfu", "clip_threshold", "utilisation", "skipped_steps"}
+              "peak_mem_bytes", "mfu", "hfu", "mfu_peak_flops", "clip_threshold", "utilisation", "skipped_steps"}
 
 
 def test_every_record_has_a_kind_and_its_fields(small_config, tmp_path):

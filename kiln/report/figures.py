@@ -11,10 +11,11 @@ from dataclasses import dataclass, field
 
 from kiln.report.runs import Run, number
 
-# Train keys with a chart of their own (or an axis of one); any other numeric key gets a chart named after it.
+# Train keys with a chart of their own (or an axis of one, or a row of the summary: mfu_peak_flops); any other
+# numeric key gets a chart named after it.
 CHARTED_TRAIN = {"step", "kind", "loss", "lr", "grad_norm", "clip_threshold", "tokens_per_s", "samples_per_s",
-                 "step_time_s", "tokens_seen", "samples_seen", "peak_mem_bytes", "mfu", "hfu", "utilisation",
-                 "skipped_steps", "loss_scale", "mfu_peak_flops"}  # the peak: MFU's chart, not a chart of its own
+                 "step_time_s", "tokens_seen", "samples_seen", "peak_mem_bytes", "mfu", "hfu", "mfu_peak_flops",
+                 "utilisation", "skipped_steps", "loss_scale"}
 # val_ppl is exp(val_loss): the summary gives it; train_loss is the train curve's mean since the last evaluation
 CHARTED_EVAL = {"step", "kind", "val_loss", "val_ppl", "train_loss", "gap"}
 # Numerics events marked on the loss-vs-step chart (and loss_scale events of an overflow, whose step the scaler

@@ -156,6 +156,8 @@ def _summary_rows(report: Report) -> list[tuple[str, list[str]]]:
         (f"{unit}/s (mean, 2nd half)", lambda r, s: _f(s.mean_rate, ",.0f")),
         ("MFU (mean, 2nd half)", lambda r, s: _f(s.mean_mfu and 100 * s.mean_mfu, ".1f", "%")),
         ("HFU (mean, 2nd half)", lambda r, s: _f(s.mean_hfu and 100 * s.mean_hfu, ".1f", "%")),
+        ("MFU peak used (last record)", lambda r, s: _f(s.mfu_peak_flops and s.mfu_peak_flops / 1e9, ",.1f",
+                                                     " GFLOP/s")),
         ("peak memory", lambda r, s: _f(s.peak_mem_bytes and s.peak_mem_bytes / 2**30, ".2f", " GiB")),
         ("skipped steps", lambda r, s: f"{s.skipped:,}"),
         ("numerics events", lambda r, s: ", ".join(f"{k} {v}" for k, v in s.events.items()) or "none"),

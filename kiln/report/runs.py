@@ -176,6 +176,7 @@ class Summary:
     mean_rate: float | None  # tokens (samples) per second over the second half of the train records
     mean_mfu: float | None
     mean_hfu: float | None
+    mfu_peak_flops: float | None  # the peak the last record's MFU divided by (a CPU's is measured)
     peak_mem_bytes: float | None
     skipped: int
     events: dict[str, int]
@@ -232,7 +233,8 @@ def summarize(run: Run, unigram: float | None = None) -> Summary:
         final_loss=number(train[-1].get("loss")) if train else None,
         final_val=final_val[1], final_val_step=final_val[0], best_val=best_val[1], best_val_step=best_val[0],
         final_val_ppl=ppl, unigram=unigram, mean_rate=mean(f"{run.unit}_per_s"), mean_mfu=mean("mfu"),
-        mean_hfu=mean("hfu"), peak_mem_bytes=max(peaks) if peaks else None,
+        mean_hfu=mean("hfu"), mfu_peak_flops=number(train[-1].get("mfu_peak_flops")) if train else None,
+        peak_mem_bytes=max(peaks) if peaks else None,
         skipped=int(number(train[-1].get("skipped_steps")) or 0) if train else 0, events=events)
 
 

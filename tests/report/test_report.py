@@ -251,6 +251,9 @@ def test_a_real_run_every_record_rendered(small_config, tmp_path, capsys):
     html = out.read_text()
     summary = summarize(run)
     assert f"{summary.final_val:.4f} at step 8" in html
+    # the peak MFU divided by (measured on a CPU) is a row of the summary, not a chart of its own
+    assert summary.mfu_peak_flops == run.train[-1]["mfu_peak_flops"] > 0
+    assert f"<th>MFU peak used (last record)</th><td>{summary.mfu_peak_flops / 1e9:,.1f} GFLOP/s</td>" in html
     # the baseline the run printed, read back from the test's token cache
     assert f"<th>unigram baseline</th><td>{result.unigram_loss:.4f}</td>" in html and result.unigram_loss > 0
 

@@ -61,6 +61,7 @@ class DataConfig:
     cache_dir: str = ""  # where token shards are cached; "" = $KILN_CACHE, else ~/.cache/kiln
     seed: int = 1337  # seed of the batch sampling order (independent of the model's seed)
     prefetch: int = 2  # batches prepared ahead by a background thread on an accelerator (CPU: on demand); 0 = off
+    cache_per_node: bool = False  # multi-node: cache_dir is node-local, so each node's local rank 0 prepares it
 
     def validate(self) -> None:
         """Raise ValueError naming the field and the fix for the first bad value."""

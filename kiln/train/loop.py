@@ -27,6 +27,8 @@ from typing import Callable
 import torch
 from rich.console import Console
 
+from kiln.dist.stragglers import StragglerWatch
+from kiln.dist.watchdog import collective_errors
 from kiln.numerics.monitor import Handles, Numerics
 from kiln.perf import mfu
 from kiln.train.checkpoint import Checkpointer, CheckpointWriteError
@@ -197,13 +199,17 @@ class Trainer:
         self._train_losses: list[float] = []  # logged since the last evaluation
         self._gaps: list[tuple[float, float, float]] = []  # (gap, train loss, val loss) per evaluation
         self._gap_warned = False
+        self.events: list[dict] = []  # kind "event" records written when the logger opens (a restart)
+        self.stragglers = StragglerWatch(state.world, cfg.parallel) if hasattr(cfg, "parallel") else None
 
     # -- start, resume, save -------------------------------------------------------------------------------
 
     def resume(self) -> Path:
         """Load the latest checkpoint of the run directory into the state (numerics monitor included)."""
         if self.state.world.sharded:
-            return self.checkpointer.load_sharded(self.state)
+            path = self.checkpointer.load_sharded(self.state)
+            self.resumed_at = self.state.step  # the records an interrupted attempt wrote past it move aside
+            return path
         state = self.checkpointer.load(map_location=self.state.device)
         path = self.checkpointer.loaded
         if (path / "sharded").is_dir():
@@ -230,6 +236,8 @@ class Trainer:
             self.logger = MetricsLogger(self.cfg.log, self.run_dir, self.cfg.train.max_steps or None,
                                         self.state.step, console=self.con, enabled=main,
                                         resumed_at=self.resumed_at)
+            for record in self.events:
+                self.logger.log(record, kind="event")
             self.numerics.start()
 
     def _write_config(self) -> None:
@@ -288,6 +296,8 @@ class Trainer:
             tc = cfg.train
             if self.budgeted:
                 self._measure()
+            if self.stragglers is not None:
+                self.stragglers.step_began()
             lr = self.peak_lr * lr_factor(cfg.schedule, state.step, self.horizon) * numerics.lr_factor(state.step)
             for group in state.optimizer.param_groups:
                 group["lr"] = lr
@@ -298,6 +308,8 @@ class Trainer:
                                 state.scaler, cfg.optim, state.masters, numerics.guard,
                                 state.world if state.world.sharded else None, state.adaptive_clip)
             self.window_busy += time.perf_counter() - began  # CPU: the step's compute, which runs in the call
+            if self.stragglers is not None:
+                self.stragglers.step_ended()
             self.skipped_total += result.skipped
             state.step += 1
             state.tokens_seen += units
@@ -390,6 +402,8 @@ class Trainer:
             "comm_s": state.world.comm.take() / self.window_steps if state.world.comm is not None else None,
             "utilisation": self._utilisation(elapsed),
         }, kind="train")
+        if self.stragglers is not None:  # every rank's compute time per step, gathered: a slow rank is named
+            self.stragglers.observe(state.step, self.logger, self.con)
         self.window_start, self.window_steps, self.window_units, self.window_busy = time.perf_counter(), 0, 0, 0.0
 
     def _utilisation(self, elapsed: float) -> float | None:
@@ -488,7 +502,7 @@ class Trainer:
     def run(self) -> TrainResult:
         """Train to the end (or a stop signal), save the final checkpoint, close everything."""
         try:
-            with self._stop_signals():
+            with self._stop_signals(), collective_errors(self.state.world, lambda: self.state.step):
                 stop_reason = self.advance(self.max_steps)
                 path = self.save_checkpoint()
         finally:

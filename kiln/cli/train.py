@@ -49,7 +49,7 @@ def run(args, overrides) -> int:
         run_dir = Path(args.resume)
         if not (run_dir / "config.toml").exists():
             raise ConfigError(f"{run_dir} has no config.toml; is it a kiln run directory?")
-        args.config = run_dir / "config.toml"
+        args.config = _run_config(run_dir)
         cfg = config_from(args, overrides)
         _same_model(load_config(args.config).model, cfg.model)
     else:
@@ -73,3 +73,17 @@ def _same_model(saved, asked) -> None:
     if changed:
         raise ConfigError(f"--resume keeps the run's model, but {', '.join(changed)}; drop the model overrides, or "
                           f"train the new shape in a new --run-dir")
+
+
+def _run_config(run_dir: Path) -> Path:
+    """The run's config.toml; when it is damaged, the copy in its latest verified checkpoint (said in one line)."""
+    path = run_dir / "config.toml"
+    try:
+        load_config(path)
+        return path
+    except ConfigError as e:
+        latest = Checkpointer(CheckpointConfig(), run_dir, warn=lambda msg: None).latest()
+        if latest is None or not (latest / "config.toml").is_file():
+            raise
+        print(f"kiln train: {e}; resuming with the copy in {latest.name}/config.toml", file=sys.stderr)
+        return latest / "config.toml"

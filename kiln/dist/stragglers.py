@@ -9,7 +9,8 @@ it), so the wall time of a step cannot tell them apart. What differs is the time
 ready: from the start of its step (the data it waited for included) to the moment DDP's last gradient bucket was
 handed to the all-reduce (kiln.dist.CommTimer.last_launch). That "own time" per step, averaged over a log
 interval, is all-gathered (one small collective per interval); a rank above parallel.straggler_factor × the
-median for parallel.straggler_intervals intervals in a row is named once, with an `event: straggler` record.
+median of the other ranks (with 2 ranks: the other one) for parallel.straggler_intervals intervals in a row is
+named once, with an `event: straggler` record.
 FSDP2 offers no hook at that moment, so its ranks are measured by the whole step (which the slow one sets for
 all): stragglers are detected under ddp and zero1 only.
 """
@@ -50,17 +51,18 @@ class StragglerWatch:
         every = [torch.zeros_like(mine) for _ in range(self.world.size)]
         torch.distributed.all_gather(every, mine)
         times = [t.item() for t in every]
-        median = statistics.median(times)
         named = []
         for rank, t in enumerate(times):
+            median = statistics.median(times[:rank] + times[rank + 1:])
             slow = median > 0 and t > self.factor * median
             self.slow_for[rank] = self.slow_for[rank] + 1 if slow else 0
             if self.slow_for[rank] >= self.patience and rank not in self.named:
                 self.named.add(rank)
                 named.append(rank)
                 message = (f"straggler: rank {rank} took {1000 * t:.1f} ms per step to get its gradients ready, "
-                           f"{t / median:.1f}× the median {1000 * median:.1f} ms, for {self.patience} log intervals "
-                           f"in a row: every rank waits for it; check that rank's node (data, thermals, neighbours)")
+                           f"{t / median:.1f}× the other ranks' median {1000 * median:.1f} ms, for {self.patience} "
+                           f"log intervals in a row: every rank waits for it; check that rank's node (data, "
+                           f"thermals, neighbours)")
                 console.print(message, highlight=False)
                 logger.log({"step": step, "event": "straggler", "rank": rank, "ratio": round(t / median, 2),
                             "own_ms": round(1000 * t, 2), "median_ms": round(1000 * median, 2),

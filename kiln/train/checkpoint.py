@@ -22,6 +22,7 @@ import mmap
 import os
 import pickle
 import random
+import re
 import shutil
 import zlib
 from dataclasses import dataclass
@@ -142,11 +143,17 @@ def verify(directory: Path) -> None:
     if not manifest_path.is_file():
         raise CheckpointCorrupt(f"{directory.name} has no {MANIFEST}: its save never finished")
     try:
-        manifest = json.loads(manifest_path.read_text())
-    except json.JSONDecodeError:
-        raise CheckpointCorrupt(f"{directory.name}/{MANIFEST} is not valid JSON") from None
+        manifest = json.loads(manifest_path.read_bytes())
+    except (json.JSONDecodeError, UnicodeDecodeError):
+        raise CheckpointCorrupt(f"{directory.name}/{MANIFEST} is not valid JSON (damaged)") from None
+    if not isinstance(manifest, dict) or not all(
+            isinstance(v, dict) and isinstance(v.get("bytes"), int) and ("xxh3" in v or "crc32" in v)
+            for v in manifest.values()):
+        raise CheckpointCorrupt(f"{directory.name}/{MANIFEST} is JSON but not a manifest (name -> bytes, checksum)")
     for name, expected in manifest.items():
         f = directory / name
+        if Path(name).is_absolute() or ".." in Path(name).parts:
+            raise CheckpointCorrupt(f"{directory.name}/{MANIFEST} names {name!r}, outside the checkpoint")
         if not f.is_file():
             raise CheckpointCorrupt(f"{directory.name}/{name} is missing")
         if f.stat().st_size != expected["bytes"]:
@@ -196,6 +203,7 @@ class Checkpointer:
         self.cfg = cfg
         self.dir = Path(run_dir) / "checkpoints"
         self.warn = warn  # one line when a checkpoint is skipped on load, or leftovers are removed
+        self._warned: set[str] = set()
 
     def save(self, step: int, state: dict, config_toml: str, model: torch.nn.Module | None = None) -> Path:
         """Write to a temporary directory, seal it, then rename: a crash never leaves a half-written checkpoint."""
@@ -262,7 +270,7 @@ class Checkpointer:
         """Resume a TrainState under data parallelism from the latest checkpoint, whatever world wrote it."""
         path = self.latest()
         if path is None:
-            raise FileNotFoundError(f"no checkpoint in {self.dir}: nothing to resume (train first, or check the path)")
+            raise self.none_error()
         if not (path / "sharded").is_dir():
             self._load_whole(path, state)
             return path
@@ -340,12 +348,29 @@ class Checkpointer:
             self.warn(f"checkpoint: removed {len(gone)} leftover(s) of an interrupted save: {', '.join(gone)}")
         return gone
 
+    def pointer(self) -> tuple[Path | None, str | None]:
+        """(the checkpoint `latest` names, None) or (None, why it names none usable); (None, None) without one.
+        It holds a directory name, step_000400; a bare step number (400) is read as that step too."""
+        path = self.dir / "latest"
+        if not path.is_file():
+            return None, None
+        raw = path.read_bytes()[:200]
+        text = raw.decode("utf-8", errors="replace").strip()
+        shown = repr(text[:40] + ("..." if len(text) > 40 else ""))
+        if "\ufffd" in text or not text.isprintable():
+            return None, f"{path} holds binary bytes ({shown}), not a step"
+        name = f"step_{int(text):06d}" if text.isdigit() else text
+        if not re.fullmatch(r"step_\d+", name):
+            return None, f"{path} holds {shown}, which is not a step (it should read like step_000400)"
+        if not (self.dir / name).is_dir():
+            return None, f"{path} names {name}, which is not in {self.dir}"
+        return self.dir / name, None
+
     def candidates(self) -> list[Path]:
         """Checkpoints to resume from, best first: the one `latest` names, then the others newest first."""
         steps = sorted((p for p in self.dir.glob("step_*") if p.is_dir()), reverse=True)
-        pointer = self.dir / "latest"
-        named = self.dir / pointer.read_text().strip() if pointer.is_file() else None
-        if named is not None and named.parent == self.dir and named in steps:
+        named, _ = self.pointer()
+        if named is not None and named in steps:
             steps.remove(named)
             steps.insert(0, named)
         return steps
@@ -356,12 +381,10 @@ class Checkpointer:
         return path
 
     def _first_good(self, load: bool, map_location="cpu"):
-        pointer = self.dir / "latest"
-        if pointer.is_file():
-            name = pointer.read_text().strip()
-            if not (self.dir / name).is_dir() or not name.startswith("step_"):
-                self.warn(f"checkpoint: {pointer} names {name!r}, which is not a checkpoint here; using the "
-                          f"newest one that verifies")
+        _, problem = self.pointer()
+        if problem is not None and problem not in self._warned:
+            self._warned.add(problem)  # said once, however often the latest checkpoint is looked up
+            self.warn(f"checkpoint: {problem}; using the newest checkpoint that verifies instead")
         for path in self.candidates():
             try:
                 if (path / MANIFEST).exists():
@@ -371,10 +394,20 @@ class Checkpointer:
                 if not load:
                     return path, None
                 return path, torch.load(path / "state.pt", map_location=map_location, weights_only=True)
-            except (CheckpointCorrupt, RuntimeError, EOFError, OSError, pickle.UnpicklingError) as e:
+            except (CheckpointCorrupt, RuntimeError, EOFError, OSError, pickle.UnpicklingError, ValueError) as e:
                 why = str(e) if isinstance(e, CheckpointCorrupt) else f"{path.name}/state.pt does not load ({e})"
                 self.warn(f"checkpoint: skipping {path.name}: {why.splitlines()[0]}")
         return None, None
+
+    def none_error(self) -> FileNotFoundError:
+        """What a run without a usable checkpoint says to whoever wanted one (resume, sample, export)."""
+        run = self.dir.parent
+        found = [p.name for p in self.dir.glob("step_*") if p.is_dir()] if self.dir.is_dir() else []
+        if not found:
+            return FileNotFoundError(f"{run} has no checkpoint: the run saved none yet (it saves every "
+                                     f"checkpoint.interval steps and at its end); train it first")
+        return FileNotFoundError(f"{run} has {len(found)} checkpoint(s) and none verifies (`kiln checkpoints "
+                                 f"{run}` says what is wrong with each)")
 
     def load(self, map_location="cpu", path: Path | None = None) -> dict:
         """The newest checkpoint that verifies and loads; `path`: that checkpoint only (an error if it fails)."""
@@ -383,8 +416,7 @@ class Checkpointer:
             return torch.load(path / "state.pt", map_location=map_location, weights_only=True)
         found, state = self._first_good(load=True, map_location=map_location)
         if found is None:
-            raise FileNotFoundError(f"no checkpoint in {self.dir} verifies: nothing to resume (train first, or "
-                                    f"check the path)")
+            raise self.none_error()
         self.loaded = found
         return state
 

@@ -88,10 +88,14 @@ class MetricsLogger:
         if not path.is_file():
             return
         keep, stale = [], []
-        for line in path.read_text().splitlines(keepends=True):
+        # Bytes that are not UTF-8 (a damaged file) are replaced: their lines are not JSON and move aside.
+        for line in path.read_bytes().decode("utf-8", errors="replace").splitlines(keepends=True):
             try:
                 record_step = json.loads(line).get("step", 0)
-            except json.JSONDecodeError:  # a line cut by the crash
+            except (json.JSONDecodeError, AttributeError):  # a line cut by the crash, or damage
+                stale.append(line)
+                continue
+            if not isinstance(record_step, (int, float)):
                 stale.append(line)
                 continue
             (stale if record_step > step else keep).append(line)

@@ -1,0 +1,118 @@
+"""Runs that survive: 2 "nodes" on 127.0.0.1 under torchrun --max-restarts with a worker killed, a rank that hangs,
+a rank preempted alone, a straggler (CPU, gloo).
+
+Two launch groups: the 2-node elastic launch here (two torchrun agents, c10d rendezvous, one worker each), and
+tests/dist/worker.py's 2-process launch (conftest's `launched`), whose last scenarios are the hang, the preemption
+and the straggler.
+"""
+import json
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+
+from kiln.config import to_toml
+from kiln.report import write_report
+from tests.dist.conftest import ROOT
+from tests.dist.scenarios import lm_config
+from tests.dist.test_dist import assert_close_curves, losses, records
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="session")
+def two_nodes(tmp_path_factory, source, kiln_cache):
+    """Two torchrun agents (--nnodes=2, one worker each) on 127.0.0.1, each "node" with its own data cache
+    (data.cache_per_node=true), --max-restarts=1, the same `kiln train --auto-resume` command line; on the first
+    attempt rank 1 SIGKILLs itself right after step 6 (checkpoints every 4 steps)."""
+    out = tmp_path_factory.mktemp("two-nodes")
+    cfg = lm_config(source, "ddp", steps=10)
+    cfg.checkpoint.interval = 4
+    (out / "run.toml").write_text(to_toml(cfg))
+    port = _free_port()
+    # Each round of the rendezvous gets a fresh store: with torchrun's shared one, a restarted rank can read the
+    # dead rank's gloo address from the previous round and fail to connect (docs/distributed.md).
+    env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1", TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1",
+               KILN_TEST_KILL="1@6")
+    procs = []
+    for node in (0, 1):
+        (out / f"cache{node}").mkdir()
+        procs.append(subprocess.Popen(
+            [sys.executable, "-m", "torch.distributed.run", "--nnodes=2", f"--node_rank={node}",
+             "--nproc_per_node=1", "--rdzv_backend=c10d", f"--rdzv_endpoint=127.0.0.1:{port}", "--max-restarts=1",
+             "--monitor-interval=0.2", str(ROOT / "tests" / "dist" / "elastic_entry.py"), "train",
+             str(out / "run.toml"), "--run-dir", str(out / "run"), "--auto-resume", "--data.cache_per_node=true"],
+            cwd=ROOT, env=env | {"KILN_CACHE": str(out / f"cache{node}")}, stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT, text=True))
+    logs = [p.communicate(timeout=300)[0] for p in procs]
+    return out, [p.returncode for p in procs], logs
+
+
+def test_two_nodes_survive_a_killed_worker_and_train_as_one_process(two_nodes, reference):
+    out, codes, logs = two_nodes
+    assert codes == [0, 0], "\n".join(log[-3000:] for log in logs)
+    run = out / "run"
+    # the finished run's curve is the uninterrupted one-process run's, every step once
+    assert [r["step"] for r in records(run, "train")] == list(range(1, 11))
+    assert_close_curves(losses(run), losses(reference / "lm"))
+    assert records(run, "eval")[-1]["val_loss"] == pytest.approx(records(reference / "lm", "eval")[-1]["val_loss"],
+                                                                 rel=1e-6)
+    # one restart record: resumed at the step-4 checkpoint, steps 5-6 trained again (their records set aside)
+    assert records(run, "event") == [{"kind": "event", "event": "restart", "step": 4, "restarts": 1,
+                                      "steps_lost": 2}]
+    assert [json.loads(line)["step"] for line in (run / "metrics.stale-1.jsonl").read_text().splitlines()] == [5, 6]
+    # the survivor, SIGTERMed by torchrun while its peer was dead, saved nothing: no checkpoint of step 6 or 7
+    assert sorted(p.name for p in (run / "checkpoints").glob("step_*")) == ["step_000004", "step_000008",
+                                                                          "step_000010"]
+    survivor = "".join(logs)
+    assert "all_reduce in step 7 failed: rank 1 never reached it (dead or hung)" in survivor
+    # each node's local rank 0 prepared the data cache on its own "disk"
+    for node in (0, 1):
+        assert list((out / f"cache{node}").glob("*/meta.json")), node
+
+
+def test_the_report_shows_the_restart(two_nodes, tmp_path):
+    out, _, _ = two_nodes
+    path, _ = write_report([out / "run"], tmp_path / "report.html")
+    html = path.read_text()
+    assert "<td>restart</td>" in html and "restarts 1, steps_lost 2" in html
+
+
+def test_a_hung_rank_is_named_within_the_timeout(launched):
+    """parallel.timeout=3: rank 1 sleeps 9 s inside step 3; rank 0 stops after the timeout and the few seconds it
+    waits for the other ranks to report, naming rank 1, the step and the collective."""
+    got = json.loads((launched / "hang_rank0.json").read_text())
+    assert got["missing"] == [1] and got["rank"] == 0
+    assert got["step"] == "in step 3"
+    assert "rank 0:" in got["error"] and "rank 1 never reached it" in got["error"]
+    assert "parallel.timeout=3 s" in got["error"]
+    assert 3 <= got["seconds"] < 3 + 3 + 8  # the timeout, the 3 s report window, building the run
+    hung = json.loads((launched / "hang_rank1.json").read_text())
+    assert hung["error"] is not None  # the hung rank, when it wakes, fails too (its peer is gone)
+
+
+def test_preemption_of_one_rank_stops_every_rank_at_the_same_step(launched):
+    """SIGUSR1 reached rank 1 only, after its step 3: the next sync point (step 4) carries it to every rank."""
+    for rank in (0, 1):
+        assert json.loads((launched / f"preempt_rank{rank}.json").read_text()) == {"step": 4, "signal": 10}
+    run = launched / "preempt"
+    assert [r["step"] for r in records(run, "train")] == [1, 2, 3, 4]
+    assert sorted(p.name for p in (run / "checkpoints").glob("step_*")) == ["step_000004"]
+    assert sorted(p.name for p in (run / "checkpoints" / "step_000004").glob("rank_*.pt")) == [
+        "rank_00000.pt", "rank_00001.pt"]
+
+
+def test_a_straggler_is_named(launched):
+    """Rank 1's data is 200 ms late every step: its own time per step is many times rank 0's; named once."""
+    events = records(launched / "straggler", "event")
+    assert [(e["event"], e["rank"]) for e in events] == [("straggler", 1)]
+    assert events[0]["ratio"] > 1.5 and events[0]["own_ms"] > 200
+    assert events[0]["step"] == 3  # three log intervals in a row

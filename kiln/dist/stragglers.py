@@ -1,18 +1,19 @@
 """Stragglers: a rank whose own work per step is slower than the others', named in a warning and in metrics.jsonl.
 
-    watch = StragglerWatch(world, cfg.parallel)
-    watch.step_began(); ...; watch.step_ended()     around each step (data, forward, backward, optimizer)
+    watch = StragglerWatch(world, cfg.parallel, model)
+    watch.step_began(); ...; watch.step_ended(t)    around each step; t: when its batches were ready (perf_counter)
     watch.observe(step, logger, console)            at each log interval: gathered from every rank, judged
 
-Under data parallelism every rank's step lasts as long as the slowest rank's (the gradient all-reduce waits for
-it), so the wall time of a step cannot tell them apart. What differs is the time a rank took to get its gradients
-ready: from the start of its step (the data it waited for included) to the moment DDP's last gradient bucket was
-handed to the all-reduce (kiln.dist.CommTimer.last_launch). That "own time" per step, averaged over a log
-interval, is all-gathered (one small collective per interval); a rank above parallel.straggler_factor × the
-median of the other ranks (with 2 ranks: the other one) for parallel.straggler_intervals intervals in a row is
-named once, with an `event: straggler` record.
-FSDP2 offers no hook at that moment, so its ranks are measured by the whole step (which the slow one sets for
-all): stragglers are detected under ddp and zero1 only.
+Under data parallelism every rank's step lasts as long as the slowest rank's (the collectives wait for it), so the
+wall time of a step cannot tell them apart, nor can the forward's (DDP broadcasts the buffers at every forward,
+a collective too). What differs is each rank's own work: the time from the start of its step until its batches
+were ready (the data it waited for; the step's first collective comes after), plus the time from the start of
+the inner model's last forward (after DDP's buffer broadcast) to the moment DDP's last gradient bucket was ready
+(kiln.dist.CommTimer.last_launch): the last micro-batch's forward and backward without the waits. That "own
+time" per step, averaged over a log interval, is all-gathered (one small collective
+per interval); a rank above parallel.straggler_factor × the median of the other ranks (with 2 ranks: the other
+one) for parallel.straggler_intervals intervals in a row is named once, with an `event: straggler` record.
+FSDP2 offers no hook at the end of the backward, so under fsdp the own time is the wait before the forward only.
 """
 from __future__ import annotations
 
@@ -23,23 +24,31 @@ import torch
 
 
 class StragglerWatch:
-    def __init__(self, world, cfg):
+    def __init__(self, world, cfg, model=None):
+        """model: the module inside the data-parallel wrapper (its forward starts after DDP's buffer broadcast)."""
         self.world, self.factor, self.patience = world, cfg.straggler_factor, cfg.straggler_intervals
         self.enabled = world.size > 1 and self.patience > 0
         self.own, self.steps, self._began = 0.0, 0, 0.0
+        self._forwards: list[float] = []  # when this step's forwards of the inner model started
+        if self.enabled and model is not None:
+            model.register_forward_pre_hook(lambda module, args: self._forwards.append(time.perf_counter()))
         self.slow_for = [0] * world.size  # consecutive intervals each rank was slow
         self.named: set[int] = set()  # ranks warned about (once each)
 
     def step_began(self) -> None:
         if self.enabled:
             self._began = time.perf_counter()
+            self._forwards.clear()
 
-    def step_ended(self) -> None:
+    def step_ended(self, data_ready: float) -> None:
         if not self.enabled:
             return
+        forwards = self._forwards or [time.perf_counter()]
+        own = data_ready - self._began  # waiting for data, before any collective of the step
         comm = self.world.comm
-        ready = comm.last_launch if comm is not None and comm.last_launch is not None else time.perf_counter()
-        self.own += max(0.0, ready - self._began)
+        if comm is not None and comm.last_launch is not None and comm.last_launch > forwards[-1]:
+            own += comm.last_launch - forwards[-1]  # the last micro-batch's forward and backward
+        self.own += own
         self.steps += 1
 
     def observe(self, step: int, logger, console) -> list[int]:

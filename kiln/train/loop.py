@@ -200,7 +200,7 @@ class Trainer:
         self._gaps: list[tuple[float, float, float]] = []  # (gap, train loss, val loss) per evaluation
         self._gap_warned = False
         self.events: list[dict] = []  # kind "event" records written when the logger opens (a restart)
-        self.stragglers = StragglerWatch(state.world, cfg.parallel) if hasattr(cfg, "parallel") else None
+        self.stragglers = StragglerWatch(state.world, cfg.parallel, state.model) if hasattr(cfg, "parallel") else None
 
     # -- start, resume, save -------------------------------------------------------------------------------
 
@@ -309,7 +309,7 @@ class Trainer:
                                 state.world if state.world.sharded else None, state.adaptive_clip)
             self.window_busy += time.perf_counter() - began  # CPU: the step's compute, which runs in the call
             if self.stragglers is not None:
-                self.stragglers.step_ended()
+                self.stragglers.step_ended(began)
             self.skipped_total += result.skipped
             state.step += 1
             state.tokens_seen += units

@@ -92,6 +92,7 @@ class World:
     comm: CommTimer | None = None  # ddp, zero1: the gradient all-reduces timed (FSDP2 offers no hook to time)
     timeout: float = 300.0  # parallel.timeout: how long a collective waits for the others
     broken: bool = False  # a collective failed (a rank died or hung): no further collective is attempted
+    _side: object = None  # side_group()
 
     @property
     def main(self) -> bool:
@@ -126,6 +127,13 @@ class World:
         out = [None] * self.size
         dist.all_gather_object(out, obj)
         return out
+
+    def side_group(self):
+        """A gloo process group of its own for a background thread's collectives (DCP async_save), which must
+        never interleave with the training thread's on the default group. Created on first use, by every rank."""
+        if self._side is None:
+            self._side = dist.new_group(backend="gloo")
+        return self._side
 
     def close(self) -> None:
         """The end of a run. The process group stays for the next run in this process (re-creating one in the same

@@ -13,11 +13,18 @@ renamed by rank 0 once all are done:
     rank_00001.pt                    each rank's RNG streams
     model.safetensors, config.toml   the consolidated weights and the config (rank 0)
 DCP reshards on load, so a run resumes on another world size or strategy (fsdp × 2 -> ddp × 1 and back).
+
+checkpoint.async_save: the training thread only copies the state to host memory (DCP's staging; one process: a
+clone of every tensor) and goes on; the files are written, sealed and published by a background thread (under
+data parallelism DCP's async_save, whose coordination runs on a process group of its own so that it never
+interleaves with training's collectives). At most one save is in flight: the next one, the end of the run and
+`wait()` wait for it. `latest` still moves only once the checkpoint is complete and sealed.
 """
 from __future__ import annotations
 
 import fcntl
 import json
+import threading
 import mmap
 import os
 import pickle
@@ -44,6 +51,7 @@ class CheckpointConfig:
     safetensors: bool = True  # also export the weights as model.safetensors in each checkpoint
     every_minutes: float = 30.0  # also save when this much wall-clock time passed since the last save (0: off)
     on_error: str = "stop"  # a save that fails (full disk, quota): stop the run cleanly, or warn and train on
+    async_save: bool = False  # write in the background (DCP async_save; one process: a thread) while training goes on
 
     def validate(self):
         if self.interval < 0:
@@ -204,19 +212,50 @@ class Checkpointer:
         self.dir = Path(run_dir) / "checkpoints"
         self.warn = warn  # one line when a checkpoint is skipped on load, or leftovers are removed
         self._warned: set[str] = set()
+        self._inflight: threading.Thread | None = None  # checkpoint.async_save: the save being written
+        self._failure: BaseException | None = None  # what the background save raised, for wait() to raise
+
+    def wait(self) -> None:
+        """Until the save in flight (checkpoint.async_save) is written and published; raises what it raised."""
+        if self._inflight is not None:
+            self._inflight.join()
+            self._inflight = None
+        failure, self._failure = self._failure, None
+        if failure is not None:
+            raise failure
+
+    def _in_background(self, work) -> None:
+        def run():
+            try:
+                work()
+            except BaseException as e:  # raised in the training thread by the next wait()
+                self._failure = e
+        self._inflight = threading.Thread(target=run, name="kiln-checkpoint", daemon=True)
+        self._inflight.start()
 
     def save(self, step: int, state: dict, config_toml: str, model: torch.nn.Module | None = None) -> Path:
-        """Write to a temporary directory, seal it, then rename: a crash never leaves a half-written checkpoint."""
+        """Write to a temporary directory, seal it, then rename: a crash never leaves a half-written checkpoint.
+        checkpoint.async_save: a copy of the state is written by a background thread; returns at once."""
+        self.wait()  # at most one save in flight
         self.dir.mkdir(parents=True, exist_ok=True)
         final = self.dir / f"step_{step:06d}"
         tmp = self.dir / f".tmp-{final.name}-{os.getpid()}"
         shutil.rmtree(tmp, ignore_errors=True)
+        weights = model.state_dict() if self.cfg.safetensors and model is not None else None
+        if self.cfg.async_save:
+            state, weights = _host_copy(state), _host_copy(weights)  # training changes the originals from now on
+            self._in_background(lambda: self._write_whole(tmp, final, state, config_toml, weights))
+            return final
+        self._write_whole(tmp, final, state, config_toml, weights)
+        return final
+
+    def _write_whole(self, tmp: Path, final: Path, state: dict, config_toml: str, weights: dict | None) -> None:
         try:
             tmp.mkdir()
-            torch.save(state, tmp / "state.pt")
+            write_state(state, tmp / "state.pt")
             (tmp / "config.toml").write_text(config_toml)
-            if self.cfg.safetensors and model is not None:
-                export_safetensors(model, tmp / "model.safetensors")
+            if weights is not None:
+                export_tensors(weights, tmp / "model.safetensors")
             seal(tmp)
         except (OSError, RuntimeError) as e:
             written = _dir_bytes(tmp) if tmp.exists() else 0
@@ -233,10 +272,10 @@ class Checkpointer:
                                        f"checkpoints are intact; free space (or lower checkpoint.keep_last) and "
                                        f"resume") from None
         self._publish(tmp, final)
-        return final
 
     def save_sharded(self, step: int, state, config_toml: str) -> Path:
         """Every rank calls this with the same step: a TrainState under data parallelism (kiln.dist)."""
+        self.wait()  # at most one save in flight
         world = state.world
         final = self.dir / f"step_{step:06d}"
         tmp = self.dir / f".tmp-{final.name}"
@@ -246,8 +285,12 @@ class Checkpointer:
             tmp.mkdir()
         world.barrier()
         model_sd, optim_sd = _sharded_state_dicts(state)
-        dcp.save({"model": model_sd} | ({"optimizer": optim_sd} if optim_sd is not None else {}),
-                 checkpoint_id=tmp / "sharded")
+        sharded = {"model": model_sd} | ({"optimizer": optim_sd} if optim_sd is not None else {})
+        written = None
+        if self.cfg.async_save:  # staged (copied to host memory) now, written by DCP's thread
+            written = dcp.async_save(sharded, checkpoint_id=tmp / "sharded", process_group=world.side_group())
+        else:
+            dcp.save(sharded, checkpoint_id=tmp / "sharded")
         if optim_sd is None:  # ZeroRedundancyOptimizer: consolidated on rank 0
             state.optimizer.consolidate_state_dict(to=0)
             if world.main:
@@ -258,13 +301,21 @@ class Checkpointer:
             torch.save(state.shared_state_dict(), tmp / "state.pt")
             (tmp / "config.toml").write_text(config_toml)
             if self.cfg.safetensors:
-                export_tensors(full, tmp / "model.safetensors")
+                export_tensors(_host_copy(full) if written is not None else full, tmp / "model.safetensors")
         world.barrier()
+        if written is not None:
+            # DCP's future completes on rank 0 once every rank's shards and the metadata are written (its last
+            # step gathers them all); every rank's other files were written before the barrier above.
+            self._in_background(lambda: (written.result(), self._seal_publish(tmp, final) if world.main else None))
+            return final
         if world.main:
-            seal(tmp)
-            self._publish(tmp, final)
+            self._seal_publish(tmp, final)
         world.barrier()
         return final
+
+    def _seal_publish(self, tmp: Path, final: Path) -> None:
+        seal(tmp)
+        self._publish(tmp, final)
 
     def load_sharded(self, state) -> Path:
         """Resume a TrainState under data parallelism from the latest checkpoint, whatever world wrote it."""
@@ -441,6 +492,33 @@ def _sharded_state_dicts(state):
     if type(state.optimizer).__name__ == "ZeroRedundancyOptimizer":
         return get_model_state_dict(state.model), None
     return get_state_dict(state.model, state.optimizer)
+
+
+def write_state(state: dict, path: Path) -> None:
+    """state.pt (a seam: the tests slow it down to catch a save in flight)."""
+    torch.save(state, path)
+
+
+def _host_copy(tree):
+    """A copy of every tensor in a nested dict/list on the host: what a background save writes while training
+    changes the originals. Shared tensors stay shared (tied weights)."""
+    if tree is None:
+        return None
+    memo: dict[int, torch.Tensor] = {}
+
+    def copy(x):
+        if isinstance(x, torch.Tensor):
+            key = id(x)
+            if key not in memo:
+                memo[key] = x.detach().to("cpu", copy=True)
+            return memo[key]
+        if isinstance(x, dict):
+            return {k: copy(v) for k, v in x.items()}
+        if isinstance(x, (list, tuple)):
+            return type(x)(copy(v) for v in x) if not hasattr(x, "_fields") else type(x)(*map(copy, x))
+        return x
+
+    return copy(tree)
 
 
 def export_safetensors(model: torch.nn.Module, path: Path) -> None:

@@ -505,12 +505,16 @@ class Trainer:
             with self._stop_signals(), collective_errors(self.state.world, lambda: self.state.step):
                 stop_reason = self.advance(self.max_steps)
                 path = self.save_checkpoint()
+                self.checkpointer.wait()  # checkpoint.async_save: the last save is on disk before the run ends
         finally:
             self.close()
         return TrainResult(self.state.step, self.val_loss, stop_reason, path, self.state, self.cfg,
                            signal=self.signal)
 
     def close(self) -> None:
+        if not self.state.world.broken:  # a save in flight finishes (after a failed collective it never would)
+            with contextlib.suppress(Exception):
+                self.checkpointer.wait()
         self.numerics.close()
         if self.logger is not None:
             self.logger.close()

@@ -14,6 +14,8 @@ import time
 import pytest
 
 from kiln.config import to_toml
+from kiln.run.lm import train
+from kiln.train.checkpoint import verify
 from kiln.report.figures import event_rows
 from kiln.report.runs import read_run
 from tests.dist.conftest import ROOT
@@ -115,3 +117,13 @@ def test_a_straggler_is_named(launched):
     assert [(e["event"], e["rank"]) for e in events] == [("straggler", 1)]
     assert events[0]["ratio"] > 1.5 and events[0]["own_ms"] > 200
     assert events[0]["step"] == 3  # three log intervals in a row
+
+
+def test_async_checkpoints_of_two_ranks_resume_exactly(launched, reference, source):
+    """checkpoint.async_save=true under ddp × 2 (DCP async_save) for 6 steps, then one process to step 10: the
+    uninterrupted run's curve; the step-3 checkpoint, written while steps 4-6 trained, verifies too."""
+    run = launched / "async"
+    assert sorted(p.name for p in (run / "checkpoints").glob("step_*")) == ["step_000003", "step_000006"]
+    verify(run / "checkpoints" / "step_000003")
+    train(lm_config(source, "ddp", steps=10), run, resume=True)
+    assert_close_curves(losses(run), losses(reference / "lm"))

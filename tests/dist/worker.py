@@ -59,6 +59,12 @@ slow.faults.data_delay_ms = 200.0 if rank == 1 else 0.0
 slow.checkpoint.safetensors = False
 train(slow, out / "straggler")
 
+# checkpoint.async_save on 2 ranks: DCP async_save on its own process group while training goes on; resumed to
+# step 10 by the test process.
+background = lm_config(source, "ddp", steps=6)
+background.checkpoint.interval, background.checkpoint.async_save = 3, True
+train(background, out / "async")
+
 # Last, for it breaks the process group: rank 1 hangs inside step 3 past parallel.timeout=3 s; rank 0 must stop
 # within the timeout and a few seconds, naming rank 1, the step and the collective.
 hang = lm_config(source, "ddp", steps=6)

@@ -25,6 +25,7 @@ from __future__ import annotations
 import fcntl
 import json
 import threading
+import time
 import mmap
 import os
 import pickle
@@ -359,6 +360,7 @@ class Checkpointer:
             set_rng_state(saved["rng"])
 
     def _publish(self, tmp: Path, final: Path) -> None:
+        self.written_at = time.perf_counter()  # when the last checkpoint became `latest` (benchmarks read it)
         aside = None
         if final.exists():  # re-saving a step: the old one moves aside, and goes only once the new one is in place
             aside = self.dir / f".old-{final.name}-{os.getpid()}"

@@ -69,8 +69,8 @@ def test_two_nodes_survive_a_killed_worker_and_train_as_one_process(two_nodes, r
     assert records(run, "eval")[-1]["val_loss"] == pytest.approx(records(reference / "lm", "eval")[-1]["val_loss"],
                                                                  rel=1e-6)
     # one restart record: resumed at the step-4 checkpoint, steps 5-6 trained again (their records set aside)
-    assert records(run, "event") == [{"kind": "event", "event": "restart", "step": 4, "restarts": 1,
-                                      "steps_lost": 2}]
+    assert [r for r in records(run, "event") if r["event"] == "restart"] == [
+        {"kind": "event", "event": "restart", "step": 4, "restarts": 1, "steps_lost": 2}]
     assert [json.loads(line)["step"] for line in (run / "metrics.stale-1.jsonl").read_text().splitlines()] == [5, 6]
     # the survivor, SIGTERMed by torchrun while its peer was dead, saved nothing: no checkpoint of step 6 or 7
     assert sorted(p.name for p in (run / "checkpoints").glob("step_*")) == ["step_000004", "step_000008",

@@ -12,7 +12,8 @@ the inner model's last forward (after DDP's buffer broadcast) to the moment DDP'
 (kiln.dist.CommTimer.last_launch): the last micro-batch's forward and backward without the waits. That "own
 time" per step, averaged over a log interval, is all-gathered (one small collective
 per interval); a rank above parallel.straggler_factor × the median of the other ranks (with 2 ranks: the other
-one) for parallel.straggler_intervals intervals in a row is named once, with an `event: straggler` record.
+one), and by more than 20 ms, for parallel.straggler_intervals intervals in a row is named once, with an
+`event: straggler` record.
 FSDP2 offers no hook at the end of the backward, so under fsdp the own time is the wait before the forward only.
 """
 from __future__ import annotations

@@ -128,6 +128,15 @@ def test_sample_and_export_on_a_run_without_a_checkpoint_say_so(run, command, ca
     assert f"{run} has no checkpoint: the run saved none yet" in one_line_error(out)
 
 
+def test_report_on_a_run_without_a_checkpoint_says_so(run, capsys, tmp_path):
+    code, out = cli(capsys, "report", str(run), "--out", str(tmp_path / "with.html"))
+    assert code == 0 and "no checkpoint" not in out
+    shutil.rmtree(run / "checkpoints")
+    code, out = cli(capsys, "report", str(run), "--out", str(tmp_path / "without.html"))
+    assert code == 0 and "run: finished: 6 steps, val_loss" in out
+    assert "; no checkpoint (nothing to resume, sample or export)" in out
+
+
 def test_a_run_whose_checkpoints_are_all_damaged_says_so(run, capsys):
     for step in ("step_000003", "step_000006"):
         (run / "checkpoints" / step / "state.pt").write_bytes(GARBAGE)

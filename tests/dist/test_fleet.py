@@ -13,7 +13,11 @@ import time
 
 import pytest
 
+from kiln.cli.main import main
 from kiln.config import to_toml
+from kiln.dist import ParallelConfig
+from kiln.dist.elastic import restart_record
+from kiln.dist.watchdog import CollectiveError
 from kiln.run.lm import train
 from kiln.train.checkpoint import verify
 from kiln.report.figures import event_rows
@@ -127,3 +131,31 @@ def test_async_checkpoints_of_two_ranks_resume_exactly(launched, reference, sour
     verify(run / "checkpoints" / "step_000003")
     train(lm_config(source, "ddp", steps=10), run, resume=True)
     assert_close_curves(losses(run), losses(reference / "lm"))
+
+
+def test_the_restart_record_counts_the_steps_trained_again(tmp_path, monkeypatch):
+    lines = [json.dumps({"kind": "train", "step": s, "loss": 1.0}) for s in range(1, 8)]
+    (tmp_path / "metrics.jsonl").write_bytes("\n".join(lines).encode() + b"\n\xff\xfe garbage\n")
+    monkeypatch.delenv("TORCHELASTIC_RESTART_COUNT", raising=False)
+    assert restart_record(tmp_path, 4) is None  # a first start: nothing to record
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "2")
+    assert restart_record(tmp_path, 4) == {"event": "restart", "step": 4, "restarts": 2, "steps_lost": 3}
+    assert restart_record(tmp_path / "none", 0) == {"event": "restart", "step": 0, "restarts": 2, "steps_lost": 0}
+
+
+def test_fleet_settings_are_checked(capsys):
+    for bad, why in ((ParallelConfig(timeout=0), "parallel.timeout must be a number of seconds > 0"),
+                     (ParallelConfig(straggler_factor=1.0), "parallel.straggler_factor must be > 1")):
+        with pytest.raises(ValueError, match=why):
+            bad.validate()
+    assert main(["train", "--auto-resume"]) == 2
+    assert "--auto-resume needs --run-dir DIR" in capsys.readouterr().err
+    assert main(["train", "--auto-resume", "--resume", "x", "--run-dir", "x"]) == 2
+    assert "drop --resume RUN_DIR" in capsys.readouterr().err
+
+
+def test_a_collective_error_names_what_it_knows():
+    e = CollectiveError(0, "in step 3", "all_reduce", [1], 3.0, "Timed out")
+    assert str(e).startswith("rank 0: all_reduce in step 3 failed: rank 1 never reached it (dead or hung); "
+                             "parallel.timeout=3 s (Timed out)")
+    assert "missing rank is unknown" in str(CollectiveError(1, "after step 2", "barrier", None, 300, "reset"))

@@ -182,6 +182,9 @@ def load_config(path: str | Path | None = None, overrides: typing.Iterable[str] 
             data = tomllib.loads(path.read_text())
         except tomllib.TOMLDecodeError as e:
             raise ConfigError(f"{path} is not valid TOML: {e}") from None
+        except UnicodeDecodeError as e:  # binary bytes: a damaged file, or not a config at all
+            raise ConfigError(f"{path} is not a TOML text file (byte {e.start} is not UTF-8: damaged, or not a "
+                              f"config); give a TOML config file") from None
         for section, table in data.items():
             if not isinstance(table, dict):
                 raise ConfigError(f"{path}: top-level key {section!r} must be a [section] table")

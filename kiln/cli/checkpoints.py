@@ -21,8 +21,10 @@ def run(args, overrides) -> int:
     checkpointer = Checkpointer(CheckpointConfig(), Path(args.run_dir))
     if not checkpointer.dir.is_dir():
         raise FileNotFoundError(f"{checkpointer.dir} does not exist; is {args.run_dir} a kiln run directory?")
-    pointer = checkpointer.dir / "latest"
-    named = pointer.read_text().strip() if pointer.is_file() else None
+    pointer, problem = checkpointer.pointer()
+    named = pointer.name if pointer is not None else None
+    if problem is not None:
+        print(f"note: {problem}; resume takes the newest checkpoint that verifies")
     rows = checkpointer.candidates()
     if not rows:
         print(f"no checkpoints in {checkpointer.dir}")

@@ -30,6 +30,8 @@ def run(args, overrides) -> int:
         print(f"note: {note}")
     for run, summary in zip(report.runs, report.summaries):
         val = f", val_loss {summary.final_val:.4f}" if summary.final_val is not None else ""
-        print(f"{run.name}: {summary.status}{val}")
+        saved = "" if any((run.path / "checkpoints").glob("step_*")) else (
+            "; no checkpoint (nothing to resume, sample or export)")
+        print(f"{run.name}: {summary.status}{val}{saved}")
     print(f"wrote {path} ({path.stat().st_size / 1024:,.0f} KiB, {len(report.charts)} charts)")
     return 0

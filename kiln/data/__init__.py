@@ -85,6 +85,7 @@ class DataConfig:
     tokenizer_sample_bytes: int = 100_000_000  # characters of train text, drawn from seeded pieces, that BPE trains on (bounds its memory)
     on_bad_record: str = "error"  # error: stop at the first unreadable record, naming file and line | skip: skip it and count it in the summary
     mix: tuple = ()  # [[data.mix]] tables {source, weight, name, format, text_field, pattern}: a weighted mixture instead of data.source
+    cache_per_node: bool = False  # multi-node: cache_dir is node-local, so each node's local rank 0 prepares it
 
     def validate(self) -> None:
         """Raise ValueError naming the field and the fix for the first bad value."""

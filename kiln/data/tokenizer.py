@@ -192,8 +192,11 @@ def load_tokenizer(run_dir: Path) -> Tokenizer:
         raise FileNotFoundError(f"{path} does not exist; the run directory has no saved tokenizer")
     try:
         payload = json.loads(path.read_text())
-    except json.JSONDecodeError as e:
-        raise ValueError(f"{path} is not valid JSON ({e.msg}); delete it and re-run prepare to rebuild") from None
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:  # binary bytes are damage too
+        why = getattr(e, "msg", "binary bytes, not UTF-8")
+        raise ValueError(f"{path} is not valid JSON ({why}); delete it and re-run prepare to rebuild") from None
+    if not isinstance(payload, dict):
+        raise ValueError(f"{path} is JSON but not a tokenizer; delete it and re-run prepare to rebuild")
     if payload.get("kind") == "bytes":
         return ByteTokenizer()
     if payload.get("kind") == "ids":

@@ -7,6 +7,10 @@ FSDP2 (fully_shard per transformer block plus the root). Never a home-made engin
     gradient_sync(step_model, on)     accumulation: no gradient reduction until the last micro-batch
     world.all_reduce(t, op)           in place; a no-op in a world of one
 
+Surviving failures (multi-node, elastic restarts) lives beside it: kiln.dist.watchdog (a collective that fails or
+times out becomes one line naming the rank, the step and the collective), kiln.dist.elastic (--auto-resume under
+torchrun --max-restarts, the restart record), kiln.dist.stragglers (a rank slower than the others, named).
+
 A plain `kiln train` without torchrun is a world of one with strategy none: no process group, nothing changes.
 """
 from __future__ import annotations
@@ -16,6 +20,7 @@ import contextlib
 import os
 import time
 from dataclasses import dataclass
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
@@ -35,6 +40,9 @@ class ParallelConfig:
     reshard_after_forward: bool = True  # fsdp: free gathered parameters after forward (ZeRO-3) or keep (ZeRO-2)
     cpu_offload: bool = False  # fsdp: parameters, gradients and optimizer state on the host (CPUOffloadPolicy)
     backend: str = "auto"  # auto (nccl on CUDA, gloo on CPU) | nccl | gloo
+    timeout: float = 300.0  # seconds a collective waits for the other ranks before the run stops, naming the rank
+    straggler_factor: float = 1.5  # a rank whose compute time per step is this many times the median is slow
+    straggler_intervals: int = 3  # ... for this many log intervals in a row: named in a warning (0: never checked)
 
     def validate(self):
         if self.strategy not in STRATEGIES:
@@ -43,6 +51,11 @@ class ParallelConfig:
             raise ValueError(f"parallel.backend={self.backend!r} is unknown; use one of {BACKENDS}")
         if self.cpu_offload and self.strategy != "fsdp":
             raise ValueError("parallel.cpu_offload is FSDP2's CPU offload: it needs --parallel.strategy=fsdp")
+        if not self.timeout > 0:
+            raise ValueError(f"parallel.timeout must be a number of seconds > 0, got {self.timeout}")
+        if self.straggler_factor <= 1 or self.straggler_intervals < 0:
+            raise ValueError(f"parallel.straggler_factor must be > 1 (got {self.straggler_factor}) and "
+                             f"parallel.straggler_intervals ≥ 0 (got {self.straggler_intervals})")
 
 
 class CommTimer:
@@ -51,6 +64,7 @@ class CommTimer:
 
     def __init__(self):
         self.seconds = 0.0
+        self.last_launch = None  # perf_counter when this rank's last bucket was ready (its backward done)
 
     def take(self) -> float:
         """The seconds since the last take."""
@@ -60,7 +74,7 @@ class CommTimer:
 
 def _timed_allreduce(timer, bucket):  # no annotations: DDP checks them, and these modules' are strings
     """DDP's own all-reduce (torch's default hook: average over the ranks) of one dist.GradBucket, timed."""
-    start = time.perf_counter()
+    start = timer.last_launch = time.perf_counter()
 
     def done(fut):
         timer.seconds += time.perf_counter() - start
@@ -76,6 +90,9 @@ class World:
     local_rank: int = 0
     strategy: str = "none"
     comm: CommTimer | None = None  # ddp, zero1: the gradient all-reduces timed (FSDP2 offers no hook to time)
+    timeout: float = 300.0  # parallel.timeout: how long a collective waits for the others
+    broken: bool = False  # a collective failed (a rank died or hung): no further collective is attempted
+    _side: object = None  # side_group()
 
     @property
     def main(self) -> bool:
@@ -111,10 +128,19 @@ class World:
         dist.all_gather_object(out, obj)
         return out
 
+    def side_group(self):
+        """A gloo process group of its own for a background thread's collectives (DCP async_save), which must
+        never interleave with the training thread's on the default group. Created on first use, by every rank."""
+        if self._side is None:
+            self._side = dist.new_group(backend="gloo")
+        return self._side
+
     def close(self) -> None:
         """The end of a run. The process group stays for the next run in this process (re-creating one in the same
-        rendezvous store can hang gloo) and is destroyed when the process exits."""
-        self.barrier()
+        rendezvous store can hang gloo) and is destroyed when the process exits. After a failed collective there is
+        nothing to wait for: a dead peer never arrives."""
+        if not self.broken:
+            self.barrier()
 
 
 def launched_by_torchrun() -> bool:
@@ -124,13 +150,14 @@ def launched_by_torchrun() -> bool:
 def init_world(cfg: ParallelConfig, device_type: str) -> World:
     """The world this process is part of. Errors name the fix for a launch that does not match the config."""
     backend = cfg.backend if cfg.backend != "auto" else ("nccl" if device_type == "cuda" else "gloo")
+    timeout = timedelta(seconds=cfg.timeout)
     if not launched_by_torchrun():
         if cfg.strategy == "none":
             return World()
         # A world of one: the same code path without torchrun (tests, resuming a parallel run on one device).
         if not dist.is_initialized():
-            _init(backend, init_method=f"tcp://127.0.0.1:{_free_port()}", rank=0, world_size=1)
-        return World(0, dist.get_world_size(), 0, cfg.strategy)
+            _init(backend, timeout, init_method=f"tcp://127.0.0.1:{_free_port()}", rank=0, world_size=1)
+        return World(0, dist.get_world_size(), 0, cfg.strategy, timeout=cfg.timeout)
     size = int(os.environ["WORLD_SIZE"])
     missing = [k for k in TORCHRUN_ENV if k not in os.environ]
     if missing:
@@ -140,12 +167,16 @@ def init_world(cfg: ParallelConfig, device_type: str) -> World:
         raise ValueError(f"torchrun started {size} processes but parallel.strategy=none would train {size} "
                          f"independent copies; set --parallel.strategy=ddp, zero1 or fsdp")
     if not dist.is_initialized():
-        _init(backend)
-    return World(int(os.environ["RANK"]), size, int(os.environ["LOCAL_RANK"]), cfg.strategy)
+        _init(backend, timeout)
+    elif hasattr(dist.distributed_c10d, "_set_pg_timeout"):  # a later run in this process: its own timeout
+        dist.distributed_c10d._set_pg_timeout(timeout)
+    return World(int(os.environ["RANK"]), size, int(os.environ["LOCAL_RANK"]), cfg.strategy, timeout=cfg.timeout)
 
 
-def _init(backend: str, **kw) -> None:
-    dist.init_process_group(backend, **kw)
+def _init(backend: str, timeout: timedelta, **kw) -> None:
+    # parallel.timeout, not torch's default (30 min for gloo, 10 for NCCL): a dead or hung rank stops the others
+    # within it. On CUDA, NCCL's watchdog enforces it (TORCH_NCCL_ASYNC_ERROR_HANDLING, docs/distributed.md).
+    dist.init_process_group(backend, timeout=timeout, **kw)
     atexit.register(dist.destroy_process_group)
 
 

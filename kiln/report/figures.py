@@ -256,6 +256,8 @@ def event_detail(e: dict) -> str:
 
 
 def event_rows(run: Run) -> list[tuple[int, str, str]]:
-    """(step, event, detail) for every numerics record of the run, in step order."""
-    rows = [(e.get("step", 0), str(e.get("event", "?")), event_detail(e)) for e in run.numerics]
+    """(step, event, detail) for every numerics record of the run, and every record of its life (kind "event":
+    a restart, a straggler), in step order."""
+    lives = [e for e in run.other if e.get("kind") == "event"]
+    rows = [(e.get("step", 0), str(e.get("event", "?")), event_detail(e)) for e in run.numerics + lives]
     return sorted(rows, key=lambda r: r[0] if isinstance(r[0], int) else 0)

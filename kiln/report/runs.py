@@ -75,10 +75,10 @@ def read_run(path: str | Path, name: str | None = None) -> Run:
     if config.is_file():
         try:
             run.config = tomllib.loads(config.read_text())
-        except tomllib.TOMLDecodeError as e:
+        except (tomllib.TOMLDecodeError, UnicodeDecodeError) as e:
             raise ValueError(f"{config} is not valid TOML: {e}") from None
     if metrics.is_file():
-        for line in metrics.read_text().splitlines():
+        for line in metrics.read_text(errors="replace").splitlines():  # damaged bytes: unreadable lines
             if not line.strip():
                 continue
             try:

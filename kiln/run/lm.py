@@ -22,6 +22,7 @@ from kiln.config import Config, apply_overrides, to_toml
 from kiln.data import PreparedData, TokenLoader, prepare_data, val_batches
 from kiln.data.batches import to_device
 from kiln.dist import device_for, init_world, launched_by_torchrun
+from kiln.dist.elastic import restart_record
 from kiln.interop.hf import read_hf
 from kiln.memory.devices import get_device, local_device
 from kiln.memory.estimate import fmt_bytes, parse_bytes
@@ -177,10 +178,13 @@ def _build_lm(cfg: Config, run_dir, log, device: torch.device, with_data: bool, 
             cfg = replace(cfg, data=replace(cfg.data, tokenizer=cfg.model.init))
     data = None
     if with_data:  # rank 0 tokenizes (or finds the cache) and saves the tokenizer; the others wait, then read
-        if world.main:
-            data = prepare_data(cfg.data, Path(run_dir), log=log)
+        # data.cache_per_node: the cache is on each node's own disk, so each node's local rank 0 prepares it too
+        first = world.main or (cfg.data.cache_per_node and world.local_rank == 0)
+        if first:
+            data = prepare_data(cfg.data, Path(run_dir) if world.main else None,
+                                log=log if world.main else lambda msg: None)
         world.barrier()
-        if not world.main:
+        if not first:
             data = prepare_data(cfg.data, None, log=lambda msg: None)
     vocab = data.tokenizer.vocab_size if data is not None else (256 if cfg.data.tokenizer == "bytes"
                                                                 else cfg.data.vocab_size)
@@ -241,6 +245,12 @@ def _train(lm: LMRun, cfg: Config, run_dir: Path, resume: bool, con: Console) ->
     if resume:
         path = trainer.resume()
         con.print(f"resumed from {path} at step {lm.state.step}", highlight=False)
+    restart = restart_record(run_dir, lm.state.step, lm.state.world)  # torchrun restarted this group (--auto-resume)
+    if restart is not None:
+        trainer.events.append(restart)
+        trainer.resumed_at = lm.state.step  # the failed attempt's records past it move aside (trained again)
+        con.print(f"restart {restart['restarts']}: continuing at step {restart['step']}, {restart['steps_lost']} "
+                  f"step(s) of the failed attempt trained again", highlight=False)
     c, state = lm.cfg, lm.state
     tokens_per_step = c.train.micro_batch_size * c.train.grad_accum_steps * c.data.seq_len
     world = state.world

@@ -13,15 +13,24 @@ renamed by rank 0 once all are done:
     rank_00001.pt                    each rank's RNG streams
     model.safetensors, config.toml   the consolidated weights and the config (rank 0)
 DCP reshards on load, so a run resumes on another world size or strategy (fsdp × 2 -> ddp × 1 and back).
+
+checkpoint.async_save: the training thread only copies the state to host memory (DCP's staging; one process: a
+clone of every tensor) and goes on; the files are written, sealed and published by a background thread (under
+data parallelism DCP's async_save, whose coordination runs on a process group of its own so that it never
+interleaves with training's collectives). At most one save is in flight: the next one, the end of the run and
+`wait()` wait for it. `latest` still moves only once the checkpoint is complete and sealed.
 """
 from __future__ import annotations
 
 import fcntl
 import json
+import threading
+import time
 import mmap
 import os
 import pickle
 import random
+import re
 import shutil
 import zlib
 from dataclasses import dataclass
@@ -43,6 +52,7 @@ class CheckpointConfig:
     safetensors: bool = True  # also export the weights as model.safetensors in each checkpoint
     every_minutes: float = 30.0  # also save when this much wall-clock time passed since the last save (0: off)
     on_error: str = "stop"  # a save that fails (full disk, quota): stop the run cleanly, or warn and train on
+    async_save: bool = False  # write in the background (DCP async_save; one process: a thread) while training goes on
 
     def validate(self):
         if self.interval < 0:
@@ -142,11 +152,17 @@ def verify(directory: Path) -> None:
     if not manifest_path.is_file():
         raise CheckpointCorrupt(f"{directory.name} has no {MANIFEST}: its save never finished")
     try:
-        manifest = json.loads(manifest_path.read_text())
-    except json.JSONDecodeError:
-        raise CheckpointCorrupt(f"{directory.name}/{MANIFEST} is not valid JSON") from None
+        manifest = json.loads(manifest_path.read_bytes())
+    except (json.JSONDecodeError, UnicodeDecodeError):
+        raise CheckpointCorrupt(f"{directory.name}/{MANIFEST} is not valid JSON (damaged)") from None
+    if not isinstance(manifest, dict) or not all(
+            isinstance(v, dict) and isinstance(v.get("bytes"), int) and ("xxh3" in v or "crc32" in v)
+            for v in manifest.values()):
+        raise CheckpointCorrupt(f"{directory.name}/{MANIFEST} is JSON but not a manifest (name -> bytes, checksum)")
     for name, expected in manifest.items():
         f = directory / name
+        if Path(name).is_absolute() or ".." in Path(name).parts:
+            raise CheckpointCorrupt(f"{directory.name}/{MANIFEST} names {name!r}, outside the checkpoint")
         if not f.is_file():
             raise CheckpointCorrupt(f"{directory.name}/{name} is missing")
         if f.stat().st_size != expected["bytes"]:
@@ -196,19 +212,51 @@ class Checkpointer:
         self.cfg = cfg
         self.dir = Path(run_dir) / "checkpoints"
         self.warn = warn  # one line when a checkpoint is skipped on load, or leftovers are removed
+        self._warned: set[str] = set()
+        self._inflight: threading.Thread | None = None  # checkpoint.async_save: the save being written
+        self._failure: BaseException | None = None  # what the background save raised, for wait() to raise
+
+    def wait(self) -> None:
+        """Until the save in flight (checkpoint.async_save) is written and published; raises what it raised."""
+        if self._inflight is not None:
+            self._inflight.join()
+            self._inflight = None
+        failure, self._failure = self._failure, None
+        if failure is not None:
+            raise failure
+
+    def _in_background(self, work) -> None:
+        def run():
+            try:
+                work()
+            except BaseException as e:  # raised in the training thread by the next wait()
+                self._failure = e
+        self._inflight = threading.Thread(target=run, name="kiln-checkpoint", daemon=True)
+        self._inflight.start()
 
     def save(self, step: int, state: dict, config_toml: str, model: torch.nn.Module | None = None) -> Path:
-        """Write to a temporary directory, seal it, then rename: a crash never leaves a half-written checkpoint."""
+        """Write to a temporary directory, seal it, then rename: a crash never leaves a half-written checkpoint.
+        checkpoint.async_save: a copy of the state is written by a background thread; returns at once."""
+        self.wait()  # at most one save in flight
         self.dir.mkdir(parents=True, exist_ok=True)
         final = self.dir / f"step_{step:06d}"
         tmp = self.dir / f".tmp-{final.name}-{os.getpid()}"
         shutil.rmtree(tmp, ignore_errors=True)
+        weights = model.state_dict() if self.cfg.safetensors and model is not None else None
+        if self.cfg.async_save:
+            state, weights = _host_copy(state), _host_copy(weights)  # training changes the originals from now on
+            self._in_background(lambda: self._write_whole(tmp, final, state, config_toml, weights))
+            return final
+        self._write_whole(tmp, final, state, config_toml, weights)
+        return final
+
+    def _write_whole(self, tmp: Path, final: Path, state: dict, config_toml: str, weights: dict | None) -> None:
         try:
             tmp.mkdir()
-            torch.save(state, tmp / "state.pt")
+            write_state(state, tmp / "state.pt")
             (tmp / "config.toml").write_text(config_toml)
-            if self.cfg.safetensors and model is not None:
-                export_safetensors(model, tmp / "model.safetensors")
+            if weights is not None:
+                export_tensors(weights, tmp / "model.safetensors")
             seal(tmp)
         except (OSError, RuntimeError) as e:
             written = _dir_bytes(tmp) if tmp.exists() else 0
@@ -225,10 +273,10 @@ class Checkpointer:
                                        f"checkpoints are intact; free space (or lower checkpoint.keep_last) and "
                                        f"resume") from None
         self._publish(tmp, final)
-        return final
 
     def save_sharded(self, step: int, state, config_toml: str) -> Path:
         """Every rank calls this with the same step: a TrainState under data parallelism (kiln.dist)."""
+        self.wait()  # at most one save in flight
         world = state.world
         final = self.dir / f"step_{step:06d}"
         tmp = self.dir / f".tmp-{final.name}"
@@ -238,8 +286,12 @@ class Checkpointer:
             tmp.mkdir()
         world.barrier()
         model_sd, optim_sd = _sharded_state_dicts(state)
-        dcp.save({"model": model_sd} | ({"optimizer": optim_sd} if optim_sd is not None else {}),
-                 checkpoint_id=tmp / "sharded")
+        sharded = {"model": model_sd} | ({"optimizer": optim_sd} if optim_sd is not None else {})
+        written = None
+        if self.cfg.async_save:  # staged (copied to host memory) now, written by DCP's thread
+            written = dcp.async_save(sharded, checkpoint_id=tmp / "sharded", process_group=world.side_group())
+        else:
+            dcp.save(sharded, checkpoint_id=tmp / "sharded")
         if optim_sd is None:  # ZeroRedundancyOptimizer: consolidated on rank 0
             state.optimizer.consolidate_state_dict(to=0)
             if world.main:
@@ -250,19 +302,27 @@ class Checkpointer:
             torch.save(state.shared_state_dict(), tmp / "state.pt")
             (tmp / "config.toml").write_text(config_toml)
             if self.cfg.safetensors:
-                export_tensors(full, tmp / "model.safetensors")
+                export_tensors(_host_copy(full) if written is not None else full, tmp / "model.safetensors")
         world.barrier()
+        if written is not None:
+            # DCP's future completes on rank 0 once every rank's shards and the metadata are written (its last
+            # step gathers them all); every rank's other files were written before the barrier above.
+            self._in_background(lambda: (written.result(), self._seal_publish(tmp, final) if world.main else None))
+            return final
         if world.main:
-            seal(tmp)
-            self._publish(tmp, final)
+            self._seal_publish(tmp, final)
         world.barrier()
         return final
+
+    def _seal_publish(self, tmp: Path, final: Path) -> None:
+        seal(tmp)
+        self._publish(tmp, final)
 
     def load_sharded(self, state) -> Path:
         """Resume a TrainState under data parallelism from the latest checkpoint, whatever world wrote it."""
         path = self.latest()
         if path is None:
-            raise FileNotFoundError(f"no checkpoint in {self.dir}: nothing to resume (train first, or check the path)")
+            raise self.none_error()
         if not (path / "sharded").is_dir():
             self._load_whole(path, state)
             return path
@@ -300,6 +360,7 @@ class Checkpointer:
             set_rng_state(saved["rng"])
 
     def _publish(self, tmp: Path, final: Path) -> None:
+        self.written_at = time.perf_counter()  # when the last checkpoint became `latest` (benchmarks read it)
         aside = None
         if final.exists():  # re-saving a step: the old one moves aside, and goes only once the new one is in place
             aside = self.dir / f".old-{final.name}-{os.getpid()}"
@@ -340,12 +401,29 @@ class Checkpointer:
             self.warn(f"checkpoint: removed {len(gone)} leftover(s) of an interrupted save: {', '.join(gone)}")
         return gone
 
+    def pointer(self) -> tuple[Path | None, str | None]:
+        """(the checkpoint `latest` names, None) or (None, why it names none usable); (None, None) without one.
+        It holds a directory name, step_000400; a bare step number (400) is read as that step too."""
+        path = self.dir / "latest"
+        if not path.is_file():
+            return None, None
+        raw = path.read_bytes()[:200]
+        text = raw.decode("utf-8", errors="replace").strip()
+        shown = repr(text[:40] + ("..." if len(text) > 40 else ""))
+        if "\ufffd" in text or not text.isprintable():
+            return None, f"{path} holds binary bytes ({shown}), not a step"
+        name = f"step_{int(text):06d}" if text.isdigit() else text
+        if not re.fullmatch(r"step_\d+", name):
+            return None, f"{path} holds {shown}, which is not a step (it should read like step_000400)"
+        if not (self.dir / name).is_dir():
+            return None, f"{path} names {name}, which is not in {self.dir}"
+        return self.dir / name, None
+
     def candidates(self) -> list[Path]:
         """Checkpoints to resume from, best first: the one `latest` names, then the others newest first."""
         steps = sorted((p for p in self.dir.glob("step_*") if p.is_dir()), reverse=True)
-        pointer = self.dir / "latest"
-        named = self.dir / pointer.read_text().strip() if pointer.is_file() else None
-        if named is not None and named.parent == self.dir and named in steps:
+        named, _ = self.pointer()
+        if named is not None and named in steps:
             steps.remove(named)
             steps.insert(0, named)
         return steps
@@ -356,12 +434,10 @@ class Checkpointer:
         return path
 
     def _first_good(self, load: bool, map_location="cpu"):
-        pointer = self.dir / "latest"
-        if pointer.is_file():
-            name = pointer.read_text().strip()
-            if not (self.dir / name).is_dir() or not name.startswith("step_"):
-                self.warn(f"checkpoint: {pointer} names {name!r}, which is not a checkpoint here; using the "
-                          f"newest one that verifies")
+        _, problem = self.pointer()
+        if problem is not None and problem not in self._warned:
+            self._warned.add(problem)  # said once, however often the latest checkpoint is looked up
+            self.warn(f"checkpoint: {problem}; using the newest checkpoint that verifies instead")
         for path in self.candidates():
             try:
                 if (path / MANIFEST).exists():
@@ -371,10 +447,20 @@ class Checkpointer:
                 if not load:
                     return path, None
                 return path, torch.load(path / "state.pt", map_location=map_location, weights_only=True)
-            except (CheckpointCorrupt, RuntimeError, EOFError, OSError, pickle.UnpicklingError) as e:
+            except (CheckpointCorrupt, RuntimeError, EOFError, OSError, pickle.UnpicklingError, ValueError) as e:
                 why = str(e) if isinstance(e, CheckpointCorrupt) else f"{path.name}/state.pt does not load ({e})"
                 self.warn(f"checkpoint: skipping {path.name}: {why.splitlines()[0]}")
         return None, None
+
+    def none_error(self) -> FileNotFoundError:
+        """What a run without a usable checkpoint says to whoever wanted one (resume, sample, export)."""
+        run = self.dir.parent
+        found = [p.name for p in self.dir.glob("step_*") if p.is_dir()] if self.dir.is_dir() else []
+        if not found:
+            return FileNotFoundError(f"{run} has no checkpoint: the run saved none yet (it saves every "
+                                     f"checkpoint.interval steps and at its end); train it first")
+        return FileNotFoundError(f"{run} has {len(found)} checkpoint(s) and none verifies (`kiln checkpoints "
+                                 f"{run}` says what is wrong with each)")
 
     def load(self, map_location="cpu", path: Path | None = None) -> dict:
         """The newest checkpoint that verifies and loads; `path`: that checkpoint only (an error if it fails)."""
@@ -383,8 +469,7 @@ class Checkpointer:
             return torch.load(path / "state.pt", map_location=map_location, weights_only=True)
         found, state = self._first_good(load=True, map_location=map_location)
         if found is None:
-            raise FileNotFoundError(f"no checkpoint in {self.dir} verifies: nothing to resume (train first, or "
-                                    f"check the path)")
+            raise self.none_error()
         self.loaded = found
         return state
 
@@ -409,6 +494,33 @@ def _sharded_state_dicts(state):
     if type(state.optimizer).__name__ == "ZeroRedundancyOptimizer":
         return get_model_state_dict(state.model), None
     return get_state_dict(state.model, state.optimizer)
+
+
+def write_state(state: dict, path: Path) -> None:
+    """state.pt (a seam: the tests slow it down to catch a save in flight)."""
+    torch.save(state, path)
+
+
+def _host_copy(tree):
+    """A copy of every tensor in a nested dict/list on the host: what a background save writes while training
+    changes the originals. Shared tensors stay shared (tied weights)."""
+    if tree is None:
+        return None
+    memo: dict[int, torch.Tensor] = {}
+
+    def copy(x):
+        if isinstance(x, torch.Tensor):
+            key = id(x)
+            if key not in memo:
+                memo[key] = x.detach().to("cpu", copy=True)
+            return memo[key]
+        if isinstance(x, dict):
+            return {k: copy(v) for k, v in x.items()}
+        if isinstance(x, (list, tuple)):
+            return type(x)(copy(v) for v in x) if not hasattr(x, "_fields") else type(x)(*map(copy, x))
+        return x
+
+    return copy(tree)
 
 
 def export_safetensors(model: torch.nn.Module, path: Path) -> None:

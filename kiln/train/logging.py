@@ -6,6 +6,7 @@ Every metrics.jsonl line has a `kind` (its schema is in docs/training.md, "metri
     eval      step, val_loss, val_ppl (language models)
     numerics  step, event (nonfinite, loss_spike, rollback, loss_scale, fp16_grads, fp16_advice, stop, ...) and
               the event's own fields
+    event     step, event (restart, straggler) and the event's own fields: the run's life rather than its numbers
 """
 from __future__ import annotations
 
@@ -22,7 +23,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 
 
 REFRESH_S = 0.5  # the live progress bar is redrawn at most this often
-KINDS = ("train", "eval", "numerics")
+KINDS = ("train", "eval", "numerics", "event")  # event: the run's life (restart, straggler)
 
 
 @dataclass
@@ -87,10 +88,14 @@ class MetricsLogger:
         if not path.is_file():
             return
         keep, stale = [], []
-        for line in path.read_text().splitlines(keepends=True):
+        # Bytes that are not UTF-8 (a damaged file) are replaced: their lines are not JSON and move aside.
+        for line in path.read_bytes().decode("utf-8", errors="replace").splitlines(keepends=True):
             try:
                 record_step = json.loads(line).get("step", 0)
-            except json.JSONDecodeError:  # a line cut by the crash
+            except (json.JSONDecodeError, AttributeError):  # a line cut by the crash, or damage
+                stale.append(line)
+                continue
+            if not isinstance(record_step, (int, float)):
                 stale.append(line)
                 continue
             (stale if record_step > step else keep).append(line)

@@ -27,6 +27,8 @@ from typing import Callable
 import torch
 from rich.console import Console
 
+from kiln.dist.stragglers import StragglerWatch
+from kiln.dist.watchdog import collective_errors
 from kiln.models import moe_metrics
 from kiln.numerics.monitor import Handles, Numerics
 from kiln.numerics.outcome import LossWatch
@@ -215,13 +217,17 @@ class Trainer:
     def request_stop(self, reason: str) -> None:
         """End the run at the end of this step (a callback's way out); `reason` becomes the stop reason."""
         self.requested_stop = self.requested_stop or str(reason)
+        self.events: list[dict] = []  # kind "event" records written when the logger opens (a restart)
+        self.stragglers = StragglerWatch(state.world, cfg.parallel, state.model) if hasattr(cfg, "parallel") else None
 
     # -- start, resume, save -------------------------------------------------------------------------------
 
     def resume(self) -> Path:
         """Load the latest checkpoint of the run directory into the state (numerics monitor included)."""
         if self.state.world.sharded:
-            return self.checkpointer.load_sharded(self.state)
+            path = self.checkpointer.load_sharded(self.state)
+            self.resumed_at = self.state.step  # the records an interrupted attempt wrote past it move aside
+            return path
         state = self.checkpointer.load(map_location=self.state.device)
         path = self.checkpointer.loaded
         if (path / "sharded").is_dir():
@@ -248,6 +254,8 @@ class Trainer:
             self.logger = MetricsLogger(self.cfg.log, self.run_dir, self.cfg.train.max_steps or None,
                                         self.state.step, console=self.con, enabled=main,
                                         resumed_at=self.resumed_at)
+            for record in self.events:
+                self.logger.log(record, kind="event")
             self.numerics.start()
 
     def _write_config(self) -> None:
@@ -307,6 +315,8 @@ class Trainer:
             tc = cfg.train
             if self.budgeted:
                 self._measure()
+            if self.stragglers is not None:
+                self.stragglers.step_began()
             lr = self.peak_lr * lr_factor(cfg.schedule, state.step, self.horizon) * numerics.lr_factor(state.step)
             for group in state.optimizer.param_groups:
                 group["lr"] = lr
@@ -317,6 +327,8 @@ class Trainer:
                                 state.scaler, cfg.optim, state.masters, numerics.guard,
                                 state.world if state.world.sharded else None, state.adaptive_clip)
             self.window_busy += time.perf_counter() - began  # CPU: the step's compute, which runs in the call
+            if self.stragglers is not None:
+                self.stragglers.step_ended(began)
             self.skipped_total += result.skipped
             state.step += 1
             state.tokens_seen += units
@@ -415,6 +427,8 @@ class Trainer:
             **moe_metrics(state.model),  # a mixture of experts: moe_aux_loss, moe_load_max, moe_load_min
         }
         self.logger.log(record, kind="train")
+        if self.stragglers is not None:  # every rank's compute time per step, gathered: a slow rank is named
+            self.stragglers.observe(state.step, self.logger, self.con)
         self.window_start, self.window_steps, self.window_units, self.window_busy = time.perf_counter(), 0, 0, 0.0
         return {k: v for k, v in record.items() if v is not None}
 
@@ -518,9 +532,10 @@ class Trainer:
     def run(self) -> TrainResult:
         """Train to the end (or a stop signal), save the final checkpoint, close everything."""
         try:
-            with self._stop_signals():
+            with self._stop_signals(), collective_errors(self.state.world, lambda: self.state.step):
                 stop_reason = self.advance(self.max_steps)
                 path = self.save_checkpoint()
+                self.checkpointer.wait()  # checkpoint.async_save: the last save is on disk before the run ends
         finally:
             self.close()
         return TrainResult(self.state.step, self.val_loss, stop_reason, path, self.state, self.cfg,
@@ -528,6 +543,9 @@ class Trainer:
                            val_metrics=self.val_metrics)
 
     def close(self) -> None:
+        if not self.state.world.broken:  # a save in flight finishes (after a failed collective it never would)
+            with contextlib.suppress(Exception):
+                self.checkpointer.wait()
         self.numerics.close()
         if self.logger is not None:
             self.logger.close()

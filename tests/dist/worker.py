@@ -2,11 +2,16 @@
 (spawning processes is the slow part). Each rank runs the same calls; results land in OUT (rank 0 writes)."""
 import json
 import os
+import signal
 import sys
+import time
 from pathlib import Path
 
 from tests.dist.scenarios import fit_run, lm_config, measured_state_bytes
+from kiln.dist.watchdog import CollectiveError
 from kiln.run.lm import train
+from kiln.train import loop
+from kiln.train.loop import Trainer
 
 out, source = Path(sys.argv[1]), sys.argv[2]
 
@@ -30,3 +35,59 @@ try:
 except ValueError as e:
     if os.environ["RANK"] == "0":
         (out / "bad_global.txt").write_text(str(e))
+
+# Surviving failures (tests/dist/test_fleet.py). Rank 1 alone is preempted (SIGUSR1 after its step 3): every rank
+# stops at the same step with one checkpoint.
+rank = int(os.environ["RANK"])
+log = Trainer._log
+
+
+def preempt_rank_1(self, *args, **kw):
+    log(self, *args, **kw)
+    if rank == 1 and self.state.step == 3:
+        os.kill(os.getpid(), signal.SIGUSR1)
+
+
+Trainer._log = preempt_rank_1
+stopped = train(lm_config(source, "ddp", steps=10), out / "preempt")
+Trainer._log = log
+(out / f"preempt_rank{rank}.json").write_text(json.dumps({"step": stopped.step, "signal": stopped.signal}))
+
+# A straggler: rank 1's data arrives 200 ms late every step (its own time per step, not the step time, shows it).
+slow = lm_config(source, "ddp", steps=6)
+slow.faults.data_delay_ms = 200.0 if rank == 1 else 0.0
+slow.checkpoint.safetensors = False
+train(slow, out / "straggler")
+
+# checkpoint.async_save on 2 ranks: DCP async_save on its own process group while training goes on; resumed to
+# step 10 by the test process.
+background = lm_config(source, "ddp", steps=6)
+background.checkpoint.interval, background.checkpoint.async_save = 3, True
+train(background, out / "async")
+
+# Last, for it breaks the process group: rank 1 hangs inside step 3 past parallel.timeout=3 s; rank 0 must stop
+# within the timeout and a few seconds, naming rank 1, the step and the collective.
+hang = lm_config(source, "ddp", steps=6)
+hang.parallel.timeout = 3.0
+step = loop.train_step
+
+
+def hang_rank_1(*args, **kw):
+    if rank == 1 and hang_rank_1.calls == 2:
+        time.sleep(9)
+    hang_rank_1.calls += 1
+    return step(*args, **kw)
+
+
+hang_rank_1.calls = 0
+loop.train_step = hang_rank_1
+began = time.monotonic()
+try:
+    train(hang, out / "hang")
+    outcome = {"error": None}
+except CollectiveError as e:
+    outcome = {"error": str(e), "rank": e.rank, "missing": e.missing, "collective": e.collective, "step": e.step}
+outcome["seconds"] = time.monotonic() - began
+(out / f"hang_rank{rank}.json").write_text(json.dumps(outcome))
+sys.stdout.flush()
+os._exit(0)  # the process group is broken: nothing to tear down

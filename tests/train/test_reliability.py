@@ -116,7 +116,7 @@ def test_a_garbage_latest_pointer_and_a_named_bad_checkpoint(three_checkpoints):
     (ckpts / "latest").write_text("../../etc\n")
     said = []
     assert Checkpointer(ckpt.CheckpointConfig(), three_checkpoints, warn=said.append).load()["step"] == 6
-    assert "not a checkpoint here" in said[0]
+    assert "holds '../../etc', which is not a step" in said[0]
     _damage(ckpts / "step_000004", "flipped")
     with pytest.raises(ckpt.CheckpointCorrupt, match="step_000004/state.pt does not match its checksum"):
         Checkpointer(ckpt.CheckpointConfig(), three_checkpoints).load(path=ckpts / "step_000004")

@@ -213,12 +213,12 @@ class Trainer:
         self._gap_warned = False
         self.losses = LossWatch()  # whether the logged losses ended finite (TrainResult.failure)
         self.callbacks, self.requested_stop, self.val_metrics = Callbacks(callbacks), None, None
+        self.events: list[dict] = []  # kind "event" records written when the logger opens (a restart)
+        self.stragglers = StragglerWatch(state.world, cfg.parallel, state.model) if hasattr(cfg, "parallel") else None
 
     def request_stop(self, reason: str) -> None:
         """End the run at the end of this step (a callback's way out); `reason` becomes the stop reason."""
         self.requested_stop = self.requested_stop or str(reason)
-        self.events: list[dict] = []  # kind "event" records written when the logger opens (a restart)
-        self.stragglers = StragglerWatch(state.world, cfg.parallel, state.model) if hasattr(cfg, "parallel") else None
 
     # -- start, resume, save -------------------------------------------------------------------------------
 

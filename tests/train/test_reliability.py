@@ -235,7 +235,9 @@ def test_two_cold_runs_racing_on_one_token_cache_both_get_a_valid_one(corpus_fil
     with multiprocessing.get_context("spawn").Pool(2) as pool:
         sizes = pool.starmap(_prepare, [(str(corpus_file), str(tmp_path / "cache"))] * 2)
     assert sizes[0] == sizes[1] > 0
-    assert len(list((tmp_path / "cache").iterdir())) == 1  # one cache directory, no scratch left behind
+    # one cache directory, no scratch left behind; beside it the flock file that made the second prepare wait
+    entries = sorted(p.name for p in (tmp_path / "cache").iterdir())
+    assert len(entries) == 2 and entries[1] == entries[0] + ".lock" and (tmp_path / "cache" / entries[0]).is_dir()
     assert _prepare(str(corpus_file), str(tmp_path / "cache")) == sizes[0]  # and it reads back
 
 

@@ -105,7 +105,11 @@ class World:
 
     def all_reduce(self, t: torch.Tensor, op=dist.ReduceOp.SUM) -> torch.Tensor:
         if self.size > 1:
-            dist.all_reduce(t, op=op)
+            # NCCL reduces device tensors only: a host tensor (a count, a flag) goes through the GPU and back
+            on = t.cuda() if t.device.type == "cpu" and dist.get_backend() == "nccl" else t
+            dist.all_reduce(on, op=op)
+            if on is not t:
+                t.copy_(on)
         return t
 
     def barrier(self) -> None:

@@ -60,11 +60,10 @@ class StragglerWatch:
         """Gather the interval's own time per step from every rank; returns the ranks named now."""
         if not self.enabled or not self.steps:
             return []
-        mine = torch.tensor([self.own / self.steps], dtype=torch.float64)
+        every = torch.zeros(self.world.size, dtype=torch.float64)  # each rank fills its own slot; the sum gathers
+        every[self.world.rank] = self.own / self.steps
         self.own, self.steps = 0.0, 0
-        every = [torch.zeros_like(mine) for _ in range(self.world.size)]
-        torch.distributed.all_gather(every, mine)
-        times = [t.item() for t in every]
+        times = self.world.all_reduce(every).tolist()
         named = []
         for rank, t in enumerate(times):
             median = statistics.median(times[:rank] + times[rank + 1:])

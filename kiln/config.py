@@ -18,7 +18,7 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 
 from kiln.data import DataConfig
-from kiln.dist import ParallelConfig
+from kiln.parallel import ParallelConfig
 from kiln.memory.levers import MemoryConfig
 from kiln.memory.offload import parse_blocks
 from kiln.memory.planner import PlanConfig

@@ -16,7 +16,7 @@ from pathlib import Path
 LAYERS = [  # bottom to top; a package imports only from packages in lower layers (never sideways, never up)
     ("util",),
     ("models", "data"),
-    ("perf", "dist", "interop"),
+    ("perf", "parallel", "interop"),
     ("kernels",),
     ("memory", "numerics"),
     ("train",),

@@ -90,7 +90,7 @@ def run(args, overrides) -> int:
     if note:
         print(f"note: {note}")
     if job.parallel != "none" and job.world > 1:
-        print(f"note: one rank's model state under {job.parallel} is exact (tests/dist measures it); comm_buffers "
+        print(f"note: one rank's model state under {job.parallel} is exact (tests/parallel measures it); comm_buffers "
               f"(DDP's gradient buckets, FSDP2's gathered parameters and reduce-scatter input) are modelled from "
               f"torch's documentation and not yet measured")
     print(f"parameters: {b.param_count:,} | attention backend: {b.backend} | peak at: {b.peak_phase}")

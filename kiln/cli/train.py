@@ -9,7 +9,7 @@ from pathlib import Path
 
 from kiln.cli.common import add_config_arguments, config_from
 from kiln.config import ConfigError, describe, load_config
-from kiln.dist.watchdog import CollectiveError
+from kiln.parallel.watchdog import CollectiveError
 from kiln.numerics.outcome import NONFINITE_EXIT
 from kiln.run.lm import train
 from kiln.run.oom import OOM_EXIT, OutOfMemory

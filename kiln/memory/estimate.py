@@ -139,7 +139,7 @@ class Job:
     optimizer: str = "adamw"  # "adamw" | "adam" | "sgd" | "adamw8bit"
     sgd_momentum: float = 0.9
     optimizer_offload: str = "none"  # "none" | "host" | "host-async"
-    parallel: str = "none"  # data parallelism: "none" | "ddp" | "zero1" | "fsdp" (kiln.dist)
+    parallel: str = "none"  # data parallelism: "none" | "ddp" | "zero1" | "fsdp" (kiln.parallel)
     world: int = 1  # ranks sharing the model state; the breakdown is one rank's
     reshard_after_forward: bool = True  # fsdp: gathered parameters freed after each block's forward (ZeRO-3)
 
@@ -571,7 +571,7 @@ def grad_shares(job: Job) -> dict:
 
 @dataclass
 class CommBuffers:
-    """Bytes the collectives hold on one rank (kiln.dist's strategies, docs/memory.md):
+    """Bytes the collectives hold on one rank (kiln.parallel's strategies, docs/memory.md):
 
     ddp, zero1  DDP's gradient buckets: a second copy of every gradient, made when DDP wraps the model
                 (gradient_as_bucket_view=False, torch's default), alive for the whole run.

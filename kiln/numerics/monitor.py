@@ -20,7 +20,7 @@ from typing import Callable
 
 import torch
 
-from kiln.dist import World
+from kiln.parallel import World
 from kiln.numerics.config import NumericsConfig
 from kiln.numerics.faults import FaultInjector, FaultsConfig
 from kiln.numerics.fp16 import Fp16Telemetry, ScaleHistory

@@ -33,7 +33,7 @@ from rich.console import Console
 
 from kiln.config import Config, apply_overrides, load_config, parse_override, to_toml
 from kiln.data.batches import BatchLoader, eval_batches, is_dataset, to_device
-from kiln.dist import device_for, init_world
+from kiln.parallel import device_for, init_world
 from kiln.memory.offload import parse_blocks
 from kiln.memory.estimate import recompute_plan
 from kiln.perf import device_peak_flops

@@ -21,8 +21,8 @@ from rich.console import Console
 from kiln.config import Config, apply_overrides, to_toml
 from kiln.data import PreparedData, TokenLoader, prepare_data, val_batches
 from kiln.data.batches import to_device
-from kiln.dist import device_for, init_world, launched_by_torchrun
-from kiln.dist.elastic import restart_record
+from kiln.parallel import device_for, init_world, launched_by_torchrun
+from kiln.parallel.elastic import restart_record
 from kiln.interop.hf import read_hf
 from kiln.memory.devices import get_device, local_device
 from kiln.memory.estimate import fmt_bytes, parse_bytes

@@ -5,7 +5,7 @@ Layout of a run directory:
     checkpoints/step_000400/         state.pt (everything needed to resume), config.toml, model.safetensors
     checkpoints/latest               text file naming the newest complete checkpoint directory
 
-Under data parallelism (kiln.dist) a checkpoint is written by every rank into one temporary directory and
+Under data parallelism (kiln.parallel) a checkpoint is written by every rank into one temporary directory and
 renamed by rank 0 once all are done:
     sharded/                         torch.distributed.checkpoint: model and optimizer, each rank its shards
     optimizer.pt                     parallel.strategy=zero1: the optimizer state consolidated on rank 0
@@ -275,7 +275,7 @@ class Checkpointer:
         self._publish(tmp, final)
 
     def save_sharded(self, step: int, state, config_toml: str) -> Path:
-        """Every rank calls this with the same step: a TrainState under data parallelism (kiln.dist)."""
+        """Every rank calls this with the same step: a TrainState under data parallelism (kiln.parallel)."""
         self.wait()  # at most one save in flight
         world = state.world
         final = self.dir / f"step_{step:06d}"

@@ -27,8 +27,8 @@ from typing import Callable
 import torch
 from rich.console import Console
 
-from kiln.dist.stragglers import StragglerWatch
-from kiln.dist.watchdog import collective_errors
+from kiln.parallel.stragglers import StragglerWatch
+from kiln.parallel.watchdog import collective_errors
 from kiln.models import moe_metrics
 from kiln.numerics.monitor import Handles, Numerics
 from kiln.numerics.outcome import LossWatch

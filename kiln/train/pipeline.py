@@ -10,7 +10,7 @@
                nothing worth moving, so recompute comes first).
 4. loss        one choice: "plain" (the model's LMLoss), "fused" (the Triton fused linear cross-entropy) or
                "chunked" (kiln.memory.chunked_loss); kiln.config refuses a fused and a chunked loss together.
-5. parallelize DDP wraps, FSDP2 shards (kiln.dist.parallelize): after 1-4, so every transformed block is what
+5. parallelize DDP wraps, FSDP2 shards (kiln.parallel.parallelize): after 1-4, so every transformed block is what
                fully_shard sees; a no-op in a world of one.
 6. compile     torch.compile of the finished model (the step calls the compiled one; hooks stay on the eager one).
 
@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn as nn
 
-from kiln.dist import ParallelConfig, World, parallelize
+from kiln.parallel import ParallelConfig, World, parallelize
 from kiln.memory.chunked_loss import ChunkedLMLoss
 from kiln.memory.offload import apply_offload
 from kiln.memory.recompute import apply_recompute

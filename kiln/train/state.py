@@ -21,7 +21,7 @@ import numpy as np
 import torch
 import torch.nn as nn
 
-from kiln.dist import World
+from kiln.parallel import World
 from kiln.train.checkpoint import rng_state, set_rng_state
 from kiln.train.optim import AdaptiveClip, OptimConfig, build_optimizer, param_groups
 from kiln.train.pipeline import ModelPlan, prepare_model

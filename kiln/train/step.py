@@ -13,7 +13,7 @@ from torch.distributed import ReduceOp
 from torch.distributed.tensor import DTensor
 
 from kiln.data.batches import to_device
-from kiln.dist import World, gradient_sync
+from kiln.parallel import World, gradient_sync
 from kiln.numerics.spikes import StepGuard
 from kiln.train.masked import optimizer_step
 from kiln.train.optim import AdaptiveClip, clip_gradients

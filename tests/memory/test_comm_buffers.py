@@ -2,7 +2,7 @@
 
 Modelled from the torch documentation (docs/memory.md), not yet measured: on CPU the live-tensor instrument cannot
 follow FSDP2's resized storages, and DDP allocates its buckets in C++ where no Python hook sees them. These tests
-hold the model to its own rules and to the state bytes that tests/dist measures exactly (rank_state)."""
+hold the model to its own rules and to the state bytes that tests/parallel measures exactly (rank_state)."""
 from dataclasses import replace
 
 import pytest
@@ -33,7 +33,7 @@ def test_ddp_buckets_are_one_more_copy_of_the_gradients_all_run_long(strategy, p
 
 @pytest.mark.parametrize("world", [2, 3, 8])
 def test_fsdp_gradients_end_the_backward_as_the_measured_shards(world):
-    """The per-block shards the backward leaves behind add up to rank_state's gradients, which tests/dist measures
+    """The per-block shards the backward leaves behind add up to rank_state's gradients, which tests/parallel measures
     on real FSDP2 ranks: two independent paths to one number."""
     j = job(parallel="fsdp", world=world)
     b = estimate(j)

@@ -28,7 +28,7 @@ def test_a_kill_while_an_async_save_is_written_leaves_the_previous_checkpoint(co
             "--schedule.warmup_steps=2", "--checkpoint.interval=3", "--checkpoint.async_save=true",
             f"--run-dir={run}"]
     env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1", KILN_TEST_SLOW_SAVE="6@60")
-    proc = subprocess.Popen([sys.executable, str(ROOT / "tests" / "dist" / "elastic_entry.py"), "train", *args],
+    proc = subprocess.Popen([sys.executable, str(ROOT / "tests" / "parallel" / "elastic_entry.py"), "train", *args],
                             cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     deadline, steps = time.time() + 120, []
     try:

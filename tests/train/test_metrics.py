@@ -15,7 +15,7 @@ def test_every_record_has_a_kind_and_its_fields(small_config, tmp_path):
     records = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     kinds = [r["kind"] for r in records]
     # train, eval and numerics (the planted NaN) all occurred; event records (a restart, a straggler) come from
-    # torchrun runs only (tests/dist/test_fleet.py)
+    # torchrun runs only (tests/parallel/test_fleet.py)
     assert set(kinds) == set(KINDS) - {"event"}
     for r in records:
         if r["kind"] == "train":

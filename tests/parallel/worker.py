@@ -1,4 +1,4 @@
-"""Run by tests/dist/test_dist.py under `torchrun --nproc_per_node=2`: every distributed scenario in one launch
+"""Run by tests/parallel/test_dist.py under `torchrun --nproc_per_node=2`: every distributed scenario in one launch
 (spawning processes is the slow part). Each rank runs the same calls; results land in OUT (rank 0 writes)."""
 import json
 import os
@@ -7,8 +7,8 @@ import sys
 import time
 from pathlib import Path
 
-from tests.dist.scenarios import fit_run, lm_config, measured_state_bytes
-from kiln.dist.watchdog import CollectiveError
+from tests.parallel.scenarios import fit_run, lm_config, measured_state_bytes
+from kiln.parallel.watchdog import CollectiveError
 from kiln.run.lm import train
 from kiln.train import loop
 from kiln.train.loop import Trainer
@@ -36,7 +36,7 @@ except ValueError as e:
     if os.environ["RANK"] == "0":
         (out / "bad_global.txt").write_text(str(e))
 
-# Surviving failures (tests/dist/test_fleet.py). Rank 1 alone is preempted (SIGUSR1 after its step 3): every rank
+# Surviving failures (tests/parallel/test_fleet.py). Rank 1 alone is preempted (SIGUSR1 after its step 3): every rank
 # stops at the same step with one checkpoint.
 rank = int(os.environ["RANK"])
 log = Trainer._log

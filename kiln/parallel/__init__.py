@@ -7,9 +7,9 @@ FSDP2 (fully_shard per transformer block plus the root). Never a home-made engin
     gradient_sync(step_model, on)     accumulation: no gradient reduction until the last micro-batch
     world.all_reduce(t, op)           in place; a no-op in a world of one
 
-Surviving failures (multi-node, elastic restarts) lives beside it: kiln.dist.watchdog (a collective that fails or
-times out becomes one line naming the rank, the step and the collective), kiln.dist.elastic (--auto-resume under
-torchrun --max-restarts, the restart record), kiln.dist.stragglers (a rank slower than the others, named).
+Surviving failures (multi-node, elastic restarts) lives beside it: kiln.parallel.watchdog (a collective that fails or
+times out becomes one line naming the rank, the step and the collective), kiln.parallel.elastic (--auto-resume under
+torchrun --max-restarts, the restart record), kiln.parallel.stragglers (a rank slower than the others, named).
 
 A plain `kiln train` without torchrun is a world of one with strategy none: no process group, nothing changes.
 """
@@ -43,6 +43,11 @@ class ParallelConfig:
     timeout: float = 300.0  # seconds a collective waits for the other ranks before the run stops, naming the rank
     straggler_factor: float = 1.5  # a rank whose compute time per step is this many times the median is slow
     straggler_intervals: int = 3  # ... for this many log intervals in a row: named in a warning (0: never checked)
+    tp: int = 1  # tensor-parallel degree: each block's linears split over tp neighbouring ranks (kiln.parallel.layout)
+    pp: int = 1  # pipeline stages: the blocks split into pp consecutive groups, one per rank
+    pp_schedule: str = "1f1b"  # gpipe | 1f1b | interleaved_1f1b (2 virtual stages per rank)
+    pp_microbatches: int = 0  # pipeline micro-batches per step; 0 = max(pp, train.grad_accum_steps)
+    sequence_parallel: bool = False  # tp: norms and dropout on 1/tp of the sequence between the TP regions
 
     def validate(self):
         if self.strategy not in STRATEGIES:
@@ -167,7 +172,7 @@ def init_world(cfg: ParallelConfig, device_type: str) -> World:
     if missing:
         raise ValueError(f"the distributed environment lacks {', '.join(missing)}; launch with torchrun "
                          f"(torchrun --standalone --nproc_per_node=N -m kiln train ...), which sets them")
-    if cfg.strategy == "none" and size > 1:
+    if cfg.strategy == "none" and size > cfg.tp * cfg.pp:
         raise ValueError(f"torchrun started {size} processes but parallel.strategy=none would train {size} "
                          f"independent copies; set --parallel.strategy=ddp, zero1 or fsdp")
     if not dist.is_initialized():

@@ -14,11 +14,11 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from kiln.dist import ParallelConfig, init_world
+from kiln.parallel import ParallelConfig, init_world
 from kiln.memory.estimate import Target, rank_state
 from kiln.memory.levers import make_job
 from kiln.run.lm import train
-from tests.dist.scenarios import lm_config
+from tests.parallel.scenarios import lm_config
 
 RTOL = 1e-6
 STRATEGIES = ("ddp", "zero1", "fsdp")

@@ -2,7 +2,7 @@
 a rank preempted alone, a straggler (CPU, gloo).
 
 Two launch groups: the 2-node elastic launch here (two torchrun agents, c10d rendezvous, one worker each), and
-tests/dist/worker.py's 2-process launch (conftest's `launched`), whose last scenarios are the hang, the preemption
+tests/parallel/worker.py's 2-process launch (conftest's `launched`), whose last scenarios are the hang, the preemption
 and the straggler.
 """
 import json
@@ -15,16 +15,16 @@ import pytest
 
 from kiln.cli.main import main
 from kiln.config import to_toml
-from kiln.dist import ParallelConfig
-from kiln.dist.elastic import restart_record
-from kiln.dist.watchdog import CollectiveError
+from kiln.parallel import ParallelConfig
+from kiln.parallel.elastic import restart_record
+from kiln.parallel.watchdog import CollectiveError
 from kiln.run.lm import train
 from kiln.train.checkpoint import verify
 from kiln.report.figures import event_rows
 from kiln.report.runs import read_run
-from tests.dist.conftest import ROOT
-from tests.dist.scenarios import lm_config
-from tests.dist.test_dist import assert_close_curves, losses, records
+from tests.parallel.conftest import ROOT
+from tests.parallel.scenarios import lm_config
+from tests.parallel.test_dist import assert_close_curves, losses, records
 
 
 def _free_port() -> int:
@@ -55,7 +55,7 @@ def two_nodes(tmp_path_factory, source, kiln_cache):
         procs.append(subprocess.Popen(
             [sys.executable, "-m", "torch.distributed.run", "--nnodes=2", f"--node_rank={node}",
              "--nproc_per_node=1", "--rdzv_backend=c10d", f"--rdzv_endpoint=127.0.0.1:{port}", "--max-restarts=1",
-             "--monitor-interval=0.2", str(ROOT / "tests" / "dist" / "elastic_entry.py"), "train",
+             "--monitor-interval=0.2", str(ROOT / "tests" / "parallel" / "elastic_entry.py"), "train",
              str(out / "run.toml"), "--run-dir", str(out / "run"), "--auto-resume", "--data.cache_per_node=true"],
             cwd=ROOT, env=env | {"KILN_CACHE": str(out / f"cache{node}")}, stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT, text=True))

@@ -1,6 +1,6 @@
-"""`kiln` under torchrun with a node failure planted, for tests/dist/test_fleet.py:
+"""`kiln` under torchrun with a node failure planted, for tests/parallel/test_fleet.py:
 
-    python -m torch.distributed.run ... tests/dist/elastic_entry.py train CONFIG --run-dir DIR --auto-resume ...
+    python -m torch.distributed.run ... tests/parallel/elastic_entry.py train CONFIG --run-dir DIR --auto-resume ...
 
 KILN_TEST_KILL=RANK@STEP: on torchrun's first attempt (TORCHELASTIC_RESTART_COUNT=0) that rank SIGKILLs itself
 right after logging that step, as a node that dies does; torchrun restarts the group and the same command line

@@ -9,7 +9,7 @@ wall time of a step cannot tell them apart, nor can the forward's (DDP broadcast
 a collective too). What differs is each rank's own work: the time from the start of its step until its batches
 were ready (the data it waited for; the step's first collective comes after), plus the time from the start of
 the inner model's last forward (after DDP's buffer broadcast) to the moment DDP's last gradient bucket was ready
-(kiln.dist.CommTimer.last_launch): the last micro-batch's forward and backward without the waits. That "own
+(kiln.parallel.CommTimer.last_launch): the last micro-batch's forward and backward without the waits. That "own
 time" per step, averaged over a log interval, is all-gathered (one small collective
 per interval); a rank above parallel.straggler_factor × the median of the other ranks (with 2 ranks: the other
 one), and by more than 20 ms, for parallel.straggler_intervals intervals in a row is named once, with an

@@ -1,0 +1,133 @@
+"""The layout of a run across processes: how many ways the model is split (tensor, pipeline) and how many copies of
+it see different data (data parallel), decided once from the `parallel` section, the world size and the model.
+
+    plan = ParallelPlan.build(cfg.parallel, world_size, model_cfg, family)   degrees checked, or a one-line error
+    plan.mesh_shape                    {"pp": P, "dp": D, "tp": T}: tp innermost (neighbouring ranks, one node)
+    plan.device_mesh(device_type)      torch's DeviceMesh with those named dims (init_device_mesh)
+    plan.stage_layers()                the blocks each pipeline stage holds (even split, the remainder first)
+
+Everything that branches on a layout asks this object: the model pipeline (apply TP, split into stages, wrap for
+data parallelism), the loop (which ranks hold the loss, which reduce what), the checkpointer, the estimator and
+the planner. Pure arithmetic except device_mesh, so the estimator and planner use it without a process group.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from kiln.models.config import ModelConfig
+
+PP_SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b")
+MESH_DIMS = ("pp", "dp", "tp")  # outermost to innermost
+
+
+@dataclass(frozen=True)
+class ParallelPlan:
+    world_size: int
+    tp: int = 1  # tensor-parallel degree: each block's linears split column/row-wise over tp ranks
+    pp: int = 1  # pipeline stages
+    strategy: str = "none"  # data parallelism over dp = world / (tp·pp) ranks: none | ddp | zero1 | fsdp
+    sequence_parallel: bool = False  # tp: norms and dropout on a sequence shard between the TP regions
+    pp_schedule: str = "1f1b"
+    pp_microbatches: int = 0  # 0 = max(pp, grad_accum_steps), resolved by build() when the batch is known
+    virtual_stages: int = 1  # stages per pipeline rank (interleaved_1f1b: 2)
+
+    @property
+    def dp(self) -> int:
+        return self.world_size // (self.tp * self.pp)
+
+    @property
+    def mesh_shape(self) -> dict[str, int]:
+        return {"pp": self.pp, "dp": self.dp, "tp": self.tp}
+
+    @property
+    def model_parallel(self) -> bool:
+        """The model itself is split (tp or pp > 1): each rank holds part of every step's model."""
+        return self.tp > 1 or self.pp > 1
+
+    def coords(self, rank: int) -> dict[str, int]:
+        """This rank's index along each mesh dim (row-major over MESH_DIMS, tp fastest)."""
+        out, rest = {}, rank
+        for dim in reversed(MESH_DIMS):
+            out[dim], rest = rest % self.mesh_shape[dim], rest // self.mesh_shape[dim]
+        return out
+
+    def stage_layers(self, n_layer: int) -> list[range]:
+        """The blocks of each of the pp × virtual_stages stages, in model order: an even split, the first
+        stages taking one more block when n_layer does not divide."""
+        stages = self.pp * self.virtual_stages
+        base, extra = divmod(n_layer, stages)
+        out, start = [], 0
+        for s in range(stages):
+            n = base + (s < extra)
+            out.append(range(start, start + n))
+            start += n
+        return out
+
+    def device_mesh(self, device_type: str):
+        """The run's DeviceMesh over every rank, dims named as MESH_DIMS (a dim of degree 1 is kept, so code can
+        always ask mesh["tp"])."""
+        from torch.distributed.device_mesh import init_device_mesh  # lazy: only a multi-process run builds one
+
+        return init_device_mesh(device_type, tuple(self.mesh_shape.values()), mesh_dim_names=MESH_DIMS)
+
+    @classmethod
+    def build(cls, cfg, world_size: int, model: ModelConfig | None = None, family=None,
+              batch_sequences: int | None = None, grad_accum_steps: int = 1) -> "ParallelPlan":
+        """Check the `parallel` section (a ParallelConfig) against the world and the model (a resolved
+        ModelConfig and its Family, when known); every refusal is one line naming the fix.
+
+        batch_sequences: sequences one data-parallel rank computes per step (micro_batch_size ×
+        grad_accum_steps), which the pipeline's micro-batches must divide."""
+        tp, pp = cfg.tp, cfg.pp
+        if tp < 1 or pp < 1:
+            raise ValueError(f"parallel.tp={tp} and parallel.pp={pp} must be ≥ 1 (1 = not split)")
+        if world_size % (tp * pp):
+            raise ValueError(f"{world_size} processes do not divide into parallel.tp={tp} × parallel.pp={pp} = "
+                             f"{tp * pp} ranks per model copy: launch a multiple of {tp * pp} processes "
+                             f"(torchrun --nproc_per_node) or change tp/pp")
+        dp = world_size // (tp * pp)
+        if dp > 1 and cfg.strategy == "none":
+            raise ValueError(f"{world_size} processes with tp={tp} × pp={pp} leave {dp} data-parallel copies, but "
+                             f"parallel.strategy=none would train them independently: set "
+                             f"--parallel.strategy=ddp, zero1 or fsdp")
+        if cfg.sequence_parallel and tp == 1:
+            raise ValueError("parallel.sequence_parallel splits the sequence among tensor-parallel ranks: it needs "
+                             "--parallel.tp > 1")
+        if cfg.pp_schedule not in PP_SCHEDULES:
+            raise ValueError(f"parallel.pp_schedule={cfg.pp_schedule!r} is unknown; use one of {PP_SCHEDULES}")
+        virtual = 2 if cfg.pp_schedule == "interleaved_1f1b" and pp > 1 else 1
+        if model is not None:
+            _check_model(tp, pp * virtual, model, family, cfg.pp_schedule)
+        micro = cfg.pp_microbatches
+        if pp > 1 and batch_sequences is not None:
+            micro = micro or max(pp, grad_accum_steps)
+            if micro < 1 or batch_sequences % micro:
+                raise ValueError(f"parallel.pp_microbatches={micro} must divide each rank's batch of "
+                                 f"{batch_sequences} sequences (train.micro_batch_size × train.grad_accum_steps): "
+                                 f"pick a divisor of {batch_sequences}")
+            if cfg.pp_schedule != "gpipe" and micro < pp:
+                raise ValueError(f"parallel.pp_schedule={cfg.pp_schedule} with {pp} stages needs at least {pp} "
+                                 f"pipeline micro-batches (parallel.pp_microbatches={micro}); raise it or use gpipe")
+        return cls(world_size, tp, pp, cfg.strategy, cfg.sequence_parallel, cfg.pp_schedule, micro, virtual)
+
+
+def _check_model(tp: int, stages: int, model: ModelConfig, family, schedule: str) -> None:
+    if stages > model.n_layer:
+        what = f"{stages} stages ({schedule}: 2 per rank)" if schedule == "interleaved_1f1b" else f"{stages} stages"
+        raise ValueError(f"parallel.pp splits {model.n_layer} blocks into {what}: use at most {model.n_layer} "
+                         f"stages (a stage holds ≥ 1 block)")
+    if tp == 1:
+        return
+    sizes = {"model.n_head": model.n_head, "model.n_kv_head": model.n_kv_head}
+    if family is not None:
+        for lin in family.linears(model):
+            if lin.tp == "column":
+                sizes[f"the output width of {lin.name}"] = lin.n_out
+            elif lin.tp == "row":
+                sizes[f"the input width of {lin.name}"] = lin.n_in
+            elif lin.tp == "expert":
+                sizes["model.n_experts"] = lin.copies
+    for name, size in sizes.items():
+        if size % tp:
+            raise ValueError(f"parallel.tp={tp} does not divide {name} = {size}: pick a tp that divides it "
+                             f"(each rank holds 1/tp of it)")

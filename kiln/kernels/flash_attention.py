@@ -190,7 +190,7 @@ def _blocks(q: torch.Tensor):
             return 64, 64, block_d, 8 if block_d >= 128 else 4, 2
         # Wider rows (fp32 at D=128): 32x32 tiles. At 64x64 the fp32 backward needs up to 192.5 KiB of shared
         # memory, more than a block gets on an A100 (163 KiB) or an L4 (99 KiB); 32x32 needs at most 96.2 KiB
-        # (compiled for sm_80 and sm_89 by tests/kernels/test_kernels_gpu_launches.py).
+        # (checked against both limits by tests/kernels/test_kernels_gpu_launches.py).
         return 32, 32, block_d, 4, 2
     return 16, 16, block_d, 1, 1  # tl.dot's smallest tile; the interpreter's cost is per program and per op
 

@@ -186,7 +186,7 @@ def interpret_env() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0").strip().lower() in ("1", "true", "yes", "on")
 
 
-# The GPUs the kernels' launch configurations are checked for (compiled for sm_80, sm_89 and sm_90 by
+# The GPUs the kernels' launch configurations are checked for (sm_80, sm_89 and sm_90's shared memory, by
 # tests/kernels/test_kernels_gpu_launches.py). Older cards have less shared memory per block than some launches
 # need: 16-bit flash attention at head dim 128 takes 128 KiB in its backward, a V100 block gets 96 KiB.
 MIN_CAPABILITY = (8, 0)

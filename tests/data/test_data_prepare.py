@@ -190,7 +190,10 @@ def test_validate_names_the_bad_field(field, value, match):
 
 def test_defaults_are_valid_and_bytes_ignores_vocab_size():
     DataConfig().validate()
-    DataConfig(vocab_size=10).validate()  # bytes has a fixed 256-id vocabulary
+    assert DataConfig().tokenizer == "bytes"
+    DataConfig(vocab_size=10).validate()  # bytes has a fixed 256-id vocabulary: vocab_size is not read
+    with pytest.raises(ValueError, match="data.vocab_size=10 is out of range for bpe"):
+        DataConfig(tokenizer="bpe", vocab_size=10).validate()  # the same value where it is read
 
 
 def test_parquet_and_datasets_directories_are_sources(tmp_path):

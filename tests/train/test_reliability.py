@@ -47,9 +47,44 @@ def _cli_args(corpus_file, run_dir, steps):
             f"--run-dir={run_dir}"]
 
 
+class Background:
+    """A `kiln train` started now and awaited later: a reference run trains on the other core while the test drives
+    its own run (each has one thread)."""
+
+    def __init__(self, args: list[str], run_dir: Path):
+        self.run_dir, self.proc, self.losses = run_dir, _run_cli(args), None
+
+    def train_losses(self) -> dict[int, float]:
+        if self.losses is None:
+            out, _ = self.proc.communicate(timeout=180)
+            assert self.proc.returncode == 0, out
+            self.losses = _train_losses(self.run_dir)
+        return self.losses
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.stop()
+
+
+@pytest.fixture(scope="module")
+def straight_60(corpus_file, kiln_cache, tmp_path_factory):
+    """The uninterrupted 60-step run every signal test must end on, trained once."""
+    run = tmp_path_factory.mktemp("straight") / "run"
+    straight = Background(_cli_args(corpus_file, run, 60), run)
+    yield straight
+    straight.stop()
+
+
 @pytest.mark.parametrize("sig, status", [(signal.SIGTERM, 143), (signal.SIGINT, 130), (signal.SIGUSR1, 138)])
 def test_a_signal_ends_the_run_with_a_checkpoint_and_resume_continues_the_curve(corpus_file, kiln_cache, tmp_path,
-                                                                                  sig, status):
+                                                                                  straight_60, sig, status):
     run = tmp_path / "run"
     proc = _run_cli(_cli_args(corpus_file, run, 60))
     deadline = time.time() + 60
@@ -68,10 +103,7 @@ def test_a_signal_ends_the_run_with_a_checkpoint_and_resume_continues_the_curve(
     resumed = _run_cli(["--resume", str(run), "--train.max_steps=60"])
     out, _ = resumed.communicate(timeout=120)
     assert resumed.returncode == 0, out
-    straight = _run_cli(_cli_args(corpus_file, tmp_path / "straight", 60))
-    out, _ = straight.communicate(timeout=120)
-    assert straight.returncode == 0, out
-    assert _train_losses(run) == _train_losses(tmp_path / "straight")
+    assert _train_losses(run) == straight_60.train_losses()
 
 
 @pytest.fixture
@@ -249,25 +281,24 @@ def test_kill_9_at_random_moments_never_leaves_an_unloadable_run(corpus_file, ki
     trials = int(os.environ.get("KILN_KILL9_TRIALS", "50"))
     steps = max(60, 2 * trials)
     args = _cli_args(corpus_file, tmp_path / "run", steps) + ["--checkpoint.interval=1", "--checkpoint.keep_last=2"]
-    for trial in range(trials):
-        proc = _run_cli(args if trial == 0 else ["--resume", str(tmp_path / "run"), f"--train.max_steps={steps}"])
-        deadline = time.time() + 30
-        while time.time() < deadline and not (tmp_path / "run" / "checkpoints" / "latest").exists():
-            time.sleep(0.02)
-        time.sleep(rng.uniform(0.0, 0.6))  # somewhere in a step or a save
-        proc.kill()
-        proc.wait()
-        said = []
-        state = Checkpointer(ckpt.CheckpointConfig(), tmp_path / "run", warn=said.append).load()
-        logged = [json.loads(line)["step"] for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()
-                  if line.endswith("}")]
-        assert state["step"] >= max(logged) - 1, (trial, state["step"], max(logged), said)
-    finished = _run_cli(["--resume", str(tmp_path / "run"), f"--train.max_steps={steps}"])
-    out, _ = finished.communicate(timeout=120)
-    assert finished.returncode == 0, out
-    straight = _run_cli(_cli_args(corpus_file, tmp_path / "straight", steps))
-    straight.communicate(timeout=120)
-    assert _train_losses(tmp_path / "run") == _train_losses(tmp_path / "straight")
+    with Background(_cli_args(corpus_file, tmp_path / "straight", steps), tmp_path / "straight") as straight:
+        for trial in range(trials):
+            proc = _run_cli(args if trial == 0 else ["--resume", str(tmp_path / "run"), f"--train.max_steps={steps}"])
+            deadline = time.time() + 120  # a first start on a loaded machine, the reference run beside it
+            while time.time() < deadline and not (tmp_path / "run" / "checkpoints" / "latest").exists():
+                time.sleep(0.02)
+            time.sleep(rng.uniform(0.0, 0.6))  # somewhere in a step or a save
+            proc.kill()
+            proc.wait()
+            said = []
+            state = Checkpointer(ckpt.CheckpointConfig(), tmp_path / "run", warn=said.append).load()
+            logged = [json.loads(line)["step"] for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()
+                      if line.endswith("}")]
+            assert state["step"] >= max(logged) - 1, (trial, state["step"], max(logged), said)
+        finished = _run_cli(["--resume", str(tmp_path / "run"), f"--train.max_steps={steps}"])
+        out, _ = finished.communicate(timeout=120)
+        assert finished.returncode == 0, out
+        assert _train_losses(tmp_path / "run") == straight.train_losses()
     assert not list((tmp_path / "run" / "checkpoints").glob(".tmp-*"))
 
 

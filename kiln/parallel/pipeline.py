@@ -117,7 +117,12 @@ class PipelineModel(nn.Module):
             raise ValueError(f"parallel.pp with parallel.strategy={strategy} is not built: use --parallel.strategy="
                              f"ddp for the {self.plan.dp} data-parallel copies of each stage")
         ids = [device.index] if device.type == "cuda" else None
-        return nn.parallel.DistributedDataParallel(stage, device_ids=ids, process_group=self.dp_group)
+        ddp = nn.parallel.DistributedDataParallel(stage, device_ids=ids, process_group=self.dp_group)
+        # PipelineStage readies DDP's reducer itself before the last micro-batch's backward and runs the others
+        # under no_sync; a forward must not ready it too (1F1B runs a later micro-batch's forward before an
+        # earlier one's backward, which would then count every gradient twice: DDP's bucket rebuild asserts).
+        ddp.require_backward_grad_sync = False
+        return ddp
 
     def forward(self, *args, **kwargs):
         raise ValueError("a pipeline-parallel model runs through its schedule (PipelineModel.train_step, "

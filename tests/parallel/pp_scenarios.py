@@ -45,6 +45,9 @@ def pp_run(cfg, run_dir: Path, resume: bool = False):
         if resume:
             trainer.resume()
         trainer.run()
+    except BaseException:
+        lm.state.world.broken = True  # the others may be inside a collective: no barrier to wait at
+        raise
     finally:
         lm.state.world.close()
     return lm.state

@@ -77,6 +77,9 @@ class PipelineModel(nn.Module):
         if getattr(model, "moe", None):
             raise ValueError("parallel.pp with a mixture of experts is not built (its load-balancing loss spans the "
                              "stages): train it with --parallel.pp=1")
+        if strategy not in ("none", "ddp"):
+            raise ValueError(f"parallel.pp with parallel.strategy={strategy} is not built: use --parallel.strategy="
+                             f"ddp for the data-parallel copies of each stage (none when there is one copy)")
         self.plan, self.coords = plan, plan.coords(rank)
         mesh = plan.device_mesh(device.type)
         self.pp_group, self.dp_group = mesh["pp"].get_group(), mesh["dp"].get_group()
@@ -95,8 +98,6 @@ class PipelineModel(nn.Module):
         if self.has_last:
             self.norm, self.head, self.loss = model.norm, model.head, model.loss
         self.tied = model.head is None
-        # The last stage's copy of a tied embedding, counted once in the gradient norm (the first stage's counts).
-        self.duplicate = self.embed.weight if self.tied and self.has_last and not self.has_first else None
         self.tie_group = _tie_group(plan, rank) if self.tied else None
         self.dp = plan.dp
         wrapped = [self._data_parallel(st, device, strategy) for st in self.stages]
@@ -113,9 +114,6 @@ class PipelineModel(nn.Module):
     def _data_parallel(self, stage: Stage, device, strategy: str) -> nn.Module:
         if self.plan.dp == 1:
             return stage
-        if strategy != "ddp":
-            raise ValueError(f"parallel.pp with parallel.strategy={strategy} is not built: use --parallel.strategy="
-                             f"ddp for the {self.plan.dp} data-parallel copies of each stage")
         ids = [device.index] if device.type == "cuda" else None
         ddp = nn.parallel.DistributedDataParallel(stage, device_ids=ids, process_group=self.dp_group)
         # PipelineStage readies DDP's reducer itself before the last micro-batch's backward and runs the others
@@ -128,6 +126,11 @@ class PipelineModel(nn.Module):
         raise ValueError("a pipeline-parallel model runs through its schedule (PipelineModel.train_step, "
                          "evaluate_batch), not in one piece; this use of the model (the NaN trace's replay, "
                          "sampling) is not built under parallel.pp: turn it off (--numerics.trace=false) or run pp=1")
+
+    @property
+    def duplicate(self) -> nn.Parameter | None:
+        """The last stage's copy of a tied embedding, counted once in the gradient norm (the first stage's counts)."""
+        return self.embed.weight if self.tied and self.has_last and not self.has_first else None
 
     @property
     def head_weight(self) -> torch.Tensor:

@@ -206,6 +206,9 @@ def _build_lm(cfg: Config, run_dir, log, device: torch.device, with_data: bool, 
         layout = ParallelPlan.build(cfg.parallel, world.size, cfg.model, family(cfg.model.arch),
                                     tc.micro_batch_size * tc.grad_accum_steps, tc.grad_accum_steps)
         world.place(layout)
+        if cfg.numerics.trace:  # its replay runs the model in one piece; non-finite steps are still withheld
+            log("numerics.trace: off under parallel.pp (the NaN trace's replay is not built for a split model)")
+            cfg = replace(cfg, numerics=replace(cfg.numerics, trace=False))
     model = build_model(cfg.model, "cpu" if device.type == "meta" else device)
     if initial is not None:
         missing, unexpected = model.load_state_dict(initial, strict=False)

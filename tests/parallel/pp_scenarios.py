@@ -32,7 +32,6 @@ def pp_config(source: str, *, arch: str = "gpt2", n_layer: int = 2, pp: int = 1,
     cfg = lm_config(source, strategy or ("ddp" if dp > 1 else "none"), steps=steps)
     cfg.model.arch, cfg.model.n_layer = arch, n_layer
     cfg.parallel.pp, cfg.parallel.pp_schedule, cfg.parallel.pp_microbatches = pp, schedule, microbatches
-    cfg.numerics.trace = False  # the NaN trace replays the model in one piece (not built under pp)
     return cfg
 
 

@@ -98,6 +98,11 @@ class World:
     timeout: float = 300.0  # parallel.timeout: how long a collective waits for the others
     broken: bool = False  # a collective failed (a rank died or hung): no further collective is attempted
     _side: object = None  # side_group()
+    # The model split across ranks (parallel.pp): ranks that share data (pipeline stages of one copy) are placed by
+    # place(); until then every rank is its own data-parallel copy.
+    split: bool = False
+    data_rank: int | None = None  # this rank's index among the data-parallel copies (the dp coordinate)
+    data_ranks: int | None = None  # how many copies see different data (the dp degree)
 
     @property
     def main(self) -> bool:
@@ -105,8 +110,22 @@ class World:
 
     @property
     def sharded(self) -> bool:
-        """Each rank computes on its own data: gradients are averaged (DDP, FSDP) across `size` ranks."""
-        return self.strategy != "none"
+        """The run spans ranks that hold their own state: data parallelism (gradients averaged by DDP or FSDP) or
+        a split model; checkpoints are written by every rank (DCP)."""
+        return self.strategy != "none" or self.split
+
+    @property
+    def dp_rank(self) -> int:
+        return self.rank if self.data_rank is None else self.data_rank
+
+    @property
+    def dp_size(self) -> int:
+        """Copies of the model that see different data: each serves its own batches (loader, evaluation, rate)."""
+        return self.size if self.data_ranks is None else self.data_ranks
+
+    def place(self, plan) -> None:
+        """This rank's place in a layout whose model is split (a kiln.parallel.layout.ParallelPlan with pp > 1)."""
+        self.split, self.data_rank, self.data_ranks = True, plan.coords(self.rank)["dp"], plan.dp
 
     def all_reduce(self, t: torch.Tensor, op=dist.ReduceOp.SUM) -> torch.Tensor:
         if self.size > 1:

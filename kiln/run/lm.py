@@ -23,6 +23,7 @@ from kiln.data import PreparedData, TokenLoader, prepare_data, val_batches
 from kiln.data.batches import to_device
 from kiln.parallel import device_for, init_world, launched_by_torchrun
 from kiln.parallel.elastic import restart_record
+from kiln.parallel.layout import ParallelPlan
 from kiln.interop.hf import read_hf
 from kiln.memory.devices import get_device, local_device
 from kiln.memory.estimate import fmt_bytes, parse_bytes
@@ -30,6 +31,7 @@ from kiln.memory.levers import runtime_job
 from kiln.memory.planner import search
 from kiln.models import ModelConfig, Transformer, build_model
 from kiln.models.config import with_training_fields
+from kiln.models.registry import family
 from kiln.numerics.faults import DelayedLoader
 from kiln.perf import flops_per_token
 from kiln.perf.flops import recompute_flops_per_token
@@ -66,15 +68,17 @@ def resolve_model(cfg: Config, vocab: int) -> ModelConfig:
     return model_cfg
 
 
-def model_plan(cfg: Config, model_cfg: ModelConfig, precision: str, device: torch.device) -> ModelPlan:
-    """The model pipeline's plan from the train and memory sections (kiln.config checked they agree)."""
+def model_plan(cfg: Config, model_cfg: ModelConfig, precision: str, device: torch.device,
+               layout: ParallelPlan | None = None) -> ModelPlan:
+    """The model pipeline's plan from the train and memory sections (kiln.config checked they agree); layout: the
+    run's ParallelPlan when the model is split."""
     kernels = resolve_kernels(cfg.train.kernels, device)
     if kernels == "triton" and model_cfg.dropout > 0:
         kernels = "torch"  # train.kernels=auto with dropout: FlashAttention has none (explicit triton is refused)
     job = runtime_job(cfg, model_cfg, precision, device)
     loss = "chunked" if cfg.memory.chunked_loss else ("fused" if kernels == "triton" else "plain")
     return ModelPlan(kernels=kernels, fp8=precision == "fp8", recompute=job.recompute, offload=job.offload, loss=loss,
-                     loss_chunk=cfg.memory.chunked_loss, compile=cfg.train.compile, parallel=cfg.parallel)
+                     loss_chunk=cfg.memory.chunked_loss, compile=cfg.train.compile, parallel=cfg.parallel, layout=layout)
 
 
 def plan_memory(cfg: Config, device: torch.device, log=print) -> Config:
@@ -122,7 +126,7 @@ class LMRun:
     def _evaluate_on(self, model, tokens) -> float:
         c, world = self.cfg, self.state.world
         batches = val_batches(tokens, c.train.micro_batch_size, c.data.seq_len, c.train.eval_batches)
-        mine = itertools.islice(batches, world.rank, None, world.size)  # each rank its share; totals all-reduced
+        mine = itertools.islice(batches, world.dp_rank, None, world.dp_size)  # each copy its share; totals summed
         return evaluate(model, (to_device(b, self.state.device) for b in mine), self.state.objective,
                         self.state.precision, self.state.device, world if world.size > 1 else None)
 
@@ -134,7 +138,7 @@ class LMRun:
     def peak_lr(self) -> tuple[float, str | None]:
         """optim.lr, scaled to this run's global batch under optim.lr_scaling (and the line that says so)."""
         c = self.cfg
-        tokens = c.train.micro_batch_size * c.train.grad_accum_steps * c.data.seq_len * self.state.world.size
+        tokens = c.train.micro_batch_size * c.train.grad_accum_steps * c.data.seq_len * self.state.world.dp_size
         return scaled_lr(c.optim, tokens)
 
     def trainer(self, run_dir: Path, console: Console | None = None) -> Trainer:
@@ -167,7 +171,9 @@ def build_lm(cfg: Config, run_dir: Path | None = None, log=print, device: torch.
 
 
 def _build_lm(cfg: Config, run_dir, log, device: torch.device, with_data: bool, world) -> LMRun:
-    cfg = replace(cfg, train=replace(cfg.train, grad_accum_steps=accumulation_for(cfg.train, world.size)))
+    split = cfg.parallel.tp * cfg.parallel.pp  # ranks per model copy: the batch is shared by the copies
+    copies = world.size // split if world.size % split == 0 else world.size  # else ParallelPlan.build says why
+    cfg = replace(cfg, train=replace(cfg.train, grad_accum_steps=accumulation_for(cfg.train, copies)))
     seed_everything(cfg.train.seed)  # the same on every rank: the same initial weights
     initial = None
     if cfg.model.init:  # a Hugging Face checkpoint: its shape, its weights and (unless told) its tokenizer
@@ -194,6 +200,15 @@ def _build_lm(cfg: Config, run_dir, log, device: torch.device, with_data: bool, 
         cfg = plan_memory(cfg, device, log)
     cfg = replace(cfg, precision=recorded_precision(cfg.precision, asked, device))
     precision = cfg.precision.mode
+    layout = None
+    if cfg.parallel.pp > 1:  # the model split into pipeline stages (kiln.parallel.pipeline)
+        tc = cfg.train
+        layout = ParallelPlan.build(cfg.parallel, world.size, cfg.model, family(cfg.model.arch),
+                                    tc.micro_batch_size * tc.grad_accum_steps, tc.grad_accum_steps)
+        world.place(layout)
+        if cfg.numerics.trace:  # its replay runs the model in one piece; non-finite steps are still withheld
+            log("numerics.trace: off under parallel.pp (the NaN trace's replay is not built for a split model)")
+            cfg = replace(cfg, numerics=replace(cfg.numerics, trace=False))
     model = build_model(cfg.model, "cpu" if device.type == "meta" else device)
     if initial is not None:
         missing, unexpected = model.load_state_dict(initial, strict=False)
@@ -203,7 +218,7 @@ def _build_lm(cfg: Config, run_dir, log, device: torch.device, with_data: bool, 
     loader = None
     if data is not None:
         loader = TokenLoader(data.train, cfg.train.micro_batch_size, cfg.data.seq_len, cfg.data.seed, device,
-                             cfg.data.prefetch, rank=world.rank, world=world.size,
+                             cfg.data.prefetch, rank=world.dp_rank, world=world.dp_size,
                              what=f"data.source={cfg.data.source!r}, train split")
         if cfg.faults.data_delay_ms:
             loader = DelayedLoader(loader, cfg.faults.data_delay_ms)
@@ -213,7 +228,7 @@ def _build_lm(cfg: Config, run_dir, log, device: torch.device, with_data: bool, 
                              f"data.val_fraction, lower data.seq_len, or use more text")
     state = build_state(model, LanguageModeling(), loader, device=device, precision=precision,
                         precision_cfg=cfg.precision, optim=cfg.optim,
-                        plan=model_plan(cfg, cfg.model, precision, device), world=world)
+                        plan=model_plan(cfg, cfg.model, precision, device, layout), world=world)
     return LMRun(cfg, state, data)
 
 
@@ -256,7 +271,7 @@ def _train(lm: LMRun, cfg: Config, run_dir: Path, resume: bool, con: Console) ->
     world = state.world
     ranks = f" | {world.strategy} × {world.size} ranks" if world.sharded else ""
     con.print(f"model: {c.model.init or c.model.preset} ({c.model.arch}) {state.n_params / 1e6:.2f}M parameters | "
-              f"device {state.device} | precision {state.precision.mode} | {tokens_per_step * world.size:,} "
+              f"device {state.device} | precision {state.precision.mode} | {tokens_per_step * world.dp_size:,} "
               f"tokens/step{ranks}", highlight=False)
     scaled = lm.peak_lr()[1]
     if scaled:
@@ -282,7 +297,10 @@ def _train(lm: LMRun, cfg: Config, run_dir: Path, resume: bool, con: Console) ->
               f"{lm.data.unigram_loss:.4f} | checkpoint {result.checkpoint}", highlight=False)
     result.unigram_loss = lm.data.unigram_loss
     # NaN weights cannot be sampled; token-id data (ids) has no text to prompt with
-    if lm.cfg.train.sample_tokens and world.main and result.failure is None and lm.data.tokenizer.kind != "ids":
+    if lm.cfg.train.sample_tokens and world.split:
+        con.print("sample: not drawn under parallel.pp (the model is split across ranks); the checkpoint's "
+                  "model.safetensors holds every stage's weights", highlight=False)
+    elif lm.cfg.train.sample_tokens and world.main and result.failure is None and lm.data.tokenizer.kind != "ids":
         result.sample = lm.sample(lm.cfg.train.sample_prompt, lm.cfg.train.sample_tokens)
         con.rule("sample")
         con.print(result.sample, markup=False, highlight=False)

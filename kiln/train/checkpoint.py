@@ -297,7 +297,7 @@ class Checkpointer:
             if world.main:
                 torch.save(state.optimizer.state_dict(), tmp / "optimizer.pt")
         torch.save({"rng": rng_state()}, tmp / f"rank_{world.rank:05d}.pt")
-        full = get_model_state_dict(state.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        full = _full_model_state_dict(state.model)
         if world.main:
             torch.save(state.shared_state_dict(), tmp / "state.pt")
             (tmp / "config.toml").write_text(config_toml)
@@ -330,12 +330,14 @@ class Checkpointer:
         if zero1 != (state.world.strategy == "zero1"):
             raise ValueError(f"{path} holds {'ZeRO-1' if zero1 else 'per-parameter'} optimizer state; resume it "
                              f"with --parallel.strategy={'zero1' if zero1 else 'ddp or fsdp'}")
-        model_sd, optim_sd = _sharded_state_dicts(state)
+        model_sd, optim_sd = _sharded_state_dicts(state, _flat_optimizer(path / "sharded"))
         target = {"model": model_sd} | ({"optimizer": optim_sd} if optim_sd is not None else {})
         dcp.load(target, checkpoint_id=path / "sharded")
         set_model_state_dict(state.model, target["model"])
         if optim_sd is not None:
-            set_optimizer_state_dict(state.model, state.optimizer, target["optimizer"])
+            set_optimizer_state_dict(state.model, state.optimizer, target["optimizer"],
+                                     options=StateDictOptions(flatten_optimizer_state_dict=_flat_optimizer(
+                                         path / "sharded")))
         else:
             state.optimizer.load_state_dict(torch.load(path / "optimizer.pt", map_location=state.device,
                                                        weights_only=False))
@@ -348,6 +350,11 @@ class Checkpointer:
     def _load_whole(self, path: Path, state) -> None:
         """A checkpoint one process wrote, into a data-parallel run: every rank reads the whole state.pt and keeps
         its part (FSDP2 shards the full tensors; ZeRO-1 takes its partition of the optimizer state)."""
+        if state.world.split:
+            raise ValueError(f"{path} was written by one process without parallel.strategy (a whole state.pt), "
+                             f"which a pipeline-parallel run cannot split; resume it on one process with "
+                             f"--parallel.strategy=ddp for a checkpoint (DCP, by parameter name), then under "
+                             f"parallel.pp")
         saved = self.load(map_location="cpu", path=path)
         full = StateDictOptions(full_state_dict=True)
         set_model_state_dict(state.model, saved["model"], options=full)
@@ -488,12 +495,29 @@ def _by_name(saved: dict, state) -> dict:
             "param_groups": [{**old, "params": new["params"]} for old, new in zip(saved["param_groups"], names)]}
 
 
-def _sharded_state_dicts(state):
+def _sharded_state_dicts(state, flat: bool = True):
     """(model, optimizer) state dicts keyed by parameter names, DTensor shards under FSDP2; the optimizer's is None
-    for ZeroRedundancyOptimizer, which DCP cannot shard (it is consolidated instead)."""
+    for ZeroRedundancyOptimizer, which DCP cannot shard (it is consolidated instead).
+
+    The optimizer's is flat (its param_groups settings per parameter name too): pipeline stages hold different
+    parameters, and a list of each group's parameters would differ from rank to rank where DCP expects one value.
+    flat=False reads a checkpoint written before (param_groups as lists)."""
     if type(state.optimizer).__name__ == "ZeroRedundancyOptimizer":
         return get_model_state_dict(state.model), None
-    return get_state_dict(state.model, state.optimizer)
+    return get_state_dict(state.model, state.optimizer, options=StateDictOptions(flatten_optimizer_state_dict=flat))
+
+
+def _flat_optimizer(sharded: Path) -> bool:
+    """Whether a DCP checkpoint holds its optimizer state flat (param_groups.<name>.lr), as kiln writes it now."""
+    keys = dcp.FileSystemReader(str(sharded)).read_metadata().state_dict_metadata
+    return not any(re.match(r"optimizer\.param_groups\.\d", k) for k in keys)
+
+
+def _full_model_state_dict(model: torch.nn.Module) -> dict:
+    """The whole model's weights on rank 0 (host copies): FSDP2's shards gathered, or a pipeline's stages."""
+    if hasattr(model, "full_state_dict"):  # kiln.parallel.pipeline.PipelineModel
+        return model.full_state_dict()
+    return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
 
 
 def write_state(state: dict, path: Path) -> None:

@@ -177,14 +177,15 @@ class AdaptiveClip:
         self.seen.copy_(state["seen"])
 
 
-def clip_gradients(params, cfg: OptimConfig, adaptive: AdaptiveClip | None = None):
+def clip_gradients(params, cfg: OptimConfig, adaptive: AdaptiveClip | None = None, norm_of=None):
     """Clip in place; returns (the global L2 norm before clipping, the threshold in force or None), both device
-    tensors (no sync)."""
+    tensors (no sync). norm_of(params) -> the norm, where it is more than these parameters' (pipeline stages)."""
     params = [p for p in params if p.grad is not None]
+    norm_of = norm_of or (lambda ps: torch.nn.utils.get_total_norm([p.grad for p in ps], foreach=True))
     if cfg.clip_mode == "adaptive":
         if adaptive is None:
             raise ValueError("optim.clip_mode=adaptive needs its norm history (kiln builds it with the TrainState)")
-        norm = torch.nn.utils.get_total_norm([p.grad for p in params], foreach=True)
+        norm = norm_of(params)
         full = norm.full_tensor() if hasattr(norm, "full_tensor") else norm  # FSDP2: the norm over every shard
         threshold = adaptive.threshold(full)
         # torch's clip_grads_with_norm_ takes the threshold as a Python float (a host sync): scale here instead
@@ -194,10 +195,10 @@ def clip_gradients(params, cfg: OptimConfig, adaptive: AdaptiveClip | None = Non
             group = [g for g in grads if g.dtype == dtype]
             torch._foreach_mul_(group, coef.to(dtype))
         return norm, threshold
+    norm = norm_of(params)
     if cfg.grad_clip > 0 and cfg.clip_mode == "norm":
-        norm = torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip, foreach=True)
+        torch.nn.utils.clip_grads_with_norm_(params, cfg.grad_clip, norm, foreach=True)  # = clip_grad_norm_
         return norm, None
-    norm = torch.nn.utils.get_total_norm([p.grad for p in params], foreach=True)
     if cfg.grad_clip > 0:
         torch.nn.utils.clip_grad_value_(params, cfg.grad_clip, foreach=True)
     return norm, None

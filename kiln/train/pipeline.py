@@ -1,6 +1,6 @@
 """The model pipeline: every transformation of a built model, in one function and one written order.
 
-    fp8 → kernels → recompute → activation offload → loss → parallelize → compile
+    fp8 → kernels → recompute → activation offload → loss → pipeline split or parallelize → compile
 
 0. fp8         precision.mode=fp8: the block linears become torchao's Float8Linear (kiln.train.precision).
 1. kernels     Triton norms, activations, attention core and RoPE swapped in by exact module type
@@ -12,6 +12,9 @@
                "chunked" (kiln.memory.chunked_loss); kiln.config refuses a fused and a chunked loss together.
 5. parallelize DDP wraps, FSDP2 shards (kiln.parallel.parallelize): after 1-4, so every transformed block is what
                fully_shard sees; a no-op in a world of one.
+   pipeline    parallel.pp > 1 (plan.layout): the blocks split into stages run by torch's pipeline schedules
+               (kiln.parallel.pipeline.PipelineModel), each stage wrapped in DDP over the data-parallel ranks;
+               the model and the step model are then that one object.
 6. compile     torch.compile of the finished model (the step calls the compiled one; hooks stay on the eager one).
 
 Levers 2-4 need kiln's transformer (a `blocks` list, an `LMLoss`); asked of another model they are an error that
@@ -25,6 +28,8 @@ import torch
 import torch.nn as nn
 
 from kiln.parallel import ParallelConfig, World, parallelize
+from kiln.parallel.layout import ParallelPlan
+from kiln.parallel.pipeline import PipelineModel
 from kiln.memory.chunked_loss import ChunkedLMLoss
 from kiln.memory.offload import apply_offload
 from kiln.memory.recompute import apply_recompute
@@ -46,6 +51,7 @@ class ModelPlan:
     loss_chunk: int = 0  # chunked: tokens per chunk
     compile: bool = False
     parallel: ParallelConfig = field(default_factory=ParallelConfig)  # the `parallel` section
+    layout: ParallelPlan | None = None  # the run's layout when the model is split (parallel.pp > 1)
 
     def __post_init__(self):
         if self.loss not in LOSSES:
@@ -102,6 +108,13 @@ def prepare_model(model: nn.Module, plan: ModelPlan, device: torch.device | None
             # Like LMLoss, the SUM over valid targets: the step divides by the global batch's valid count.
             model.loss = FusedLinearCrossEntropyLoss(ignore_index=IGNORE_INDEX, reduction="sum")
         applied["loss"] = plan.loss
+    if plan.layout is not None and plan.layout.pp > 1:
+        if plan.compile:
+            raise ValueError("train.compile with parallel.pp is not built (the stages would compile one by one): "
+                             "set --train.compile=false")
+        pipe = PipelineModel(model, plan.layout, world.rank, torch.device(device), plan.parallel.strategy)
+        applied["pipeline"] = f"{plan.layout.pp_schedule}: stages {pipe.stage_ids} of {plan.layout.pp} ranks"
+        return PreparedModel(pipe, pipe, applied)
     step_model = model
     if world is not None and world.sharded:
         step_model = parallelize(model, plan.parallel, world, torch.device(device), param_dtype)

@@ -14,6 +14,7 @@ from torch.distributed.tensor import DTensor
 
 from kiln.data.batches import to_device
 from kiln.parallel import World, gradient_sync
+from kiln.parallel.pipeline import PipelineModel
 from kiln.numerics.spikes import StepGuard
 from kiln.train.masked import optimizer_step
 from kiln.train.optim import AdaptiveClip, clip_gradients
@@ -49,6 +50,8 @@ def micro_batch_losses(model, batches, objective, precision: Precision, world: W
 def accumulate_gradients(model, batches, objective, precision: Precision, scaler: LossScaler,
                          world: World | None = None):
     """Forward and backward over every micro-batch; returns (mean loss over the global batch, count)."""
+    if isinstance(model, PipelineModel):
+        return _pipeline_gradients(model, batches, objective, precision, scaler, world)
     # DDP and FSDP average gradients over ranks; each rank's loss is already a share of the global mean.
     ranks = world.size if world is not None and world.sharded else 1
     total_loss, count = None, None
@@ -57,6 +60,22 @@ def accumulate_gradients(model, batches, objective, precision: Precision, scaler
         total_loss = loss.detach().double() if total_loss is None else total_loss + loss.detach()
     if world is not None:
         world.all_reduce(total_loss)  # every rank logs and judges the same loss
+    return total_loss, count
+
+
+def _pipeline_gradients(pipe: PipelineModel, batches, objective, precision: Precision, scaler: LossScaler,
+                        world: World | None):
+    """Pipeline parallel: the step's micro-batches concatenated into this rank's batch, which the schedule splits
+    into plan.pp_microbatches; each loss divided by the valid count over the data-parallel copies (the stages of a
+    copy see the same data). The last stage's losses are summed over every rank, so each logs the global mean."""
+    count = sum(objective.count(b) for b in batches)
+    if pipe.dp > 1:
+        torch.distributed.all_reduce(count, group=pipe.dp_group)
+    count = count.clamp(min=1)
+    x, y = torch.cat([b[0] for b in batches]), torch.cat([b[1] for b in batches])
+    total_loss = pipe.train_step(x, y, count, scaler.scale_loss, precision.autocast)
+    if world is not None:
+        world.all_reduce(total_loss)
     return total_loss, count
 
 
@@ -77,7 +96,9 @@ def train_step(model, batches, objective, optimizer, precision: Precision, scale
     found_inf = scaler.unscale_(params)  # unscale before clipping: the threshold is in true-gradient units
     if world is not None:
         world.all_reduce(found_inf, op=ReduceOp.MAX)
-    grad_norm, threshold = clip_gradients(params, optim_cfg, adaptive_clip)
+    pipelined = isinstance(model, PipelineModel)  # the norm over every stage's gradients, not this rank's
+    norm_of = (lambda ps: model.grad_norm(ps, masters)) if pipelined else None
+    grad_norm, threshold = clip_gradients(params, optim_cfg, adaptive_clip, norm_of)
     if isinstance(grad_norm, DTensor):  # FSDP2: the norm over every rank's shards, replicated
         grad_norm = grad_norm.full_tensor()
     # A non-finite gradient is never applied, whatever the precision.
@@ -85,6 +106,8 @@ def train_step(model, batches, objective, optimizer, precision: Precision, scale
     skipped = nonfinite
     if guard is not None:  # records the step on the device; withholds a spike (spike_policy skip|rollback|stop)
         skipped = guard.check(total_loss, grad_norm, nonfinite, scaler.scale)
+        if pipelined and world is not None:  # its inputs are the same on every rank; its decision made so
+            skipped = world.all_reduce(skipped.clone(), op=ReduceOp.MAX)
     optimizer_step(optimizer, skipped)  # applied or withheld on the device: no host sync on any kiln optimizer
     scaler.update(nonfinite)  # only an overflow backs the loss scale off, not a withheld spike
     if masters is not None:
@@ -105,6 +128,11 @@ def evaluate(model, batches, objective, precision: Precision, device, world: Wor
     count = torch.zeros((), device=device, dtype=torch.float64)  # counts may be integers or (weighted) floats
     for batch in batches:
         batch = to_device(batch, device)
+        if isinstance(model, PipelineModel):  # the schedule's forward-only path; zeros off the last stage
+            batch_total, batch_count = model.evaluate_batch(*batch, precision.autocast)
+            total += batch_total
+            count += batch_count
+            continue
         with precision.autocast():
             total += objective(model, batch).double()
         count += objective.count(batch)

@@ -1,0 +1,255 @@
+"""Pipeline parallelism on torch.distributed.pipelining: the transformer's blocks split into consecutive stages,
+one (or, interleaved, two) per pipeline rank, run by torch's schedules (ScheduleGPipe, Schedule1F1B,
+ScheduleInterleaved1F1B). No send/recv of our own: the schedule moves activations and their gradients.
+
+    pipe = PipelineModel(model, plan, rank, device)   this rank's part of a built Transformer, named as in it
+    loss = pipe.train_step(x, y, count, scale_loss, autocast)   the schedule's forward and backward of one step
+    total, count = pipe.evaluate_batch(x, y, autocast)  forward only (the schedule's eval path)
+    pipe.grad_norm(params)                            the global gradient norm over every stage
+    pipe.full_state_dict()                            every stage's weights gathered on rank 0 (export)
+
+Stage s holds blocks plan.stage_layers(n_layer)[s]; the first also the embeddings (and the position table), the
+last the final norm, the head and the loss. The parts keep their full-model names (blocks.3.attn.qkv.weight on
+whichever rank holds block 3), so a checkpoint of any layout loads into any other through DCP.
+
+Tied embeddings (GPT-2: head weight = embedding weight): the first and the last stage each hold the weight; after
+the backward their gradients are summed over a group of those two ranks, so both copies take the same update.
+
+Data parallelism composes as DDP over the mesh's dp dim, one DDP per stage module (torch's PipelineStage syncs
+gradients on the last micro-batch only).
+"""
+from __future__ import annotations
+
+import contextlib
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch.distributed.pipelining import PipelineStage
+from torch.distributed.pipelining.schedules import (Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B,
+                                                     ScheduleLoopedBFS)
+
+from kiln.parallel.layout import ParallelPlan
+
+SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B, "interleaved_1f1b": ScheduleInterleaved1F1B}
+
+
+class Stage(nn.Module):
+    """One pipeline stage: a run of consecutive blocks, with the embeddings when it is the first and the final norm
+    when it is the last. Its forward is what the schedule calls: token ids (B, T) or hidden states (B, T, C) in,
+    hidden states (B, T, C) out (normalised on the last stage, whose loss function applies the head)."""
+
+    def __init__(self, model: nn.Module, layers: range, first: bool, last: bool):
+        super().__init__()
+        self.first, self.last = first, last
+        if first:
+            self.embed, self.pos_embed, self.drop = model.embed, model.pos_embed, model.drop
+        elif last and model.head is None:  # tied: the head is the embedding matrix; held so DDP reduces its gradient
+            self.embed = model.embed
+        self.blocks = nn.ModuleDict({str(i): model.blocks[i] for i in layers})
+        if last:
+            self.norm, self.head = model.norm, model.head
+        if hasattr(model, "rope_cos"):
+            self.register_buffer("rope_cos", model.rope_cos, persistent=False)
+            self.register_buffer("rope_sin", model.rope_sin, persistent=False)
+        self.autocast = contextlib.nullcontext  # the run's precision (set by the step)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        with self.autocast():
+            if self.first:
+                T = x.shape[1]
+                x = self.embed(x)  # (B, T, C)
+                if self.pos_embed is not None:
+                    x = x + self.pos_embed(torch.arange(T, device=x.device))
+                x = self.drop(x)
+            rope = (self.rope_cos, self.rope_sin) if hasattr(self, "rope_cos") else None
+            for block in self.blocks.values():
+                x = block(x, rope)
+            return self.norm(x) if self.last else x
+
+
+class PipelineModel(nn.Module):
+    """This rank's part of a Transformer: the parts of its stages under their full-model names (what the optimizer,
+    state_dict and DCP see), the stage modules and the schedule that runs them."""
+
+    def __init__(self, model: nn.Module, plan: ParallelPlan, rank: int, device: torch.device, strategy: str = "none"):
+        super().__init__()
+        if getattr(model, "moe", None):
+            raise ValueError("parallel.pp with a mixture of experts is not built (its load-balancing loss spans the "
+                             "stages): train it with --parallel.pp=1")
+        if strategy not in ("none", "ddp"):
+            raise ValueError(f"parallel.pp with parallel.strategy={strategy} is not built: use --parallel.strategy="
+                             f"ddp for the data-parallel copies of each stage (none when there is one copy)")
+        self.plan, self.coords = plan, plan.coords(rank)
+        mesh = plan.device_mesh(device.type)
+        self.pp_group, self.dp_group = mesh["pp"].get_group(), mesh["dp"].get_group()
+        n_stages = plan.pp * plan.virtual_stages
+        layers = plan.stage_layers(model.cfg.n_layer)
+        pp_rank = self.coords["pp"]
+        self.stage_ids = list(range(pp_rank, n_stages, plan.pp))  # loop order: stage s on pp rank s % pp
+        self.stages = [Stage(model, layers[s], s == 0, s == n_stages - 1) for s in self.stage_ids]
+        self.has_first, self.has_last = self.stage_ids[0] == 0, self.stage_ids[-1] == n_stages - 1
+        # The parts, registered once under the names the full model gives them.
+        if self.has_first or (self.has_last and model.head is None):
+            self.embed = model.embed
+        if self.has_first:
+            self.pos_embed = model.pos_embed
+        self.blocks = nn.ModuleDict({k: b for st in self.stages for k, b in st.blocks.items()})
+        if self.has_last:
+            self.norm, self.head, self.loss = model.norm, model.head, model.loss
+        self.tied = model.head is None
+        self.tie_group = _tie_group(plan, rank) if self.tied else None
+        self.dp = plan.dp
+        wrapped = [self._data_parallel(st, device, strategy) for st in self.stages]
+        self.device = device
+        self._stages = [PipelineStage(w, s, n_stages, device, group=self.pp_group)
+                        for w, s in zip(wrapped, self.stage_ids)]
+        cls = SCHEDULES[plan.pp_schedule]
+        self.schedule = cls(self._stages if cls is ScheduleInterleaved1F1B else self._stages[0],
+                            plan.pp_microbatches, loss_fn=self._train_loss, scale_grads=False)
+        self._eval: dict = {}  # eval schedules by batch shape
+        self._sums: list[torch.Tensor] = []  # the last stage's micro-batch losses (sum over tokens / count)
+        self._step_args = None  # (count, scale_loss) of the step being run
+
+    def _data_parallel(self, stage: Stage, device, strategy: str) -> nn.Module:
+        if self.plan.dp == 1:
+            return stage
+        ids = [device.index] if device.type == "cuda" else None
+        ddp = nn.parallel.DistributedDataParallel(stage, device_ids=ids, process_group=self.dp_group)
+        # PipelineStage readies DDP's reducer itself before the last micro-batch's backward and runs the others
+        # under no_sync; a forward must not ready it too (1F1B runs a later micro-batch's forward before an
+        # earlier one's backward, which would then count every gradient twice: DDP's bucket rebuild asserts).
+        ddp.require_backward_grad_sync = False
+        return ddp
+
+    def forward(self, *args, **kwargs):
+        raise ValueError("a pipeline-parallel model runs through its schedule (PipelineModel.train_step, "
+                         "evaluate_batch), not in one piece; this use of the model (the NaN trace's replay, "
+                         "sampling) is not built under parallel.pp: turn it off (--numerics.trace=false) or run pp=1")
+
+    @property
+    def duplicate(self) -> nn.Parameter | None:
+        """The last stage's copy of a tied embedding, counted once in the gradient norm (the first stage's counts)."""
+        return self.embed.weight if self.tied and self.has_last and not self.has_first else None
+
+    @property
+    def head_weight(self) -> torch.Tensor:
+        return self.embed.weight if self.tied else self.head.weight
+
+    # -- one step ----------------------------------------------------------------------------------------------
+
+    def _train_loss(self, h: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        """The last stage's loss of one micro-batch, as the step normalises it: its sum over valid tokens divided by
+        the global batch's count, times the dp degree (DDP averages the ranks' gradients), loss-scaled."""
+        count, scale_loss = self._step_args
+        with self.stages[-1].autocast():
+            loss = self.loss(h.flatten(0, 1), self.head_weight, y.flatten()) / count
+        self._sums.append(loss.detach())
+        return scale_loss(loss * self.dp if self.dp > 1 else loss)
+
+    def train_step(self, x: torch.Tensor, y: torch.Tensor, count: torch.Tensor, scale_loss, autocast) -> torch.Tensor:
+        """Forward and backward of this rank's per-step batch (x, y: (B, T), B split into plan.pp_microbatches);
+        returns this rank's share of the global mean loss (fp64; zero where the loss is not computed), for an
+        all-reduce over every rank."""
+        for st in self.stages:
+            st.autocast = autocast
+        self._sums.clear()
+        self._step_args = (count, scale_loss)
+        self.schedule.step(*((x,) if self.has_first else ()), target=y if self.has_last else None)
+        self._sync_tied()
+        return self._share(self._sums[-self.plan.pp_microbatches:] if self.has_last else [], count.device)
+
+    def _share(self, sums: list[torch.Tensor], device) -> torch.Tensor:
+        total = torch.zeros((), dtype=torch.float64, device=device)
+        if self.coords["tp"] == 0:  # one rank of a tensor-parallel group speaks for it
+            for s in sums:
+                total = total + s.double()
+        return total
+
+    def _sync_tied(self) -> None:
+        """Tied embeddings: the first and the last stage's gradients of the shared weight, summed on both."""
+        if self.tie_group is None:
+            return
+        grad = self.embed.weight.grad
+        if grad is None:
+            grad = self.embed.weight.grad = torch.zeros_like(self.embed.weight)
+        dist.all_reduce(grad, group=self.tie_group)
+
+    def grad_norm(self, params, masters=None) -> torch.Tensor:
+        """The L2 norm of every stage's gradients, the tied copy counted once: this rank's sum of squares summed
+        over the pipeline ranks. `params` may be the fp32 masters of bf16-master (masters: its MasterWeights)."""
+        skip = set()
+        if self.duplicate is not None:
+            skip.add(id(self.duplicate))
+            if masters is not None:
+                skip.add(id(masters.by_model_param[id(self.duplicate)]))
+        grads = [p.grad for p in params if p.grad is not None and id(p) not in skip]
+        local = torch.nn.utils.get_total_norm(grads, foreach=True) if grads else torch.zeros((), device=self.device)
+        sq = local.double() ** 2
+        dist.all_reduce(sq, group=self.pp_group)
+        return sq.sqrt().to(local.dtype)
+
+    # -- evaluation ------------------------------------------------------------------------------------------
+
+    def _eval_loss(self, h: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        with self.stages[-1].autocast():
+            total = self.loss(h.flatten(0, 1), self.head_weight, y.flatten())
+        self._sums.append(total.detach())
+        return total
+
+    @torch.no_grad()
+    def evaluate_batch(self, x: torch.Tensor, y: torch.Tensor, autocast) -> tuple[torch.Tensor, torch.Tensor]:
+        """(sum of token losses, valid-token count) of one batch on the rank that speaks for the last stage, zeros
+        elsewhere: the sum over every rank is the batch's."""
+        for st in self.stages:
+            st.autocast = autocast
+        schedule, n = self._eval_schedule(tuple(x.shape))
+        self._sums.clear()
+        schedule.eval(*((x,) if self.has_first else ()), target=y if self.has_last else None)
+        total = self._share(self._sums[-n:] if self.has_last else [], x.device)
+        count = (y != -100).sum().double() if self.has_last and self.coords["tp"] == 0 else total.new_zeros(())
+        return total, count
+
+    def _eval_schedule(self, shape: tuple):
+        """A forward-only schedule over the unwrapped stage modules, one per batch shape (a stage's buffers are
+        sized by the first batch it sees). Micro-batches: the largest divisor of the batch ≤ plan.pp_microbatches."""
+        if shape not in self._eval:
+            n = max(d for d in range(1, shape[0] + 1) if shape[0] % d == 0 and d <= self.plan.pp_microbatches)
+            n_stages = self.plan.pp * self.plan.virtual_stages
+            stages = [PipelineStage(st, s, n_stages, self.device, group=self.pp_group)
+                      for st, s in zip(self.stages, self.stage_ids)]
+            schedule = ScheduleLoopedBFS(stages, n, loss_fn=self._eval_loss) if len(stages) > 1 else \
+                ScheduleGPipe(stages[0], n, loss_fn=self._eval_loss)
+            self._eval[shape] = (schedule, n)
+        return self._eval[shape]
+
+    # -- export --------------------------------------------------------------------------------------------------
+
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        """The whole model's weights (host copies) on global rank 0, gathered from the pipeline ranks of its
+        data-parallel copy; {} on every other rank."""
+        mine = {k: v.detach().cpu() for k, v in self.state_dict().items()}
+        ranks = dist.get_process_group_ranks(self.pp_group)
+        out = [None] * len(ranks) if dist.get_rank() == ranks[0] else None
+        dist.gather_object(mine, out, dst=ranks[0], group=self.pp_group)
+        if dist.get_rank() != 0:
+            return {}
+        full = {}
+        for part in out:
+            full.update(part)
+        return full
+
+
+def _tie_group(plan: ParallelPlan, rank: int):
+    """The 2-rank group of this rank's first and last pipeline ranks (same dp and tp coordinates). Every rank
+    creates every group (torch's new_group is collective); each keeps its own."""
+    mine = None
+    for r in range(plan.world_size):
+        c = plan.coords(r)
+        if c["pp"] != 0:
+            continue
+        pair = [r, r + (plan.pp - 1) * plan.dp * plan.tp]  # the same (dp, tp) on the last pp rank
+        group = dist.new_group(pair)
+        if rank in pair:
+            mine = group
+    return mine

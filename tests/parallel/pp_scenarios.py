@@ -1,0 +1,56 @@
+"""The pipeline-parallel runs tests/parallel/test_pipeline.py compares, built the same way in the test process (one
+process, the reference) and in the torchrun workers (tests/parallel/pp_worker.py)."""
+from pathlib import Path
+
+from rich.console import Console
+
+from kiln.run.lm import build_lm
+from kiln.train.checkpoint import Checkpointer
+from tests.parallel.scenarios import lm_config
+
+IGNORE = -100
+
+
+class MaskedLoader:
+    """The run's loader with every target token whose id is divisible by 5 ignored: the micro-batches (and so the
+    data-parallel ranks) hold different numbers of valid tokens, which the step must normalise globally."""
+
+    def __init__(self, loader):
+        self.loader = loader
+
+    def next(self):
+        x, y = self.loader.next()
+        return x, y.masked_fill(y % 5 == 0, IGNORE)
+
+    def __getattr__(self, name):  # batches_served, skip, state_dict, load_state_dict, close
+        return getattr(self.loader, name)
+
+
+def pp_config(source: str, *, arch: str = "gpt2", n_layer: int = 2, pp: int = 1, dp: int = 1, steps: int = 6,
+              schedule: str = "1f1b", microbatches: int = 0, strategy: str | None = None):
+    """fp32, global batch 8 sequences of 32 tokens (micro-batches of 4: 2 on one process, 1 per dp rank)."""
+    cfg = lm_config(source, strategy or ("ddp" if dp > 1 else "none"), steps=steps)
+    cfg.model.arch, cfg.model.n_layer = arch, n_layer
+    cfg.parallel.pp, cfg.parallel.pp_schedule, cfg.parallel.pp_microbatches = pp, schedule, microbatches
+    return cfg
+
+
+def pp_run(cfg, run_dir: Path, resume: bool = False):
+    """Train cfg (resuming the run directory's latest checkpoint when asked) on the masked data; returns the state."""
+    lm = build_lm(cfg, run_dir, log=lambda msg: None)
+    lm.state.loader = MaskedLoader(lm.state.loader)
+    trainer = lm.trainer(run_dir, Console(quiet=True))
+    try:
+        if resume:
+            trainer.resume()
+        trainer.run()
+    except BaseException:
+        lm.state.world.broken = True  # the others may be inside a collective: no barrier to wait at
+        raise
+    finally:
+        lm.state.world.close()
+    return lm.state
+
+
+def latest(run_dir: Path) -> Path:
+    return Checkpointer(lm_config("", "none", 1).checkpoint, run_dir).latest()

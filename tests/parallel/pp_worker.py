@@ -1,0 +1,25 @@
+"""Run by tests/parallel/test_pipeline.py under `torchrun --nproc_per_node=4`: every pipeline-parallel scenario in
+one launch (spawning processes is the slow part). Each rank runs the same calls; rank 0 writes the run directories,
+every rank the names of the parameters it holds."""
+import json
+import os
+import sys
+from pathlib import Path
+
+from tests.parallel.pp_scenarios import pp_config, pp_run
+
+out, source = Path(sys.argv[1]), sys.argv[2]
+rank = int(os.environ["RANK"])
+
+held = {}
+for arch in ("gpt2", "llama"):  # 2 stages × 2 data-parallel copies (DDP), 1F1B; GPT-2 ties its embeddings
+    state = pp_run(pp_config(source, arch=arch, pp=2, dp=2), out / f"pp2dp2_{arch}")
+    held[arch] = sorted(state.model.state_dict())
+(out / f"held_rank{rank}.json").write_text(json.dumps(held))
+# 4 blocks as 4 virtual stages on 2 ranks (interleaved 1F1B, 4 micro-batches), and as 4 stages (GPipe)
+pp_run(pp_config(source, n_layer=4, pp=2, dp=2, schedule="interleaved_1f1b", microbatches=4), out / "interleaved")
+pp_run(pp_config(source, n_layer=4, pp=4, schedule="gpipe"), out / "gpipe4")
+# resharding: one process wrote 3 steps (DCP) before the launch, continued here; 3 steps here, continued by one
+pp_run(pp_config(source, pp=2, dp=2), out / "from_one", resume=True)
+pp_run(pp_config(source, pp=2, dp=2, steps=3), out / "to_one")
+sys.stdout.flush()

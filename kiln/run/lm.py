@@ -122,7 +122,7 @@ class LMRun:
     def _evaluate_on(self, model, tokens) -> float:
         c, world = self.cfg, self.state.world
         batches = val_batches(tokens, c.train.micro_batch_size, c.data.seq_len, c.train.eval_batches)
-        mine = itertools.islice(batches, world.rank, None, world.size)  # each rank its share; totals all-reduced
+        mine = itertools.islice(batches, world.dp_rank, None, world.dp_size)  # each copy its share; totals summed
         return evaluate(model, (to_device(b, self.state.device) for b in mine), self.state.objective,
                         self.state.precision, self.state.device, world if world.size > 1 else None)
 
@@ -134,7 +134,7 @@ class LMRun:
     def peak_lr(self) -> tuple[float, str | None]:
         """optim.lr, scaled to this run's global batch under optim.lr_scaling (and the line that says so)."""
         c = self.cfg
-        tokens = c.train.micro_batch_size * c.train.grad_accum_steps * c.data.seq_len * self.state.world.size
+        tokens = c.train.micro_batch_size * c.train.grad_accum_steps * c.data.seq_len * self.state.world.dp_size
         return scaled_lr(c.optim, tokens)
 
     def trainer(self, run_dir: Path, console: Console | None = None) -> Trainer:
@@ -167,7 +167,7 @@ def build_lm(cfg: Config, run_dir: Path | None = None, log=print, device: torch.
 
 
 def _build_lm(cfg: Config, run_dir, log, device: torch.device, with_data: bool, world) -> LMRun:
-    cfg = replace(cfg, train=replace(cfg.train, grad_accum_steps=accumulation_for(cfg.train, world.size)))
+    cfg = replace(cfg, train=replace(cfg.train, grad_accum_steps=accumulation_for(cfg.train, world.dp_size)))
     seed_everything(cfg.train.seed)  # the same on every rank: the same initial weights
     initial = None
     if cfg.model.init:  # a Hugging Face checkpoint: its shape, its weights and (unless told) its tokenizer
@@ -203,7 +203,7 @@ def _build_lm(cfg: Config, run_dir, log, device: torch.device, with_data: bool, 
     loader = None
     if data is not None:
         loader = TokenLoader(data.train, cfg.train.micro_batch_size, cfg.data.seq_len, cfg.data.seed, device,
-                             cfg.data.prefetch, rank=world.rank, world=world.size,
+                             cfg.data.prefetch, rank=world.dp_rank, world=world.dp_size,
                              what=f"data.source={cfg.data.source!r}, train split")
         if cfg.faults.data_delay_ms:
             loader = DelayedLoader(loader, cfg.faults.data_delay_ms)
@@ -255,8 +255,10 @@ def _train(lm: LMRun, cfg: Config, run_dir: Path, resume: bool, con: Console) ->
     tokens_per_step = c.train.micro_batch_size * c.train.grad_accum_steps * c.data.seq_len
     world = state.world
     ranks = f" | {world.strategy} × {world.size} ranks" if world.sharded else ""
+    if world.plan is not None and world.plan.model_parallel:
+        ranks = " | mesh " + " × ".join(f"{k}{v}" for k, v in world.plan.mesh_shape.items()) + f" ({world.strategy})"
     con.print(f"model: {c.model.init or c.model.preset} ({c.model.arch}) {state.n_params / 1e6:.2f}M parameters | "
-              f"device {state.device} | precision {state.precision.mode} | {tokens_per_step * world.size:,} "
+              f"device {state.device} | precision {state.precision.mode} | {tokens_per_step * world.dp_size:,} "
               f"tokens/step{ranks}", highlight=False)
     scaled = lm.peak_lr()[1]
     if scaled:

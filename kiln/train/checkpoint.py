@@ -12,7 +12,9 @@ renamed by rank 0 once all are done:
     state.pt                         step, tokens, data position, loss scaler, numerics (rank 0)
     rank_00001.pt                    each rank's RNG streams
     model.safetensors, config.toml   the consolidated weights and the config (rank 0)
-DCP reshards on load, so a run resumes on another world size or strategy (fsdp × 2 -> ddp × 1 and back).
+DCP reshards on load, so a run resumes on another world size, strategy or tensor-parallel degree (fsdp × 2 -> ddp × 1
+and back, tp2 × dp2 -> one process, fsdp × 2 -> tp2): what is saved is in the model's own layout (a tensor-parallel
+run's fused rows are put back in the model's order on the way out and reordered on the way in, kiln.parallel.tensor).
 
 checkpoint.async_save: the training thread only copies the state to host memory (DCP's staging; one process: a
 clone of every tensor) and goes on; the files are written, sealed and published by a background thread (under
@@ -43,6 +45,8 @@ import xxhash
 from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
                                                      get_optimizer_state_dict, get_state_dict, set_model_state_dict,
                                                      set_optimizer_state_dict)
+
+from kiln.parallel.tensor import canonical, from_canonical, fused_rows
 
 
 @dataclass
@@ -298,6 +302,10 @@ class Checkpointer:
                 torch.save(state.optimizer.state_dict(), tmp / "optimizer.pt")
         torch.save({"rng": rng_state()}, tmp / f"rank_{world.rank:05d}.pt")
         full = get_model_state_dict(state.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        tp = _tp(state)
+        for name, parts in (fused_rows(state.model).items() if tp > 1 else ()):
+            if name in full:  # rank 0 holds the gathered tensors (cpu_offload)
+                full[name] = canonical(full[name], parts, tp)
         if world.main:
             torch.save(state.shared_state_dict(), tmp / "state.pt")
             (tmp / "config.toml").write_text(config_toml)
@@ -333,6 +341,7 @@ class Checkpointer:
         model_sd, optim_sd = _sharded_state_dicts(state)
         target = {"model": model_sd} | ({"optimizer": optim_sd} if optim_sd is not None else {})
         dcp.load(target, checkpoint_id=path / "sharded")
+        _layout_order(state, model_sd, optim_sd, from_canonical)  # the model's rows into this run's TP order
         set_model_state_dict(state.model, target["model"])
         if optim_sd is not None:
             set_optimizer_state_dict(state.model, state.optimizer, target["optimizer"])
@@ -350,11 +359,14 @@ class Checkpointer:
         its part (FSDP2 shards the full tensors; ZeRO-1 takes its partition of the optimizer state)."""
         saved = self.load(map_location="cpu", path=path)
         full = StateDictOptions(full_state_dict=True)
+        optim_sd = None if type(state.optimizer).__name__ == "ZeroRedundancyOptimizer" else \
+            _by_name(saved["optimizer"], state)
+        _layout_order(state, saved["model"], optim_sd, from_canonical)
         set_model_state_dict(state.model, saved["model"], options=full)
-        if type(state.optimizer).__name__ == "ZeroRedundancyOptimizer":
+        if optim_sd is None:
             state.optimizer.load_state_dict(saved["optimizer"])  # the consolidated layout one process writes
         else:
-            set_optimizer_state_dict(state.model, state.optimizer, _by_name(saved["optimizer"], state), options=full)
+            set_optimizer_state_dict(state.model, state.optimizer, optim_sd, options=full)
         state.load_shared_state_dict(saved)
         if state.world.rank == 0:  # the other ranks keep the RNG streams they were seeded with
             set_rng_state(saved["rng"])
@@ -489,11 +501,33 @@ def _by_name(saved: dict, state) -> dict:
 
 
 def _sharded_state_dicts(state):
-    """(model, optimizer) state dicts keyed by parameter names, DTensor shards under FSDP2; the optimizer's is None
-    for ZeroRedundancyOptimizer, which DCP cannot shard (it is consolidated instead)."""
+    """(model, optimizer) state dicts keyed by parameter names, DTensor shards under FSDP2 and TP, in the model's own
+    layout (a TP run's fused rows in the model's order: copies, not the live tensors); the optimizer's is None for
+    ZeroRedundancyOptimizer, which DCP cannot shard (it is consolidated instead)."""
     if type(state.optimizer).__name__ == "ZeroRedundancyOptimizer":
-        return get_model_state_dict(state.model), None
-    return get_state_dict(state.model, state.optimizer)
+        model_sd, optim_sd = get_model_state_dict(state.model), None
+    else:
+        model_sd, optim_sd = get_state_dict(state.model, state.optimizer)
+    _layout_order(state, model_sd, optim_sd, canonical)
+    return model_sd, optim_sd
+
+
+def _tp(state) -> int:
+    plan = state.world.plan
+    return plan.tp if plan is not None else 1
+
+
+def _layout_order(state, model_sd: dict, optim_sd: dict | None, convert) -> None:
+    """Each fused parameter (and its optimizer state) of a tensor-parallel run through `convert` (canonical: TP
+    order -> the model's; from_canonical: back), replaced in the dicts; nothing without TP."""
+    tp = _tp(state)
+    if tp == 1:
+        return
+    for name, parts in fused_rows(state.model).items():
+        model_sd[name] = convert(model_sd[name], parts, tp)
+        for key, value in (optim_sd["state"].get(name, {}) if optim_sd is not None else {}).items():
+            if isinstance(value, torch.Tensor) and value.dim() > 0:  # exp_avg, exp_avg_sq (not the step count)
+                optim_sd["state"][name][key] = convert(value, parts, tp)
 
 
 def write_state(state: dict, path: Path) -> None:

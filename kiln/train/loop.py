@@ -407,7 +407,7 @@ class Trainer:
         self._train_losses.append(loss)  # the evaluation's gap compares against these
         self.losses.observe(state.step, loss)
         elapsed = time.perf_counter() - self.window_start
-        rate = self.window_units * state.world.size / elapsed  # global: every rank served as many
+        rate = self.window_units * state.world.dp_size / elapsed  # global: every data-parallel copy served as many
         # per device: the global rate shared by the ranks; a measured peak the model beat is raised to its rate
         mfu, hfu, peak = utilisation(self.flops_per_unit or 0.0, self.hardware_flops_per_unit or 0.0,
                                      rate / state.world.size, self.peak)
@@ -416,7 +416,7 @@ class Trainer:
             # the global-norm threshold in force (norm: optim.grad_clip; adaptive: this step's percentile)
             "clip_threshold": threshold if math.isfinite(threshold) and threshold > 0 else None,
             f"{self.unit}_per_s": rate, "step_time_s": elapsed / self.window_steps,
-            f"{self.unit}_seen": state.tokens_seen * state.world.size,
+            f"{self.unit}_seen": state.tokens_seen * state.world.dp_size,
             "peak_mem_bytes": peak_memory_bytes(state.device),
             "mfu": mfu if self.flops_per_unit else None, "hfu": hfu if self.flops_per_unit else None,
             "mfu_peak_flops": peak if self.flops_per_unit else None,  # the peak this record's MFU divides by

@@ -5,7 +5,11 @@ FSDP2 (fully_shard per transformer block plus the root). Never a home-made engin
     world = init_world(cfg, device)   the process group from torchrun's environment (or a world of one)
     parallelize(model, cfg, world, precision)   the model pipeline's parallelize step
     gradient_sync(step_model, on)     accumulation: no gradient reduction until the last micro-batch
-    world.all_reduce(t, op)           in place; a no-op in a world of one
+    world.all_reduce(t, op, dim)      in place, over every rank or one mesh dim ("dp"); a no-op in a world of one
+    layout_event(world, model)        the run's layout and every rank's parameter bytes, gathered (metrics.jsonl)
+
+Tensor parallelism (kiln.parallel.tensor) splits kiln's Transformer over the mesh's tp dim before data parallelism
+wraps it; kiln.parallel.layout's ParallelPlan holds the degrees (world.plan) and world.mesh the DeviceMesh.
 
 Surviving failures (multi-node, elastic restarts) lives beside it: kiln.parallel.watchdog (a collective that fails or
 times out becomes one line naming the rank, the step and the collective), kiln.parallel.elastic (--auto-resume under
@@ -25,6 +29,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 import torch.nn as nn
+from torch.distributed.tensor import DTensor
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
 from kiln.parallel.layout import ParallelPlan
@@ -115,6 +120,11 @@ class World:
         return self.strategy != "none" or (self.plan is not None and self.plan.model_parallel)
 
     @property
+    def splits_weights(self) -> bool:
+        """No rank holds the whole model: FSDP shards it, tensor or pipeline parallelism splits it."""
+        return self.size > 1 and (self.strategy == "fsdp" or (self.plan is not None and self.plan.model_parallel))
+
+    @property
     def dp_size(self) -> int:
         """Model copies that see different data: the ranks a batch is shared by, and gradients averaged over."""
         return self.plan.dp if self.plan is not None else self.size
@@ -174,6 +184,22 @@ class World:
         nothing to wait for: a dead peer never arrives."""
         if not self.broken:
             self.barrier()
+
+
+def layout_event(world: World, model: nn.Module) -> dict:
+    """The record that says how a multi-process run is laid out: the mesh, and every rank's parameter bytes as it
+    holds them (its local shards; a collective: every rank calls it), against one whole copy of the model."""
+    params = list(dict.fromkeys(model.parameters()))
+    held = sum(_local(p).numel() * p.element_size() for p in params)
+    plan = world.plan
+    return {"event": "layout", "mesh": plan.mesh_shape if plan is not None else {"dp": world.size},
+            "strategy": world.strategy, "sequence_parallel": bool(plan is not None and plan.sequence_parallel),
+            "param_bytes_per_rank": world.gather_objects(held),
+            "param_bytes_unsharded": sum(p.numel() * p.element_size() for p in params)}
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if isinstance(t, DTensor) else t
 
 
 def launched_by_torchrun() -> bool:

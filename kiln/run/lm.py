@@ -21,7 +21,7 @@ from rich.console import Console
 from kiln.config import Config, apply_overrides, to_toml
 from kiln.data import PreparedData, TokenLoader, prepare_data, val_batches
 from kiln.data.batches import to_device
-from kiln.parallel import device_for, init_world, launched_by_torchrun
+from kiln.parallel import ParallelPlan, device_for, init_world, launched_by_torchrun
 from kiln.parallel.elastic import restart_record
 from kiln.interop.hf import read_hf
 from kiln.memory.devices import get_device, local_device
@@ -30,13 +30,14 @@ from kiln.memory.levers import runtime_job
 from kiln.memory.planner import search
 from kiln.models import ModelConfig, Transformer, build_model
 from kiln.models.config import with_training_fields
+from kiln.models.registry import family
 from kiln.numerics.faults import DelayedLoader
 from kiln.perf import flops_per_token
 from kiln.perf.flops import recompute_flops_per_token
 from kiln.perf.peak import model_peak_flops
 from kiln.perf.hardware import decide_mode, precision_notice, resolve_kernels
 from kiln.run.oom import OomContext, OutOfMemory, oom_report, ram_check
-from kiln.train.checkpoint import Checkpointer, RunLock
+from kiln.train.checkpoint import Checkpointer, RunLock, full_weights
 from kiln.train.loop import TrainResult, Trainer, accumulation_for
 from kiln.train.objective import LanguageModeling
 from kiln.train.optim import scaled_lr
@@ -127,8 +128,18 @@ class LMRun:
                         self.state.precision, self.state.device, world if world.size > 1 else None)
 
     def sample(self, prompt: str, max_new_tokens: int, temperature: float = 0.8, top_k: int | None = 50,
-               seed: int = 0) -> str:
-        return generate_text(self.state.model, self.data.tokenizer, prompt, max_new_tokens, temperature, top_k, seed,
+               seed: int = 0) -> str | None:
+        """Text from the trained model on rank 0 (None on the others). When no rank holds the whole model (FSDP,
+        TP), every rank calls this: the weights are gathered into a plain copy on rank 0, which samples alone."""
+        model, world = self.state.model, self.state.world
+        if world.splits_weights:
+            weights = full_weights(self.state)
+            if not world.main:
+                return None
+            model = build_model(self.cfg.model, self.state.device)
+            model.load_state_dict(weights)
+            model.to(self.state.precision.param_dtype)
+        return generate_text(model, self.data.tokenizer, prompt, max_new_tokens, temperature, top_k, seed,
                              self.state.device, self.state.precision)
 
     def peak_lr(self) -> tuple[float, str | None]:
@@ -189,6 +200,10 @@ def _build_lm(cfg: Config, run_dir, log, device: torch.device, with_data: bool, 
     vocab = data.tokenizer.vocab_size if data is not None else (256 if cfg.data.tokenizer == "bytes"
                                                                 else cfg.data.vocab_size)
     cfg = replace(cfg, model=resolve_model(cfg, vocab))
+    if world.plan is not None:  # the layout checked against the model: heads, widths and layers the split divides
+        world.plan = ParallelPlan.build(cfg.parallel, world.size, cfg.model, family(cfg.model.arch),
+                                        cfg.train.micro_batch_size * cfg.train.grad_accum_steps,
+                                        cfg.train.grad_accum_steps)
     asked = cfg.precision.mode
     if cfg.plan.memory:  # the planner picks precision, batch split and memory levers for this budget
         cfg = plan_memory(cfg, device, log)
@@ -284,8 +299,10 @@ def _train(lm: LMRun, cfg: Config, run_dir: Path, resume: bool, con: Console) ->
               f"{lm.data.unigram_loss:.4f} | checkpoint {result.checkpoint}", highlight=False)
     result.unigram_loss = lm.data.unigram_loss
     # NaN weights cannot be sampled; token-id data (ids) has no text to prompt with
-    if lm.cfg.train.sample_tokens and world.main and result.failure is None and lm.data.tokenizer.kind != "ids":
+    if lm.cfg.train.sample_tokens and (world.main or world.splits_weights) and result.failure is None \
+            and lm.data.tokenizer.kind != "ids":
         result.sample = lm.sample(lm.cfg.train.sample_prompt, lm.cfg.train.sample_tokens)
+    if result.sample is not None:
         con.rule("sample")
         con.print(result.sample, markup=False, highlight=False)
         con.rule()

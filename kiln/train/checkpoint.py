@@ -301,11 +301,7 @@ class Checkpointer:
             if world.main:
                 torch.save(state.optimizer.state_dict(), tmp / "optimizer.pt")
         torch.save({"rng": rng_state()}, tmp / f"rank_{world.rank:05d}.pt")
-        full = get_model_state_dict(state.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
-        tp = _tp(state)
-        for name, parts in (fused_rows(state.model).items() if tp > 1 else ()):
-            if name in full:  # rank 0 holds the gathered tensors (cpu_offload)
-                full[name] = canonical(full[name], parts, tp)
+        full = full_weights(state)
         if world.main:
             torch.save(state.shared_state_dict(), tmp / "state.pt")
             (tmp / "config.toml").write_text(config_toml)
@@ -512,6 +508,17 @@ def _sharded_state_dicts(state):
     return model_sd, optim_sd
 
 
+def full_weights(state) -> dict:
+    """The whole model's weights on rank 0's host, in the model's own layout, gathered from every rank's shards (a
+    collective: every rank calls it; the others get {}). What export and sampling read under FSDP, TP or PP."""
+    full = get_model_state_dict(state.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    tp = _tp(state)
+    for name, parts in (fused_rows(state.model).items() if tp > 1 else ()):
+        if name in full:
+            full[name] = canonical(full[name], parts, tp)
+    return full
+
+
 def _tp(state) -> int:
     plan = state.world.plan
     return plan.tp if plan is not None else 1
@@ -523,11 +530,14 @@ def _layout_order(state, model_sd: dict, optim_sd: dict | None, convert) -> None
     tp = _tp(state)
     if tp == 1:
         return
+    if optim_sd is not None:  # new dicts: the per-parameter ones may be the optimizer's own (live) state
+        optim_sd["state"] = dict(optim_sd["state"])
     for name, parts in fused_rows(state.model).items():
         model_sd[name] = convert(model_sd[name], parts, tp)
-        for key, value in (optim_sd["state"].get(name, {}) if optim_sd is not None else {}).items():
-            if isinstance(value, torch.Tensor) and value.dim() > 0:  # exp_avg, exp_avg_sq (not the step count)
-                optim_sd["state"][name][key] = convert(value, parts, tp)
+        if optim_sd is not None and name in optim_sd["state"]:
+            optim_sd["state"][name] = {  # exp_avg, exp_avg_sq reordered (not the step count)
+                key: convert(value, parts, tp) if isinstance(value, torch.Tensor) and value.dim() > 0 else value
+                for key, value in optim_sd["state"][name].items()}
 
 
 def write_state(state: dict, path: Path) -> None:

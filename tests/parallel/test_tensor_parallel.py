@@ -12,6 +12,7 @@ import os
 import shutil
 import subprocess
 import sys
+import time
 
 import pytest
 import torch
@@ -33,10 +34,12 @@ def tp_launched(tmp_path_factory, source, kiln_cache):
     """One torchrun launch of tests/parallel/tp_worker.py on 4 processes; its wall time is printed (-s shows it)."""
     out = tmp_path_factory.mktemp("tp")
     env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
+    began = time.monotonic()
     proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=4",
                            str(ROOT / "tests" / "parallel" / "tp_worker.py"), str(out), source],
                           cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    print(f"tensor-parallel launch: {time.monotonic() - began:.1f} s")
     return out
 
 
@@ -75,12 +78,12 @@ def test_tp2_dp2_trains_as_one_process(tp_launched, tp_reference, run, arch):
     assert got[-1]["val_loss"] == pytest.approx(want[-1]["val_loss"], rel=RTOL)  # evaluation over dp, not tp
 
 
-def test_the_reference_sees_uneven_valid_counts(source, kiln_cache):
+def test_the_reference_sees_uneven_valid_counts(source, kiln_cache, tmp_path):
     """The masking makes the dp ranks' shares of a step differ (else the normalisation would not be tested)."""
     cfg = tp_config(source, "llama", "none", tp=1, steps=1)
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(lm, "TokenLoader", MaskedLoader)
-        run = lm.build_lm(cfg, None, log=lambda m: None)
+        run = lm.build_lm(cfg, tmp_path, log=lambda m: None)
     batches = [run.state.loader.next() for _ in range(4)]
     run.state.loader.close()
     counts = [int((y != -100).sum()) for _, y in batches]
@@ -107,7 +110,9 @@ def test_an_fsdp_checkpoint_resumes_under_tp(tp_launched, tp_reference):
 def expected_bytes(arch: str, tp: int, dp: int) -> int:
     """One rank's parameter bytes from the family's description: column and row linears hold 1/tp, everything else
     is whole on each tp rank; FSDP holds 1/dp of that (every size here divides)."""
-    cfg = tp_config("", arch, "none", tp=1, steps=1).model.resolve()
+    cfg = tp_config("", arch, "none", tp=1, steps=1).model
+    cfg.vocab_size = cfg.vocab_size or 256  # the byte tokenizer's
+    cfg = cfg.resolve()
     fam = family(cfg.arch)
     roles = {lin.name: lin.tp for lin in fam.linears(cfg)}
     total = 0

@@ -146,7 +146,10 @@ def apply_tensor_parallel(model: nn.Module, mesh, sequence_parallel: bool = Fals
     """Split kiln's Transformer over `mesh` (the tp dim) in place: block linears by their family roles, the rest
     replicated (module docstring)."""
     tp = mesh.size()
-    cfg = model.cfg
+    cfg = getattr(model, "cfg", None)
+    if cfg is None or not isinstance(getattr(model, "blocks", None), nn.ModuleList):
+        raise ValueError(f"parallel.tp={tp} splits kiln's Transformer by its family's description of its linears; "
+                         f"{type(model).__name__} has none: use --parallel.tp=1 (data parallelism works on any model)")
     fam = family(cfg.arch)
     roles = {lin.name: lin for lin in fam.linears(cfg)}
     bad = sorted(n for n, lin in roles.items() if lin.tp not in ("column", "row"))

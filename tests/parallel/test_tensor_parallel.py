@@ -70,8 +70,7 @@ def assert_same_run(got_dir, want_dir):
         torch.testing.assert_close(wg[key], ww[key], rtol=RTOL, atol=1e-6, msg=key)
 
 
-@pytest.mark.parametrize("run,arch", [("llama_fsdp", "llama"), ("gpt2_fsdp_sp", "gpt2"),
-                                      ("llama_ddp_sp", "llama")])
+@pytest.mark.parametrize("run,arch", [("llama_fsdp", "llama"), ("gpt2_ddp_sp", "gpt2")])
 def test_tp2_dp2_trains_as_one_process(tp_launched, tp_reference, run, arch):
     assert_same_run(tp_launched / run, tp_reference / arch)
     got, want = records(tp_launched / run, "eval"), records(tp_reference / arch, "eval")
@@ -124,8 +123,7 @@ def expected_bytes(arch: str, tp: int, dp: int) -> int:
     return 4 * total // dp
 
 
-@pytest.mark.parametrize("run,arch,dp_shards", [("llama_fsdp", "llama", 2), ("gpt2_fsdp_sp", "gpt2", 2),
-                                                ("llama_ddp_sp", "llama", 1)])
+@pytest.mark.parametrize("run,arch,dp_shards", [("llama_fsdp", "llama", 2), ("gpt2_ddp_sp", "gpt2", 1)])
 def test_the_layout_event_shows_the_split(tp_launched, run, arch, dp_shards):
     events = [e for e in records(tp_launched / run, "event") if e["event"] == "layout"]
     assert len(events) == 1

@@ -470,6 +470,21 @@ class Checkpointer:
         return FileNotFoundError(f"{run} has {len(found)} checkpoint(s) and none verifies (`kiln checkpoints "
                                  f"{run}` says what is wrong with each)")
 
+    def load_weights(self, map_location="cpu") -> dict:
+        """The newest checkpoint's model weights: state.pt's (one process), or the consolidated model.safetensors
+        rank 0 wrote from every rank's shards (data, tensor parallelism), in the model's own layout either way."""
+        state = self.load(map_location=map_location)
+        if "model" in state:
+            return state["model"]
+        exported = self.loaded / "model.safetensors"
+        if not exported.is_file():
+            raise FileNotFoundError(f"{self.loaded} was written by several ranks without checkpoint.safetensors: its "
+                                    f"weights are DCP shards only; resume it in one process (--parallel.strategy=ddp) "
+                                    f"and save again")
+        from safetensors.torch import load_file  # lazy: as export_tensors
+
+        return load_file(str(exported), device=str(map_location))
+
     def load(self, map_location="cpu", path: Path | None = None) -> dict:
         """The newest checkpoint that verifies and loads; `path`: that checkpoint only (an error if it fails)."""
         if path is not None:

@@ -133,3 +133,19 @@ def test_the_layout_event_shows_the_split(tp_launched, run, arch, dp_shards):
     assert len(held) == 4 and all(b < event["param_bytes_unsharded"] for b in held)
     assert held == [expected_bytes(arch, tp=2, dp=dp_shards)] * 4
     assert event["param_bytes_unsharded"] == expected_bytes(arch, tp=1, dp=1)
+
+
+def test_sample_and_export_read_a_tp_run(tp_launched, tp_reference, tmp_path):
+    """`kiln sample` and `kiln export` read a tensor-parallel run's consolidated weights (model's own order): the
+    same text as the one-process run's, and Hugging Face tensors that load back."""
+    from kiln.interop.hf import read_hf
+    from kiln.cli.main import main
+    from kiln.run.sample import sample_from_run
+
+    got = sample_from_run(tp_launched / "llama_fsdp", "def ", 20, 0.0, 0, device="cpu")
+    assert got == sample_from_run(tp_reference / "llama", "def ", 20, 0.0, 0, device="cpu")
+    assert main(["export", str(tp_launched / "llama_fsdp"), "--hf", str(tmp_path / "hf")]) == 0
+    _, tensors = read_hf(tmp_path / "hf")
+    want = weights(tp_reference / "llama")
+    torch.testing.assert_close(tensors["blocks.0.attn.qkv.weight"], want["blocks.0.attn.qkv.weight"], rtol=RTOL,
+                               atol=1e-6)

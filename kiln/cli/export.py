@@ -29,10 +29,10 @@ def run(args, overrides) -> int:
     if out.exists() and any(out.iterdir()):
         raise ConfigError(f"{out} exists and is not empty; choose a new directory (nothing is overwritten)")
     cfg = load_config(run_dir / "config.toml")
-    state = Checkpointer(CheckpointConfig(), run_dir).load()
+    weights = Checkpointer(CheckpointConfig(), run_dir).load_weights()
     tokenizer = load_tokenizer(run_dir)
     model_cfg = cfg.model.resolve()
-    files = write_hf(model_cfg, state["model"], tokenizer.vocab_size, out, parse_bytes(args.shard_size),
+    files = write_hf(model_cfg, weights, tokenizer.vocab_size, out, parse_bytes(args.shard_size),
                      eos=tokenizer.eot_id)
     if tokenizer.kind == "bpe":  # the `tokenizers` file transformers' fast tokenizer reads as it is
         shutil.copy(run_dir / TOKENIZER_FILE, out / TOKENIZER_FILE)

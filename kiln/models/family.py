@@ -36,6 +36,7 @@ class Linear:
     #          weights divided among ranks, each rank keeps n_experts / ep of them)
     copies: int = 1  # weight matrices of this shape in the block (an MoE: one per expert)
     active: int = 1  # of them one token multiplies by (an MoE: the top-k)
+    parts: tuple[int, ...] = ()  # a fused linear's output rows, part by part ([q; k; v], [gate; up]); () = one
 
     @property
     def numel(self) -> int:
@@ -121,11 +122,13 @@ class Family:
     def linears(self, cfg: ModelConfig) -> list[Linear]:
         """The matmuls of one block, in forward order."""
         d, hd, H, KV = cfg.d_model, cfg.head_dim, cfg.n_head, cfg.n_kv_head
-        out = [Linear("attn.qkv", d, (H + 2 * KV) * hd, "column"), Linear("attn.proj", H * hd, d, "row")]
+        out = [Linear("attn.qkv", d, (H + 2 * KV) * hd, "column", parts=(H * hd, KV * hd, KV * hd)),
+               Linear("attn.proj", H * hd, d, "row")]
         if self.mlp == "gelu":
             out += [Linear("mlp.fc", d, cfg.d_ff, "column"), Linear("mlp.proj", cfg.d_ff, d, "row")]
         elif self.mlp == "swiglu":
-            out += [Linear("mlp.fc", d, 2 * cfg.d_ff, "column"), Linear("mlp.proj", cfg.d_ff, d, "row")]
+            out += [Linear("mlp.fc", d, 2 * cfg.d_ff, "column", parts=(cfg.d_ff, cfg.d_ff)),
+                    Linear("mlp.proj", cfg.d_ff, d, "row")]
         else:
             E, K, F = cfg.n_experts, cfg.n_experts_active, cfg.moe_d_ff
             out += [Linear("mlp.router", d, E, "replicate"),

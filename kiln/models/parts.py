@@ -92,20 +92,24 @@ class Attention(nn.Module):
 
     def forward(self, x, rope_cache=None):
         B, T, _ = x.shape
-        q, k, v = self.qkv(x).split(
-            [self.n_head * self.head_dim, self.n_kv_head * self.head_dim, self.n_kv_head * self.head_dim], dim=-1
-        )
-        q = q.view(B, T, self.n_head, self.head_dim)  # (B, T, H, D)
-        k = k.view(B, T, self.n_kv_head, self.head_dim)  # (B, T, KV, D)
+        qkv = self.qkv(x)  # (B, T, (H + 2·KV)·D)
+        # The heads this module computes, read off the output width: all of them, or a tensor-parallel rank's share
+        # (kiln.parallel.tensor gives each rank its rows of q, k and v).
+        D = self.head_dim
+        KV = qkv.shape[-1] // D * self.n_kv_head // (self.n_head + 2 * self.n_kv_head)
+        H = KV * self.n_head // self.n_kv_head
+        q, k, v = qkv.split([H * D, KV * D, KV * D], dim=-1)
+        q = q.view(B, T, H, D)  # (B, T, H, D)
+        k = k.view(B, T, KV, D)  # (B, T, KV, D)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = q.transpose(1, 2), k.transpose(1, 2)  # (B, H, T, D), (B, KV, T, D)
-        v = v.view(B, T, self.n_kv_head, self.head_dim).transpose(1, 2)
+        v = v.view(B, T, KV, D).transpose(1, 2)
         if self.rope is not None:
             cos, sin = rope_cache
             q, k = self.rope(q, cos[:T], sin[:T]), self.rope(k, cos[:T], sin[:T])
         y = self.core(q, k, v)  # (B, H, T, D)
-        y = y.transpose(1, 2).reshape(B, T, self.n_head * self.head_dim)  # (B, T, H·D)
+        y = y.transpose(1, 2).reshape(B, T, H * D)  # (B, T, H·D)
         return self.proj(y)
 
 

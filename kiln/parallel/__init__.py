@@ -5,7 +5,11 @@ FSDP2 (fully_shard per transformer block plus the root). Never a home-made engin
     world = init_world(cfg, device)   the process group from torchrun's environment (or a world of one)
     parallelize(model, cfg, world, precision)   the model pipeline's parallelize step
     gradient_sync(step_model, on)     accumulation: no gradient reduction until the last micro-batch
-    world.all_reduce(t, op)           in place; a no-op in a world of one
+    world.all_reduce(t, op, dim)      in place, over every rank or one mesh dim ("dp"); a no-op in a world of one
+    layout_event(world, model)        the run's layout and every rank's parameter bytes, gathered (metrics.jsonl)
+
+Tensor parallelism (kiln.parallel.tensor) splits kiln's Transformer over the mesh's tp dim before data parallelism
+wraps it; kiln.parallel.layout's ParallelPlan holds the degrees (world.plan) and world.mesh the DeviceMesh.
 
 Surviving failures (multi-node, elastic restarts) lives beside it: kiln.parallel.watchdog (a collective that fails or
 times out becomes one line naming the rank, the step and the collective), kiln.parallel.elastic (--auto-resume under
@@ -25,7 +29,11 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 import torch.nn as nn
+from torch.distributed.tensor import DTensor
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+from kiln.parallel.layout import ParallelPlan
+from kiln.parallel.tensor import apply_tensor_parallel
 
 STRATEGIES = ("none", "ddp", "zero1", "fsdp")
 BACKENDS = ("auto", "nccl", "gloo")
@@ -98,11 +106,8 @@ class World:
     timeout: float = 300.0  # parallel.timeout: how long a collective waits for the others
     broken: bool = False  # a collective failed (a rank died or hung): no further collective is attempted
     _side: object = None  # side_group()
-    # The model split across ranks (parallel.pp): ranks that share data (pipeline stages of one copy) are placed by
-    # place(); until then every rank is its own data-parallel copy.
-    split: bool = False
-    data_rank: int | None = None  # this rank's index among the data-parallel copies (the dp coordinate)
-    data_ranks: int | None = None  # how many copies see different data (the dp degree)
+    plan: ParallelPlan | None = None  # the layout: tp × pp × dp degrees (None: a world of one, nothing split)
+    mesh: object = None  # the DeviceMesh (dims pp, dp, tp) of a multi-process or model-parallel run, else None
 
     @property
     def main(self) -> bool:
@@ -110,28 +115,38 @@ class World:
 
     @property
     def sharded(self) -> bool:
-        """The run spans ranks that hold their own state: data parallelism (gradients averaged by DDP or FSDP) or
-        a split model; checkpoints are written by every rank (DCP)."""
-        return self.strategy != "none" or self.split
+        """Collectives and a sharded checkpoint: data parallelism (gradients averaged over the dp ranks), or the
+        model split over ranks (tp, pp)."""
+        return self.strategy != "none" or (self.plan is not None and self.plan.model_parallel)
 
     @property
-    def dp_rank(self) -> int:
-        return self.rank if self.data_rank is None else self.data_rank
+    def splits_weights(self) -> bool:
+        """No rank holds the whole model: FSDP shards it, tensor or pipeline parallelism splits it."""
+        return self.size > 1 and (self.strategy == "fsdp" or (self.plan is not None and self.plan.model_parallel))
 
     @property
     def dp_size(self) -> int:
-        """Copies of the model that see different data: each serves its own batches (loader, evaluation, rate)."""
-        return self.size if self.data_ranks is None else self.data_ranks
+        """Model copies that see different data: the ranks a batch is shared by, and gradients averaged over."""
+        return self.plan.dp if self.plan is not None else self.size
 
-    def place(self, plan) -> None:
-        """This rank's place in a layout whose model is split (a kiln.parallel.layout.ParallelPlan with pp > 1)."""
-        self.split, self.data_rank, self.data_ranks = True, plan.coords(self.rank)["dp"], plan.dp
+    @property
+    def dp_rank(self) -> int:
+        """This rank's index among the data-parallel copies: which share of the data it reads (tp ranks of one copy
+        read the same)."""
+        return self.plan.coords(self.rank)["dp"] if self.plan is not None else self.rank
 
-    def all_reduce(self, t: torch.Tensor, op=dist.ReduceOp.SUM) -> torch.Tensor:
+    def all_reduce(self, t: torch.Tensor, op=dist.ReduceOp.SUM, dim: str | None = None) -> torch.Tensor:
+        """Reduce over every rank, or over the ranks of one mesh dim (dim="dp": the copies that saw different data;
+        a sum of token counts or losses over all ranks would count each tp rank's identical copy again)."""
+        group = None
+        if dim is not None and self.mesh is not None and self.plan.mesh_shape[dim] < self.size:
+            if self.plan.mesh_shape[dim] == 1:
+                return t
+            group = self.mesh.get_group(dim)
         if self.size > 1:
             # NCCL reduces device tensors only: a host tensor (a count, a flag) goes through the GPU and back
             on = t.cuda() if t.device.type == "cpu" and dist.get_backend() == "nccl" else t
-            dist.all_reduce(on, op=op)
+            dist.all_reduce(on, op=op, group=group)
             if on is not t:
                 t.copy_(on)
         return t
@@ -171,6 +186,22 @@ class World:
             self.barrier()
 
 
+def layout_event(world: World, model: nn.Module) -> dict:
+    """The record that says how a multi-process run is laid out: the mesh, and every rank's parameter bytes as it
+    holds them (its local shards; a collective: every rank calls it), against one whole copy of the model."""
+    params = list(dict.fromkeys(model.parameters()))
+    held = sum(_local(p).numel() * p.element_size() for p in params)
+    plan = world.plan
+    return {"event": "layout", "mesh": plan.mesh_shape if plan is not None else {"dp": world.size},
+            "strategy": world.strategy, "sequence_parallel": bool(plan is not None and plan.sequence_parallel),
+            "param_bytes_per_rank": world.gather_objects(held),
+            "param_bytes_unsharded": sum(p.numel() * p.element_size() for p in params)}
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
 def launched_by_torchrun() -> bool:
     return all(k in os.environ for k in ("RANK", "WORLD_SIZE"))
 
@@ -180,12 +211,16 @@ def init_world(cfg: ParallelConfig, device_type: str) -> World:
     backend = cfg.backend if cfg.backend != "auto" else ("nccl" if device_type == "cuda" else "gloo")
     timeout = timedelta(seconds=cfg.timeout)
     if not launched_by_torchrun():
+        if cfg.tp * cfg.pp > 1:
+            raise ValueError(f"parallel.tp={cfg.tp} × parallel.pp={cfg.pp} splits the model over {cfg.tp * cfg.pp} "
+                             f"processes: launch with torchrun --nproc_per_node={cfg.tp * cfg.pp} (or a multiple)")
         if cfg.strategy == "none":
             return World()
         # A world of one: the same code path without torchrun (tests, resuming a parallel run on one device).
         if not dist.is_initialized():
             _init(backend, timeout, init_method=f"tcp://127.0.0.1:{_free_port()}", rank=0, world_size=1)
-        return World(0, dist.get_world_size(), 0, cfg.strategy, timeout=cfg.timeout)
+        return World(0, dist.get_world_size(), 0, cfg.strategy, timeout=cfg.timeout,
+                     plan=ParallelPlan.build(cfg, dist.get_world_size()))
     size = int(os.environ["WORLD_SIZE"])
     missing = [k for k in TORCHRUN_ENV if k not in os.environ]
     if missing:
@@ -194,11 +229,25 @@ def init_world(cfg: ParallelConfig, device_type: str) -> World:
     if cfg.strategy == "none" and size > cfg.tp * cfg.pp:
         raise ValueError(f"torchrun started {size} processes but parallel.strategy=none would train {size} "
                          f"independent copies; set --parallel.strategy=ddp, zero1 or fsdp")
+    plan = ParallelPlan.build(cfg, size)
     if not dist.is_initialized():
         _init(backend, timeout)
     elif hasattr(dist.distributed_c10d, "_set_pg_timeout"):  # a later run in this process: its own timeout
         dist.distributed_c10d._set_pg_timeout(timeout)
-    return World(int(os.environ["RANK"]), size, int(os.environ["LOCAL_RANK"]), cfg.strategy, timeout=cfg.timeout)
+    return World(int(os.environ["RANK"]), size, int(os.environ["LOCAL_RANK"]), cfg.strategy, timeout=cfg.timeout,
+                 plan=plan, mesh=_mesh(plan, device_type))
+
+
+_MESHES: dict = {}  # (shape, device type) -> DeviceMesh: like the process group, one per process, kept across runs
+
+
+def _mesh(plan: ParallelPlan, device_type: str):
+    """The run's DeviceMesh, made once per layout in a process (each one creates a process group per dim, and a
+    later run in the same process, a test's, reuses them)."""
+    key = (tuple(plan.mesh_shape.items()), device_type)
+    if key not in _MESHES:
+        _MESHES[key] = plan.device_mesh(device_type)
+    return _MESHES[key]
 
 
 def _init(backend: str, timeout: timedelta, **kw) -> None:
@@ -225,27 +274,44 @@ def device_for(world: World, device: torch.device) -> torch.device:
 
 def parallelize(model: nn.Module, cfg: ParallelConfig, world: World, device: torch.device,
                 param_dtype: torch.dtype | None = None) -> nn.Module:
-    """The pipeline's parallelize step: returns what the step calls (DDP wraps; FSDP2 shards `model` in place).
+    """The pipeline's parallelize step: returns what the step calls (DDP wraps; TP and FSDP2 change `model` in
+    place). The order is torchtitan's: tensor parallel over mesh["tp"] first (kiln.parallel.tensor), then data
+    parallel over mesh["dp"] only (the tp ranks of one copy see the same data).
 
     fsdp: fully_shard on every transformer block (model.blocks) and then the root, so each block's parameters
     are gathered just before it runs; bf16 autocast runs become FSDP2's MixedPrecisionPolicy (bf16 parameters in
-    compute, fp32 gradient reduction).
+    compute, fp32 gradient reduction). Under TP its parameters are DTensors on the 2-D (dp, tp) mesh.
+    ddp with tp > 1: FSDP2's replicate (DDP's all-reduce over mesh["dp"], for DTensor parameters).
     """
+    plan = world.plan
+    tp = plan is not None and plan.tp > 1
+    if tp:
+        apply_tensor_parallel(model, world.mesh["tp"], plan.sequence_parallel)
     if cfg.strategy == "none":
         return model
-    if cfg.strategy in ("ddp", "zero1"):
+    dp_mesh = world.mesh["dp"] if world.mesh is not None else None
+    if cfg.strategy in ("ddp", "zero1") and not tp:
         ids = [device.index] if device.type == "cuda" else None
-        ddp = nn.parallel.DistributedDataParallel(model, device_ids=ids)
+        group = dp_mesh.get_group() if dp_mesh is not None and plan.dp < world.size else None
+        ddp = nn.parallel.DistributedDataParallel(model, device_ids=ids, process_group=group)
         world.comm = CommTimer()
         ddp.register_comm_hook(world.comm, _timed_allreduce)
         return ddp
     from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard  # lazy: fsdp only
 
-    kw = {"reshard_after_forward": cfg.reshard_after_forward}
+    kw = {}
     if param_dtype is not None:
         kw["mp_policy"] = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32)
+    if cfg.strategy == "ddp":  # with tp: every rank of a dp group keeps whole (TP-split) parameters
+        from torch.distributed._composable.replicate_with_fsdp import replicate  # lazy: ddp × tp only
+
+        replicate(model, mesh=dp_mesh, **kw)
+        return model
+    kw["reshard_after_forward"] = cfg.reshard_after_forward
     if cfg.cpu_offload:
         kw["offload_policy"] = CPUOffloadPolicy()
+    if dp_mesh is not None:
+        kw["mesh"] = dp_mesh
     for block in getattr(model, "blocks", ()):
         fully_shard(block, **kw)
     fully_shard(model, **kw)

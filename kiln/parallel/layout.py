@@ -93,6 +93,9 @@ class ParallelPlan:
         if cfg.sequence_parallel and tp == 1:
             raise ValueError("parallel.sequence_parallel splits the sequence among tensor-parallel ranks: it needs "
                              "--parallel.tp > 1")
+        if tp > 1 and cfg.strategy == "zero1":
+            raise ValueError(f"parallel.strategy=zero1 (ZeroRedundancyOptimizer) cannot hold tensor-parallel (DTensor) "
+                             f"parameters with parallel.tp={tp}: use --parallel.strategy=fsdp or ddp")
         if cfg.pp_schedule not in PP_SCHEDULES:
             raise ValueError(f"parallel.pp_schedule={cfg.pp_schedule!r} is unknown; use one of {PP_SCHEDULES}")
         virtual = 2 if cfg.pp_schedule == "interleaved_1f1b" and pp > 1 else 1
@@ -121,12 +124,16 @@ def _check_model(tp: int, stages: int, model: ModelConfig, family, schedule: str
     sizes = {"model.n_head": model.n_head, "model.n_kv_head": model.n_kv_head}
     if family is not None:
         for lin in family.linears(model):
+            if lin.tp == "expert":
+                raise ValueError(f"parallel.tp={tp}: model.arch={model.arch} is a mixture of experts, and expert "
+                                 f"parallelism is not built; use --parallel.tp=1 (with --parallel.strategy=fsdp to "
+                                 f"shard it)")
             if lin.tp == "column":
                 sizes[f"the output width of {lin.name}"] = lin.n_out
+                for i, rows in enumerate(lin.parts):  # a fused linear: each rank takes 1/tp of every part
+                    sizes[f"part {i + 1} of {lin.name} ({lin.parts})"] = rows
             elif lin.tp == "row":
                 sizes[f"the input width of {lin.name}"] = lin.n_in
-            elif lin.tp == "expert":
-                sizes["model.n_experts"] = lin.copies
     for name, size in sizes.items():
         if size % tp:
             raise ValueError(f"parallel.tp={tp} does not divide {name} = {size}: pick a tp that divides it "

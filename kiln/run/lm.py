@@ -21,9 +21,8 @@ from rich.console import Console
 from kiln.config import Config, apply_overrides, to_toml
 from kiln.data import PreparedData, TokenLoader, prepare_data, val_batches
 from kiln.data.batches import to_device
-from kiln.parallel import device_for, init_world, launched_by_torchrun
+from kiln.parallel import ParallelPlan, device_for, init_world, launched_by_torchrun
 from kiln.parallel.elastic import restart_record
-from kiln.parallel.layout import ParallelPlan
 from kiln.interop.hf import read_hf
 from kiln.memory.devices import get_device, local_device
 from kiln.memory.estimate import fmt_bytes, parse_bytes
@@ -38,7 +37,7 @@ from kiln.perf.flops import recompute_flops_per_token
 from kiln.perf.peak import model_peak_flops
 from kiln.perf.hardware import decide_mode, precision_notice, resolve_kernels
 from kiln.run.oom import OomContext, OutOfMemory, oom_report, ram_check
-from kiln.train.checkpoint import Checkpointer, RunLock
+from kiln.train.checkpoint import Checkpointer, RunLock, full_weights
 from kiln.train.loop import TrainResult, Trainer, accumulation_for
 from kiln.train.objective import LanguageModeling
 from kiln.train.optim import scaled_lr
@@ -131,8 +130,18 @@ class LMRun:
                         self.state.precision, self.state.device, world if world.size > 1 else None)
 
     def sample(self, prompt: str, max_new_tokens: int, temperature: float = 0.8, top_k: int | None = 50,
-               seed: int = 0) -> str:
-        return generate_text(self.state.model, self.data.tokenizer, prompt, max_new_tokens, temperature, top_k, seed,
+               seed: int = 0) -> str | None:
+        """Text from the trained model on rank 0 (None on the others). When no rank holds the whole model (FSDP,
+        TP), every rank calls this: the weights are gathered into a plain copy on rank 0, which samples alone."""
+        model, world = self.state.model, self.state.world
+        if world.splits_weights:
+            weights = full_weights(self.state)
+            if not world.main:
+                return None
+            model = build_model(self.cfg.model, self.state.device)
+            model.load_state_dict(weights)
+            model.to(self.state.precision.param_dtype)
+        return generate_text(model, self.data.tokenizer, prompt, max_new_tokens, temperature, top_k, seed,
                              self.state.device, self.state.precision)
 
     def peak_lr(self) -> tuple[float, str | None]:
@@ -171,9 +180,7 @@ def build_lm(cfg: Config, run_dir: Path | None = None, log=print, device: torch.
 
 
 def _build_lm(cfg: Config, run_dir, log, device: torch.device, with_data: bool, world) -> LMRun:
-    split = cfg.parallel.tp * cfg.parallel.pp  # ranks per model copy: the batch is shared by the copies
-    copies = world.size // split if world.size % split == 0 else world.size  # else ParallelPlan.build says why
-    cfg = replace(cfg, train=replace(cfg.train, grad_accum_steps=accumulation_for(cfg.train, copies)))
+    cfg = replace(cfg, train=replace(cfg.train, grad_accum_steps=accumulation_for(cfg.train, world.dp_size)))
     seed_everything(cfg.train.seed)  # the same on every rank: the same initial weights
     initial = None
     if cfg.model.init:  # a Hugging Face checkpoint: its shape, its weights and (unless told) its tokenizer
@@ -200,12 +207,12 @@ def _build_lm(cfg: Config, run_dir, log, device: torch.device, with_data: bool, 
         cfg = plan_memory(cfg, device, log)
     cfg = replace(cfg, precision=recorded_precision(cfg.precision, asked, device))
     precision = cfg.precision.mode
-    layout = None
-    if cfg.parallel.pp > 1:  # the model split into pipeline stages (kiln.parallel.pipeline)
+    if world.plan is not None:  # the layout checked against the model: heads, widths and layers the split divides
         tc = cfg.train
-        layout = ParallelPlan.build(cfg.parallel, world.size, cfg.model, family(cfg.model.arch),
-                                    tc.micro_batch_size * tc.grad_accum_steps, tc.grad_accum_steps)
-        world.place(layout)
+        world.plan = ParallelPlan.build(cfg.parallel, world.size, cfg.model, family(cfg.model.arch),
+                                        tc.micro_batch_size * tc.grad_accum_steps, tc.grad_accum_steps)
+    layout = world.plan if world.plan is not None and world.plan.pp > 1 else None
+    if layout is not None:  # the model split into pipeline stages (kiln.parallel.pipeline)
         if cfg.numerics.trace:  # its replay runs the model in one piece; non-finite steps are still withheld
             log("numerics.trace: off under parallel.pp (the NaN trace's replay is not built for a split model)")
             cfg = replace(cfg, numerics=replace(cfg.numerics, trace=False))
@@ -270,6 +277,8 @@ def _train(lm: LMRun, cfg: Config, run_dir: Path, resume: bool, con: Console) ->
     tokens_per_step = c.train.micro_batch_size * c.train.grad_accum_steps * c.data.seq_len
     world = state.world
     ranks = f" | {world.strategy} × {world.size} ranks" if world.sharded else ""
+    if world.plan is not None and world.plan.model_parallel:
+        ranks = " | mesh " + " × ".join(f"{k}{v}" for k, v in world.plan.mesh_shape.items()) + f" ({world.strategy})"
     con.print(f"model: {c.model.init or c.model.preset} ({c.model.arch}) {state.n_params / 1e6:.2f}M parameters | "
               f"device {state.device} | precision {state.precision.mode} | {tokens_per_step * world.dp_size:,} "
               f"tokens/step{ranks}", highlight=False)
@@ -297,11 +306,14 @@ def _train(lm: LMRun, cfg: Config, run_dir: Path, resume: bool, con: Console) ->
               f"{lm.data.unigram_loss:.4f} | checkpoint {result.checkpoint}", highlight=False)
     result.unigram_loss = lm.data.unigram_loss
     # NaN weights cannot be sampled; token-id data (ids) has no text to prompt with
-    if lm.cfg.train.sample_tokens and world.split:
+    pipelined = world.plan is not None and world.plan.pp > 1
+    if lm.cfg.train.sample_tokens and pipelined:
         con.print("sample: not drawn under parallel.pp (the model is split across ranks); the checkpoint's "
                   "model.safetensors holds every stage's weights", highlight=False)
-    elif lm.cfg.train.sample_tokens and world.main and result.failure is None and lm.data.tokenizer.kind != "ids":
+    elif lm.cfg.train.sample_tokens and (world.main or world.splits_weights) and result.failure is None \
+            and lm.data.tokenizer.kind != "ids":
         result.sample = lm.sample(lm.cfg.train.sample_prompt, lm.cfg.train.sample_tokens)
+    if result.sample is not None:
         con.rule("sample")
         con.print(result.sample, markup=False, highlight=False)
         con.rule()

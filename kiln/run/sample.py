@@ -20,8 +20,7 @@ def load_model(run_dir: Path, device: str = "auto"):
     cfg = load_config(run_dir / "config.toml")
     dev = pick_device(device)
     model = build_model(cfg.model, dev)
-    state = Checkpointer(CheckpointConfig(), run_dir).load(map_location=dev)
-    model.load_state_dict(state["model"])
+    model.load_state_dict(Checkpointer(CheckpointConfig(), run_dir).load_weights(map_location=dev))
     model.to(torch.float32).eval()
     return model, load_tokenizer(run_dir), dev
 

@@ -12,7 +12,9 @@ renamed by rank 0 once all are done:
     state.pt                         step, tokens, data position, loss scaler, numerics (rank 0)
     rank_00001.pt                    each rank's RNG streams
     model.safetensors, config.toml   the consolidated weights and the config (rank 0)
-DCP reshards on load, so a run resumes on another world size or strategy (fsdp × 2 -> ddp × 1 and back).
+DCP reshards on load, so a run resumes on another world size, strategy or tensor-parallel degree (fsdp × 2 -> ddp × 1
+and back, tp2 × dp2 -> one process, fsdp × 2 -> tp2): what is saved is in the model's own layout (a tensor-parallel
+run's fused rows are put back in the model's order on the way out and reordered on the way in, kiln.parallel.tensor).
 
 checkpoint.async_save: the training thread only copies the state to host memory (DCP's staging; one process: a
 clone of every tensor) and goes on; the files are written, sealed and published by a background thread (under
@@ -43,6 +45,8 @@ import xxhash
 from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
                                                      get_optimizer_state_dict, get_state_dict, set_model_state_dict,
                                                      set_optimizer_state_dict)
+
+from kiln.parallel.tensor import canonical, from_canonical, fused_rows
 
 
 @dataclass
@@ -297,7 +301,7 @@ class Checkpointer:
             if world.main:
                 torch.save(state.optimizer.state_dict(), tmp / "optimizer.pt")
         torch.save({"rng": rng_state()}, tmp / f"rank_{world.rank:05d}.pt")
-        full = _full_model_state_dict(state.model)
+        full = full_weights(state)
         if world.main:
             torch.save(state.shared_state_dict(), tmp / "state.pt")
             (tmp / "config.toml").write_text(config_toml)
@@ -333,6 +337,7 @@ class Checkpointer:
         model_sd, optim_sd = _sharded_state_dicts(state, _flat_optimizer(path / "sharded"))
         target = {"model": model_sd} | ({"optimizer": optim_sd} if optim_sd is not None else {})
         dcp.load(target, checkpoint_id=path / "sharded")
+        _layout_order(state, model_sd, optim_sd, from_canonical)  # the model's rows into this run's TP order
         set_model_state_dict(state.model, target["model"])
         if optim_sd is not None:
             set_optimizer_state_dict(state.model, state.optimizer, target["optimizer"],
@@ -350,18 +355,21 @@ class Checkpointer:
     def _load_whole(self, path: Path, state) -> None:
         """A checkpoint one process wrote, into a data-parallel run: every rank reads the whole state.pt and keeps
         its part (FSDP2 shards the full tensors; ZeRO-1 takes its partition of the optimizer state)."""
-        if state.world.split:
+        if state.world.plan is not None and state.world.plan.pp > 1:
             raise ValueError(f"{path} was written by one process without parallel.strategy (a whole state.pt), "
                              f"which a pipeline-parallel run cannot split; resume it on one process with "
                              f"--parallel.strategy=ddp for a checkpoint (DCP, by parameter name), then under "
                              f"parallel.pp")
         saved = self.load(map_location="cpu", path=path)
         full = StateDictOptions(full_state_dict=True)
+        optim_sd = None if type(state.optimizer).__name__ == "ZeroRedundancyOptimizer" else \
+            _by_name(saved["optimizer"], state)
+        _layout_order(state, saved["model"], optim_sd, from_canonical)
         set_model_state_dict(state.model, saved["model"], options=full)
-        if type(state.optimizer).__name__ == "ZeroRedundancyOptimizer":
+        if optim_sd is None:
             state.optimizer.load_state_dict(saved["optimizer"])  # the consolidated layout one process writes
         else:
-            set_optimizer_state_dict(state.model, state.optimizer, _by_name(saved["optimizer"], state), options=full)
+            set_optimizer_state_dict(state.model, state.optimizer, optim_sd, options=full)
         state.load_shared_state_dict(saved)
         if state.world.rank == 0:  # the other ranks keep the RNG streams they were seeded with
             set_rng_state(saved["rng"])
@@ -469,6 +477,21 @@ class Checkpointer:
         return FileNotFoundError(f"{run} has {len(found)} checkpoint(s) and none verifies (`kiln checkpoints "
                                  f"{run}` says what is wrong with each)")
 
+    def load_weights(self, map_location="cpu") -> dict:
+        """The newest checkpoint's model weights: state.pt's (one process), or the consolidated model.safetensors
+        rank 0 wrote from every rank's shards (data, tensor parallelism), in the model's own layout either way."""
+        state = self.load(map_location=map_location)
+        if "model" in state:
+            return state["model"]
+        exported = self.loaded / "model.safetensors"
+        if not exported.is_file():
+            raise FileNotFoundError(f"{self.loaded} was written by several ranks without checkpoint.safetensors: its "
+                                    f"weights are DCP shards only; resume it in one process (--parallel.strategy=ddp) "
+                                    f"and save again")
+        from safetensors.torch import load_file  # lazy: as export_tensors
+
+        return load_file(str(exported), device=str(map_location))
+
     def load(self, map_location="cpu", path: Path | None = None) -> dict:
         """The newest checkpoint that verifies and loads; `path`: that checkpoint only (an error if it fails)."""
         if path is not None:
@@ -496,15 +519,20 @@ def _by_name(saved: dict, state) -> dict:
 
 
 def _sharded_state_dicts(state, flat: bool = True):
-    """(model, optimizer) state dicts keyed by parameter names, DTensor shards under FSDP2; the optimizer's is None
-    for ZeroRedundancyOptimizer, which DCP cannot shard (it is consolidated instead).
+    """(model, optimizer) state dicts keyed by parameter names, DTensor shards under FSDP2 and TP, in the model's own
+    layout (a TP run's fused rows in the model's order: copies, not the live tensors); the optimizer's is None for
+    ZeroRedundancyOptimizer, which DCP cannot shard (it is consolidated instead).
 
     The optimizer's is flat (its param_groups settings per parameter name too): pipeline stages hold different
     parameters, and a list of each group's parameters would differ from rank to rank where DCP expects one value.
     flat=False reads a checkpoint written before (param_groups as lists)."""
     if type(state.optimizer).__name__ == "ZeroRedundancyOptimizer":
-        return get_model_state_dict(state.model), None
-    return get_state_dict(state.model, state.optimizer, options=StateDictOptions(flatten_optimizer_state_dict=flat))
+        model_sd, optim_sd = get_model_state_dict(state.model), None
+    else:
+        model_sd, optim_sd = get_state_dict(state.model, state.optimizer,
+                                            options=StateDictOptions(flatten_optimizer_state_dict=flat))
+    _layout_order(state, model_sd, optim_sd, canonical)
+    return model_sd, optim_sd
 
 
 def _flat_optimizer(sharded: Path) -> bool:
@@ -513,11 +541,49 @@ def _flat_optimizer(sharded: Path) -> bool:
     return not any(re.match(r"optimizer\.param_groups\.\d", k) for k in keys)
 
 
-def _full_model_state_dict(model: torch.nn.Module) -> dict:
-    """The whole model's weights on rank 0 (host copies): FSDP2's shards gathered, or a pipeline's stages."""
-    if hasattr(model, "full_state_dict"):  # kiln.parallel.pipeline.PipelineModel
-        return model.full_state_dict()
-    return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+def full_weights(state) -> dict:
+    """The whole model's weights on rank 0's host, in the model's own layout, gathered from every rank's shards (a
+    collective: every rank calls it; the others get {}). What export and sampling read under FSDP, TP or PP."""
+    if hasattr(state.model, "full_state_dict"):  # kiln.parallel.pipeline.PipelineModel: every stage's weights
+        return state.model.full_state_dict()
+    full = get_model_state_dict(state.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    tp = _tp(state)
+    for name, parts in (fused_rows(state.model).items() if tp > 1 else ()):
+        if name in full:
+            full[name] = canonical(full[name], parts, tp)
+    return full
+
+
+def _tp(state) -> int:
+    plan = state.world.plan
+    return plan.tp if plan is not None else 1
+
+
+def _layout_order(state, model_sd: dict, optim_sd: dict | None, convert) -> None:
+    """Each fused parameter (and its optimizer state) of a tensor-parallel run through `convert` (canonical: TP
+    order -> the model's; from_canonical: back), replaced in the dicts; nothing without TP. The optimizer's dict
+    is nested ({"state": {name: {...}}}) or flat ({"state.<name>.exp_avg": ...})."""
+    tp = _tp(state)
+    if tp == 1:
+        return
+
+    def moment(value):  # exp_avg, exp_avg_sq reordered (not the step count)
+        return isinstance(value, torch.Tensor) and value.dim() > 0
+
+    nested = optim_sd is not None and isinstance(optim_sd.get("state"), dict)
+    if nested:  # new dicts: the per-parameter ones may be the optimizer's own (live) state
+        optim_sd["state"] = dict(optim_sd["state"])
+    for name, parts in fused_rows(state.model).items():
+        model_sd[name] = convert(model_sd[name], parts, tp)
+        if optim_sd is None:
+            continue
+        if nested and name in optim_sd["state"]:
+            optim_sd["state"][name] = {key: convert(value, parts, tp) if moment(value) else value
+                                       for key, value in optim_sd["state"][name].items()}
+        elif not nested:
+            for key in [k for k in optim_sd if k.startswith(f"state.{name}.")]:
+                if moment(optim_sd[key]):
+                    optim_sd[key] = convert(optim_sd[key], parts, tp)
 
 
 def write_state(state: dict, path: Path) -> None:

@@ -27,6 +27,7 @@ from typing import Callable
 import torch
 from rich.console import Console
 
+from kiln.parallel import layout_event
 from kiln.parallel.stragglers import StragglerWatch
 from kiln.parallel.watchdog import collective_errors
 from kiln.models import moe_metrics
@@ -254,6 +255,8 @@ class Trainer:
             self.logger = MetricsLogger(self.cfg.log, self.run_dir, self.cfg.train.max_steps or None,
                                         self.state.step, console=self.con, enabled=main,
                                         resumed_at=self.resumed_at)
+            if self.state.world.size > 1:  # every run across processes says how it is laid out (a collective)
+                self.events.insert(0, layout_event(self.state.world, self.state.model))
             for record in self.events:
                 self.logger.log(record, kind="event")
             self.numerics.start()

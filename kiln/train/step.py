@@ -37,8 +37,8 @@ def micro_batch_losses(model, batches, objective, precision: Precision, world: W
     trace's replay both take their losses from here. The consumer runs the backward before drawing the next loss:
     gradients are reduced across ranks on the last micro-batch only."""
     count = sum(objective.count(b) for b in batches)
-    if world is not None:
-        world.all_reduce(count)  # the global batch's count: every rank divides by the same number
+    if world is not None:  # the global batch's count: every rank divides by the same number (tp ranks share data)
+        world.all_reduce(count, dim="dp")
     count = count.clamp(min=1)
     for i, batch in enumerate(batches):
         with gradient_sync(model, i == len(batches) - 1):
@@ -52,14 +52,14 @@ def accumulate_gradients(model, batches, objective, precision: Precision, scaler
     """Forward and backward over every micro-batch; returns (mean loss over the global batch, count)."""
     if isinstance(model, PipelineModel):
         return _pipeline_gradients(model, batches, objective, precision, scaler, world)
-    # DDP and FSDP average gradients over ranks; each rank's loss is already a share of the global mean.
-    ranks = world.size if world is not None and world.sharded else 1
+    # DDP and FSDP average gradients over the dp ranks; each rank's loss is already a share of the global mean.
+    ranks = world.dp_size if world is not None and world.strategy != "none" else 1
     total_loss, count = None, None
     for loss, count in micro_batch_losses(model, batches, objective, precision, world):
         scaler.scale_loss(loss * ranks if ranks > 1 else loss).backward()
         total_loss = loss.detach().double() if total_loss is None else total_loss + loss.detach()
     if world is not None:
-        world.all_reduce(total_loss)  # every rank logs and judges the same loss
+        world.all_reduce(total_loss, dim="dp")  # every rank logs and judges the same loss
     return total_loss, count
 
 
@@ -74,8 +74,9 @@ def _pipeline_gradients(pipe: PipelineModel, batches, objective, precision: Prec
     count = count.clamp(min=1)
     x, y = torch.cat([b[0] for b in batches]), torch.cat([b[1] for b in batches])
     total_loss = pipe.train_step(x, y, count, scaler.scale_loss, precision.autocast)
-    if world is not None:
-        world.all_reduce(total_loss)
+    if world is not None:  # the last stage's share of each copy; tp ranks of a stage hold the same loss
+        world.all_reduce(total_loss, dim="pp")
+        world.all_reduce(total_loss, dim="dp")
     return total_loss, count
 
 
@@ -137,8 +138,8 @@ def evaluate(model, batches, objective, precision: Precision, device, world: Wor
             total += objective(model, batch).double()
         count += objective.count(batch)
     model.train(was_training)
-    if world is not None:
-        world.all_reduce(total)
-        world.all_reduce(count)
+    if world is not None:  # over the copies that evaluated different batches
+        world.all_reduce(total, dim="dp")
+        world.all_reduce(count, dim="dp")
     return (total / count.clamp(min=1)).item()
 

@@ -7,8 +7,9 @@ from torch.utils.data import TensorDataset
 
 from kiln import fit
 from kiln.config import make_config
-from kiln.data import DataConfig
+from kiln.data import DataConfig, TokenLoader
 from kiln.models import ModelConfig
+from kiln.models.parts import IGNORE_INDEX
 from kiln.train.losses import CrossEntropy
 
 
@@ -66,3 +67,27 @@ def measured_state_bytes(state) -> dict[str, int]:
            "optimizer_states": tensor_bytes(states)}
     state.optimizer.zero_grad(set_to_none=True)
     return out
+
+
+def tp_config(source: str, arch: str, strategy: str, tp: int, steps: int, sequence_parallel: bool = False,
+              interval: int = 0):
+    """lm_config's run on a tensor-parallel layout: 2 micro-batches of 2 sequences per data-parallel rank (the
+    global batch of 8 on any dp degree up to 4); arch llama has grouped-query attention (4 heads, 2 key/value heads)
+    and a SwiGLU MLP, both fused weights that tensor parallelism must split by part."""
+    cfg = lm_config(source, strategy, steps)
+    if arch == "llama":
+        cfg.model = ModelConfig(preset="llama-125m", n_layer=2, n_head=4, n_kv_head=2, d_model=64, d_ff=96,
+                                max_seq_len=64, vocab_size=256)
+    cfg.train.micro_batch_size = 2
+    cfg.parallel.tp, cfg.parallel.sequence_parallel = tp, sequence_parallel
+    cfg.checkpoint.interval = interval
+    return cfg
+
+
+class MaskedLoader(TokenLoader):
+    """Every target 'e' ignored: each micro-batch holds a different count of valid tokens (the data-parallel ranks
+    too), so a loss not normalised by the global count, or counted again on each tp rank, is off."""
+
+    def next(self):
+        x, y = super().next()
+        return x, y.masked_fill(y == ord("e"), IGNORE_INDEX)

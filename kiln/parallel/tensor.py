@@ -1,0 +1,190 @@
+"""Tensor parallelism (and sequence parallelism) of kiln's Transformer over the mesh's tp dim, through torch's DTensor
+`parallelize_module`: Megatron's split of each block, driven by the family's own description of its linears.
+
+    apply_tensor_parallel(model, tp_mesh, sequence_parallel)   in place; the model pipeline's first parallel step
+    fused_rows(model)                     {parameter name: (part rows, ...)} of the fused linears
+    canonical(tensor, parts, tp)          a fused weight (or its optimizer state) back in the model's own row order
+    from_canonical(tensor, parts, tp)     and into the tensor-parallel order
+
+Each block linear's role comes from `Family.linears(cfg)`: "column" linears (attn.qkv, mlp.fc) are ColwiseParallel
+(output features split, this rank's heads or MLP width), "row" linears (attn.proj, mlp.proj) RowwiseParallel (input
+split, outputs summed over the tp ranks). Everything else (embeddings, norms, the head, the loss) is replicated:
+every rank holds it whole and computes it on the same activations. All parameters become DTensors on the tp mesh,
+the replicated ones too, so that FSDP2 afterwards sees one 2-D (dp, tp) mesh and the optimizer, the global norm and
+DCP see one kind of tensor.
+
+Sequence parallel (parallel.sequence_parallel): between the TP regions the residual stream is split along the
+sequence (dim 1) instead of replicated, so the norms, dropout and residual adds run on 1/tp of the tokens; each
+region all-gathers its input and its row linear reduce-scatters its output (the same bytes moved as the all-reduce
+they replace). The first block splits its input; the final norm gathers the sequence back for the head and loss.
+
+The fused weights. attn.qkv holds the rows [q; k; v] and a SwiGLU's mlp.fc [gate; up]; a plain Shard(0) would give
+rank 0 all of q and part of k, not its heads of each. The family describes the parts (`Linear.parts`), and applying
+TP reorders the rows once, in memory, so that each rank's contiguous block is [q_r; k_r; v_r] (its heads of q, of k
+and of v; gate_r and up_r of the same MLP columns). The attention reads its local head counts off the width of the
+qkv output and SwiGLU chunks the local output in two, so the model code is the same with and without TP. The
+reordering never leaves the process: checkpoints (DCP, model and optimizer state), the consolidated safetensors and
+Hugging Face exports hold the model's own order, through `canonical` on the way out and `from_canonical` on the way
+in (kiln.train.checkpoint), so a checkpoint resumes under any layout, and a checkpoint written without TP resumes
+with it. Each conversion gathers one fused tensor at a time (a save or a load, not a step).
+
+Not built: vocabulary-parallel embedding and head, the loss on sharded logits, expert parallelism (a mixture of
+experts with tp > 1 is refused by ParallelPlan.build), dropout identical to one process (each tp rank draws its own
+masks on its heads; with dropout 0 TP is exact to one process).
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_module, distribute_tensor
+from torch.distributed.tensor.parallel import (ColwiseParallel, ParallelStyle, RowwiseParallel, SequenceParallel,
+                                               parallelize_module)
+
+from kiln.models.registry import family
+
+
+class Held(ParallelStyle):
+    """A module that is not split: its parameters replicated over the tp ranks (DTensors), its tensor inputs taken
+    as DTensors placed `inputs` (Replicate: the same on every tp rank; Shard(d): this rank's part of them), its
+    output redistributed to `output` (None: left as it is) and handed on as this rank's local tensor.
+
+    A replicated weight that meets this rank's part of the activations (Shard inputs) gets this rank's part of the
+    gradient: DTensor sums it over the tp ranks."""
+
+    def __init__(self, inputs=Replicate(), output=None):
+        super().__init__()
+        self.inputs, self.output = inputs, output
+
+    def _in(self, module, args, mesh):
+        place = self.inputs
+        out = []
+        for x in args:
+            if isinstance(x, torch.Tensor) and not isinstance(x, DTensor):
+                p = Shard(place.dim % x.ndim) if isinstance(place, Shard) else place
+                x = DTensor.from_local(x, mesh, [p], run_check=False)
+            out.append(x)
+        return tuple(out)
+
+    def _out(self, module, y, mesh):
+        if isinstance(y, DTensor):
+            if self.output is not None and tuple(y.placements) != (self.output,):
+                y = y.redistribute(placements=[self.output])
+            return y.to_local()
+        return y
+
+    def _apply(self, module: nn.Module, device_mesh) -> nn.Module:
+        return distribute_module(module, device_mesh, None, self._in, self._out)
+
+
+def _gather_sequence(module, args):
+    """A TP region's input (attention, MLP) under sequence parallelism: the whole sequence, on every tp rank."""
+    x = args[0]
+    if isinstance(x, DTensor):
+        x = x.redistribute(placements=[Replicate()]).to_local()
+    return (x, *args[1:])
+
+
+def _split_sequence(mesh):
+    def hook(module, args):  # the first block: the replicated embedding output, split along the sequence
+        x = args[0]
+        if not isinstance(x, DTensor):
+            x = DTensor.from_local(x, mesh, [Replicate()], run_check=False)
+        return (x.redistribute(placements=[Shard(1)]).to_local(), *args[1:])
+    return hook
+
+
+def fused_rows(model: nn.Module) -> dict[str, tuple[int, ...]]:
+    """{parameter name: rows of each part} of every fused column linear of kiln's Transformer (attn.qkv, a SwiGLU's
+    mlp.fc); {} for any other model."""
+    cfg = getattr(model, "cfg", None)
+    if cfg is None or not isinstance(getattr(model, "blocks", None), nn.ModuleList):
+        return {}
+    out = {}
+    for lin in family(cfg.arch).linears(cfg):
+        if lin.parts:
+            for i in range(len(model.blocks)):
+                for kind in ("weight", "bias"):
+                    out[f"blocks.{i}.{lin.name}.{kind}"] = lin.parts
+    return {k: v for k, v in out.items() if _has(model, k)}
+
+
+def _has(model, name):
+    module, _, attr = name.rpartition(".")
+    return getattr(model.get_submodule(module), attr, None) is not None
+
+
+def tp_order(parts: tuple[int, ...], tp: int) -> torch.Tensor:
+    """Row indices that put rank r's share of every part next to each other: tp_order[i] is the model-order row of
+    the tensor-parallel order's row i ([q_0; k_0; v_0; q_1; k_1; v_1; ...] for parts (q, k, v))."""
+    starts = torch.tensor([0, *parts]).cumsum(0)[:-1].tolist()
+    rows = []
+    for r in range(tp):
+        for start, n in zip(starts, parts):
+            rows.append(torch.arange(start + r * n // tp, start + (r + 1) * n // tp))
+    return torch.cat(rows)
+
+
+@torch.no_grad()
+def _reorder(t: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    t = t.detach()
+    if not isinstance(t, DTensor):
+        return t[index.to(t.device)]
+    full = t.full_tensor()[index.to(t.device)]
+    return distribute_tensor(full, t.device_mesh, t.placements)  # FSDP × TP's _StridedShard included
+
+
+def canonical(t: torch.Tensor, parts: tuple[int, ...], tp: int) -> torch.Tensor:
+    """A fused tensor in tensor-parallel row order (a parameter or its optimizer state) in the model's order."""
+    return t if tp == 1 else _reorder(t, torch.argsort(tp_order(parts, tp)))
+
+
+def from_canonical(t: torch.Tensor, parts: tuple[int, ...], tp: int) -> torch.Tensor:
+    return t if tp == 1 else _reorder(t, tp_order(parts, tp))
+
+
+def apply_tensor_parallel(model: nn.Module, mesh, sequence_parallel: bool = False) -> None:
+    """Split kiln's Transformer over `mesh` (the tp dim) in place: block linears by their family roles, the rest
+    replicated (module docstring)."""
+    tp = mesh.size()
+    cfg = getattr(model, "cfg", None)
+    if cfg is None or not isinstance(getattr(model, "blocks", None), nn.ModuleList):
+        raise ValueError(f"parallel.tp={tp} splits kiln's Transformer by its family's description of its linears; "
+                         f"{type(model).__name__} has none: use --parallel.tp=1 (data parallelism works on any model)")
+    fam = family(cfg.arch)
+    roles = {lin.name: lin for lin in fam.linears(cfg)}
+    bad = sorted(n for n, lin in roles.items() if lin.tp not in ("column", "row"))
+    if bad:
+        raise ValueError(f"parallel.tp={tp}: {cfg.arch}'s {', '.join(bad)} have no tensor-parallel split (roles "
+                         f"{sorted({roles[n].tp for n in bad})}); use --parallel.tp=1")
+    with torch.no_grad():  # the fused rows, once, before the weights are split
+        for name, parts in fused_rows(model).items():
+            p = model.get_parameter(name)
+            p.copy_(p[tp_order(parts, tp).to(p.device)])
+    seq = Shard(1)
+    for i, block in enumerate(model.blocks):
+        split = {}
+        for name, lin in roles.items():
+            if lin.tp == "column":
+                split[name] = ColwiseParallel()
+            else:
+                split[name] = RowwiseParallel(output_layouts=seq if sequence_parallel else Replicate())
+        regions = {name.rpartition(".")[0] for name in roles}  # attn, mlp: where the activations are split
+        for name, module in block.named_modules():
+            if not name or name in roles or name in regions or not any(True for _ in module.parameters(False)):
+                continue
+            if any(name.startswith(r + ".") for r in regions):  # a norm of this rank's heads (QK-norm)
+                split[name] = Held(Shard(-2))
+            else:  # the block's norms on the residual stream
+                split[name] = SequenceParallel() if sequence_parallel else Held()
+        parallelize_module(block, mesh, split)
+        if sequence_parallel:
+            for r in regions:
+                block.get_submodule(r).register_forward_pre_hook(_gather_sequence)
+            if i == 0:
+                block.register_forward_pre_hook(_split_sequence(mesh))
+    top = {name: Held() for name, module in model.named_children()
+           if name != "blocks" and any(True for _ in module.parameters())}
+    if sequence_parallel:
+        top["norm"] = Held(seq, Replicate())  # the final norm's output: the whole sequence for the head and loss
+    top["loss"] = Held()
+    parallelize_module(model, mesh, top)

@@ -1,0 +1,151 @@
+"""Tensor parallelism composed with data parallelism on CPU with gloo: 4 processes (one torchrun launch,
+tests/parallel/tp_worker.py) as tp2 × dp2 against 1 process, at the same global batch and seed, fp32, 6 steps, with
+uneven valid-token counts across the data-parallel ranks (MaskedLoader).
+
+Tolerance 1e-5 relative: the 4-process run adds the same fp32 numbers in another order (row-parallel partial sums
+all-reduced over tp, gradients reduced over dp) which moves the last bits of each step (~1e-7); AdamW carries them
+forward over 6 steps. A real error is orders of magnitude larger: a fused weight split as one block (rank 0 gets all
+of q) changes the model's function at step 1, and tokens counted on each tp rank halve every gradient.
+"""
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from kiln.models import ModelConfig
+from kiln.models.registry import family
+from kiln.run import lm
+from kiln.run.lm import train
+from tests.parallel.conftest import ROOT
+from tests.parallel.scenarios import MaskedLoader, tp_config
+from tests.parallel.test_dist import losses, records
+
+RTOL = 1e-5
+
+
+@pytest.fixture(scope="module")
+def tp_launched(tmp_path_factory, source, kiln_cache):
+    """One torchrun launch of tests/parallel/tp_worker.py on 4 processes; its wall time is printed (-s shows it)."""
+    out = tmp_path_factory.mktemp("tp")
+    env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
+    began = time.monotonic()
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=4",
+                           str(ROOT / "tests" / "parallel" / "tp_worker.py"), str(out), source],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    print(f"tensor-parallel launch: {time.monotonic() - began:.1f} s")
+    return out
+
+
+@pytest.fixture(scope="module")
+def tp_reference(tmp_path_factory, source, kiln_cache):
+    """The same runs in this one process (4 micro-batches of 2 where each dp rank takes 2)."""
+    out = tmp_path_factory.mktemp("tp-single")
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(lm, "TokenLoader", MaskedLoader)
+        for arch in ("llama", "gpt2"):
+            train(tp_config(source, arch, "none", tp=1, steps=6), out / arch)
+    return out
+
+
+def weights(run_dir):
+    return load_file(str(run_dir / "checkpoints" / (run_dir / "checkpoints" / "latest").read_text().strip()
+                         / "model.safetensors"))
+
+
+def assert_same_run(got_dir, want_dir):
+    got, want = losses(got_dir), losses(want_dir)
+    assert sorted(got) == sorted(want) == list(range(1, 7))
+    for step in want:
+        assert got[step] == pytest.approx(want[step], rel=RTOL), step
+    wg, ww = weights(got_dir), weights(want_dir)
+    assert wg.keys() == ww.keys()
+    for key in ww:  # the consolidated export is in the model's own row order (fused rows put back)
+        torch.testing.assert_close(wg[key], ww[key], rtol=RTOL, atol=1e-6, msg=key)
+
+
+@pytest.mark.parametrize("run,arch", [("llama_fsdp", "llama"), ("gpt2_ddp_sp", "gpt2")])
+def test_tp2_dp2_trains_as_one_process(tp_launched, tp_reference, run, arch):
+    assert_same_run(tp_launched / run, tp_reference / arch)
+    got, want = records(tp_launched / run, "eval"), records(tp_reference / arch, "eval")
+    assert got[-1]["val_loss"] == pytest.approx(want[-1]["val_loss"], rel=RTOL)  # evaluation over dp, not tp
+
+
+def test_the_reference_sees_uneven_valid_counts(source, kiln_cache, tmp_path):
+    """The masking makes the dp ranks' shares of a step differ (else the normalisation would not be tested)."""
+    cfg = tp_config(source, "llama", "none", tp=1, steps=1)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(lm, "TokenLoader", MaskedLoader)
+        run = lm.build_lm(cfg, tmp_path, log=lambda m: None)
+    batches = [run.state.loader.next() for _ in range(4)]
+    run.state.loader.close()
+    counts = [int((y != -100).sum()) for _, y in batches]
+    assert counts[0] + counts[2] != counts[1] + counts[3]  # dp rank 0 takes stream batches 0, 2; rank 1 takes 1, 3
+
+
+def test_a_tp_checkpoint_resumes_in_one_process(tp_launched, tp_reference, tmp_path, source):
+    """tp2 × dp2 (fsdp) saved at step 3, resumed by one process (no torchrun) to step 6: the straight curve."""
+    run_dir = tmp_path / "resumed"
+    shutil.copytree(tp_launched / "llama_fsdp", run_dir)
+    shutil.rmtree(run_dir / "checkpoints" / "step_000006")
+    (run_dir / "checkpoints" / "latest").write_text("step_000003\n")
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(lm, "TokenLoader", MaskedLoader)
+        train(tp_config(source, "llama", "ddp", tp=1, steps=6), run_dir, resume=True)
+    assert_same_run(run_dir, tp_reference / "llama")
+
+
+def test_an_fsdp_checkpoint_resumes_under_tp(tp_launched, tp_reference):
+    """fsdp × 4 for 3 steps, then tp2 × dp2 to step 6 (the fused rows reordered on load): the straight curve."""
+    assert_same_run(tp_launched / "fsdp_to_tp", tp_reference / "llama")
+
+
+def expected_bytes(arch: str, tp: int, dp: int) -> int:
+    """One rank's parameter bytes from the family's description: column and row linears hold 1/tp, everything else
+    is whole on each tp rank; FSDP holds 1/dp of that (every size here divides)."""
+    cfg = tp_config("", arch, "none", tp=1, steps=1).model
+    cfg.vocab_size = cfg.vocab_size or 256  # the byte tokenizer's
+    cfg = cfg.resolve()
+    fam = family(cfg.arch)
+    roles = {lin.name: lin.tp for lin in fam.linears(cfg)}
+    total = 0
+    for name, shape in fam.parameter_shapes(cfg):
+        numel = torch.Size(shape).numel()
+        module, _, kind = name.split(".", 2)[-1].rpartition(".") if name.startswith("blocks.") else ("", "", "")
+        split = roles.get(module) == "column" or (roles.get(module) == "row" and kind == "weight")  # row bias: whole
+        total += numel // tp if split else numel
+    return 4 * total // dp
+
+
+@pytest.mark.parametrize("run,arch,dp_shards", [("llama_fsdp", "llama", 2), ("gpt2_ddp_sp", "gpt2", 1)])
+def test_the_layout_event_shows_the_split(tp_launched, run, arch, dp_shards):
+    events = [e for e in records(tp_launched / run, "event") if e["event"] == "layout"]
+    assert len(events) == 1
+    event = events[0]
+    assert event["mesh"] == {"pp": 1, "dp": 2, "tp": 2}
+    held = event["param_bytes_per_rank"]
+    assert len(held) == 4 and all(b < event["param_bytes_unsharded"] for b in held)
+    assert held == [expected_bytes(arch, tp=2, dp=dp_shards)] * 4
+    assert event["param_bytes_unsharded"] == expected_bytes(arch, tp=1, dp=1)
+
+
+def test_sample_and_export_read_a_tp_run(tp_launched, tp_reference, tmp_path):
+    """`kiln sample` and `kiln export` read a tensor-parallel run's consolidated weights (model's own order): the
+    same text as the one-process run's, and Hugging Face tensors that load back."""
+    from kiln.interop.hf import read_hf
+    from kiln.cli.main import main
+    from kiln.run.sample import sample_from_run
+
+    got = sample_from_run(tp_launched / "llama_fsdp", "def ", 20, 0.0, 0, device="cpu")
+    assert got == sample_from_run(tp_reference / "llama", "def ", 20, 0.0, 0, device="cpu")
+    assert main(["export", str(tp_launched / "llama_fsdp"), "--hf", str(tmp_path / "hf")]) == 0
+    _, tensors = read_hf(tmp_path / "hf")
+    want = weights(tp_reference / "llama")
+    torch.testing.assert_close(tensors["blocks.0.attn.qkv.weight"], want["blocks.0.attn.qkv.weight"], rtol=RTOL,
+                               atol=1e-6)

@@ -1,0 +1,21 @@
+"""Run by tests/parallel/test_tensor_parallel.py under `torchrun --nproc_per_node=4`: every tensor-parallel scenario
+in one launch (spawning processes is the slow part). Each rank runs the same calls; rank 0 writes the run
+directories under OUT."""
+import sys
+from pathlib import Path
+
+from kiln.run import lm
+from kiln.run.lm import train
+from tests.parallel.scenarios import MaskedLoader, tp_config
+
+out, source = Path(sys.argv[1]), sys.argv[2]
+lm.TokenLoader = MaskedLoader  # uneven valid-token counts across the data-parallel ranks (the reference's too)
+
+# tp2 × dp2 under FSDP2: llama (GQA, SwiGLU: both fused weights split by part), saved at step 3 for the resumes
+train(tp_config(source, "llama", "fsdp", tp=2, steps=6, interval=3), out / "llama_fsdp")
+# tp2 × dp2 with sequence parallelism, under DDP (FSDP2's replicate over mesh["dp"]): gpt2 (LayerNorm, learned
+# positions, tied embeddings)
+train(tp_config(source, "gpt2", "ddp", tp=2, steps=6, sequence_parallel=True), out / "gpt2_ddp_sp")
+# fsdp × 4 (no TP) for 3 steps, resumed as tp2 × dp2 to step 6: a checkpoint resharded into the TP layout
+train(tp_config(source, "llama", "fsdp", tp=1, steps=3), out / "fsdp_to_tp")
+train(tp_config(source, "llama", "fsdp", tp=2, steps=6), out / "fsdp_to_tp", resume=True)

@@ -138,8 +138,9 @@ def evaluate(model, batches, objective, precision: Precision, device, world: Wor
             total += objective(model, batch).double()
         count += objective.count(batch)
     model.train(was_training)
-    if world is not None:  # over the copies that evaluated different batches
-        world.all_reduce(total, dim="dp")
-        world.all_reduce(count, dim="dp")
+    if world is not None:  # over the copies that evaluated different batches (and a pipeline's stages: the last
+        for dim in ("pp", "dp"):  # holds them, the others zeros)
+            world.all_reduce(total, dim=dim)
+            world.all_reduce(count, dim=dim)
     return (total / count.clamp(min=1)).item()
 

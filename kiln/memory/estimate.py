@@ -933,8 +933,10 @@ def estimate(job: Job) -> Breakdown:
         loss_fwd, loss_bwd = loss_fwd // tp, loss_bwd // tp
     # a pipeline rank holds other micro-batches' saved tensors while one walks through (Job.in_flight)
     others = job.in_flight() - 1
-    pipeline = {k: int(others * sum(_split(part)[k] for part in [embed, head, *blocks]))
-                for k in ("activations", "logits", "weight_casts")}
+    pipeline = {}
+    if others:
+        parts = [_split(part) for part in [embed, head, *blocks]]
+        pipeline = {k: int(others * sum(part[k] for part in parts)) for k in ("activations", "logits", "weight_casts")}
     host_opt = job.optimizer_offload != "none"
     parts = _Step(
         job=job, state=state, step_gradients=step_gradients, embed=embed, head=head,

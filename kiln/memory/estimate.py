@@ -740,9 +740,14 @@ class CommBuffers:
                 prefetch; with reshard_after_forward=false a block's stay from its forward to its backward.
                 Gathered in the compute dtype under bf16 autocast (MixedPrecisionPolicy), else the parameter's.
                 Backward also holds each block's unsharded fp32 gradient as the reduce-scatter input.
+                On CPU, gloo stages each all-gather's output through a copy of its size (_allgather_base_) and
+                clones each reduce-scatter's input (_reduce_scatter_base_): one more block's bytes while they run
+                (measured, tests/memory/test_rank_peak.py); NCCL writes in place.
     """
 
     persistent: int = 0  # held all step
+    staging_forward: int = 0  # gloo's copy of a block's all-gather while a forward runs (CPU)
+    staging_backward: int = 0  # ... of an all-gather or reduce-scatter while a backward runs (CPU)
     gathered: dict = field(default_factory=dict)  # block index -> its all-gathered parameter bytes (fsdp)
     reduce_scatter: dict = field(default_factory=dict)  # block index -> the reduce-scatter input of its backward
     keep_gathered: bool = False  # reshard_after_forward=false: gathered blocks stay until their backward
@@ -768,12 +773,16 @@ def _comm_buffers(job: Job, block_params: dict) -> CommBuffers:
     if job.parallel in ("ddp", "zero1"):
         return CommBuffers(persistent=sum(block_params.values()) * num.grad)
     blocks = range(job.model.n_layer)
-    # the reduce-scatter input is fp32 (reduce_dtype); a bf16 gathered weight's bf16 gradient is cast to it
-    rs = 4 + (element if element != 4 else 0)
+    # The reduce-scatter input is fp32 (reduce_dtype), 4 bytes an element, beside one more fp32 copy of the block's
+    # gradients: the unsharded fp32 gradients being copied in, or a bf16 gradient's fp32 cast (the bf16 one is
+    # released first), or on CPU gloo's clone of the input (measured: 8 bytes an element in every case)
+    rs = 8
+    gathered = {i: block_params[i] * element for i in blocks}
+    staging = (max(gathered.values()), 0) if job.target.kind == "cpu" and gathered else (0, 0)
     return CommBuffers(persistent=sum(v for k, v in block_params.items() if not isinstance(k, int)) * element,
-                       gathered={i: block_params[i] * element for i in blocks},
-                       reduce_scatter={i: block_params[i] * rs for i in blocks},
-                       keep_gathered=not job.reshard_after_forward)
+                       gathered=gathered, reduce_scatter={i: block_params[i] * rs for i in blocks},
+                       keep_gathered=not job.reshard_after_forward, staging_forward=staging[0],
+                       staging_backward=staging[1])
 
 
 @dataclass
@@ -837,10 +846,10 @@ def _simulate(p: _Step, first_step: bool, accumulating: bool) -> list[tuple[str,
     live = {"activations": 0, "logits": 0, "weight_casts": 0, **p.pipeline}
     cache = 0
 
-    def snap(name, temporaries=0, extra_casts=0, gathered=()):
+    def snap(name, temporaries=0, extra_casts=0, gathered=(), staging=0):
         comp = {**state, **live, "temporaries": temporaries}
         comp["weight_casts"] += extra_casts
-        comp["comm_buffers"] = p.comm.persistent + sum(p.comm.gathered[i] for i in gathered)
+        comp["comm_buffers"] = p.comm.persistent + sum(p.comm.gathered[i] for i in gathered) + staging
         events.append((name, comp))
 
     def add(kinds, sign=1):
@@ -856,6 +865,9 @@ def _simulate(p: _Step, first_step: bool, accumulating: bool) -> list[tuple[str,
             cache += p.casts  # not saved on the device, but in autocast's cache until forward ends
         snap(f"forward: block {i}", temporaries=p.fwd_tmp if recomputed else N * cfg.d_model * 4, extra_casts=cache,
              gathered=p.comm.forward(i))
+        if p.comm.staging_forward and i + 1 < L:  # the next block's all-gather (prefetch), staged by gloo
+            snap(f"forward: block {i + 1} all-gather", extra_casts=cache, gathered=p.comm.forward(i),
+                 staging=p.comm.staging_forward)
     add(p.head)
     snap("forward: loss", temporaries=p.loss_fwd, extra_casts=cache)
     snap("forward: end", extra_casts=cache)
@@ -875,8 +887,10 @@ def _simulate(p: _Step, first_step: bool, accumulating: bool) -> list[tuple[str,
         work = (stop - first) * per_block_work
         for i in reversed(range(first, stop)):
             casts = p.casts if (num.autocast and policy != "none") else 0
-            snap(f"backward: block {i}", temporaries=work + p.grad_tmp + p.comm.reduce_scatter.get(i, 0),
-                 extra_casts=casts, gathered=p.comm.backward(i))
+            snap(f"backward: block {i}", temporaries=work + p.grad_tmp, extra_casts=casts, gathered=p.comm.backward(i))
+            if p.comm.reduce_scatter:  # after the block's backward: its gradients reduce-scattered
+                snap(f"backward: block {i} reduce-scatter", temporaries=work + p.comm.reduce_scatter[i],
+                     gathered=p.comm.backward(i), staging=p.comm.staging_backward)
             if not accumulating:
                 state["gradients"] += held[i] * num.grad
             add(p.blocks[i], sign=-1)

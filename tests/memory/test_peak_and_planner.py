@@ -149,7 +149,8 @@ def test_collective_bytes_follow_the_ring_formulas():
 
 def test_plan_for_several_gpus_searches_the_strategies():
     cfg = load_config(None, ["--model.preset=llama-1b", "--data.seq_len=2048"])
-    fast = search(cfg, get_device("H100"), parse_bytes("40GiB"), 2048 * 256, gpus=8, interconnect="nvlink4")
+    fast = search(cfg, get_device("H100"), parse_bytes("40GiB"), 2048 * 256, gpus=8, interconnect="nvlink4",
+                  model_parallel=False)
     assert {c.choice.parallel for c in fast.candidates} == {"ddp", "zero1", "fsdp"}
     by = {}
     for c in fast.candidates:
@@ -158,7 +159,8 @@ def test_plan_for_several_gpus_searches_the_strategies():
     state = {k: sum(c.breakdown.components[x] for x in ("parameters", "gradients", "optimizer_states"))
              for k, c in by.items()}
     assert state["fsdp"] < state["zero1"] < state["ddp"]
-    slow = search(cfg, get_device("H100"), parse_bytes("40GiB"), 2048 * 256, gpus=8, interconnect="pcie4")
+    slow = search(cfg, get_device("H100"), parse_bytes("40GiB"), 2048 * 256, gpus=8, interconnect="pcie4",
+                  model_parallel=False)
     assert slow.best.step_s > fast.best.step_s  # the same work over a slower link
     with pytest.raises(ValueError, match="cannot be shared by 3 GPUs"):
-        search(cfg, get_device("H100"), None, 2048 * 256, gpus=3)
+        search(cfg, get_device("H100"), None, 2048 * 256, gpus=3, model_parallel=False)

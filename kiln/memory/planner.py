@@ -68,7 +68,8 @@ def communication(job: Job, link: float, compute_s: float) -> dict[str, float]:
         return {"bytes": 0.0, "seconds": 0.0, "exposed": 0.0}
     f = (N - 1) / N
     n_params = _local_params(job)
-    P, G = n_params * job.num.param, n_params * 4  # gradients are reduced in fp32 (FSDP2: reduce_dtype fp32)
+    # gradients are reduced in fp32 (FSDP2: reduce_dtype fp32); FSDP2 gathers bf16 under MixedPrecisionPolicy
+    P, G = n_params * (job.num.gathered or job.num.param), n_params * 4
     bw = link * COMM_EFFICIENCY
     backward = compute_s / job.grad_accum * 2 / 3  # the last micro-batch's backward: ~2/3 of its FLOPs
     if job.parallel in ("ddp", "zero1"):
@@ -466,7 +467,8 @@ def search(cfg, device, memory: int | None = None, global_batch_tokens: int = 0,
     `gpus_per_node`. model_parallel: also search tensor × pipeline × context-parallel layouts (`layouts`), each
     with sequence parallelism on, 1F1B and interleaved 1F1B with one pipeline micro-batch per micro-batch, and a
     smaller set of levers (recompute none / selective / full, chunked loss, the two fastest precisions). quick: that
-    smaller set for the data-parallel-only layout too (benchmarks/parallel_table.py)."""
+    smaller set for the data-parallel-only layout too, and the fastest precision only
+    (benchmarks/parallel_table.py)."""
     for name in (interconnect, inter_node):
         if name not in INTERCONNECTS:
             raise ValueError(f"interconnect {name!r} is unknown; use one of {', '.join(INTERCONNECTS)}")
@@ -509,7 +511,7 @@ def search(cfg, device, memory: int | None = None, global_batch_tokens: int = 0,
                               for choice in choices) if c is not None]
     for tp, pp, cp, dp, per_rank, strategies in model_parallel_choices:
         found, tried = _search_layout(cfg, device, memory, L, gpus, links, gpus_per_node, tp, pp, cp, dp, per_rank,
-                                      strategies, base.model.padded_vocab)
+                                      strategies, base.model.padded_vocab, 1 if quick else 2)
         everything += found
         considered += tried
     fitting = sorted((c for c in everything if c.fits), key=lambda c: (c.step_s, c.total_bytes))
@@ -525,8 +527,8 @@ def search(cfg, device, memory: int | None = None, global_batch_tokens: int = 0,
                 smallest=smallest, considered=len(choices) + considered)
 
 
-def _search_layout(cfg, device, memory, L, gpus, links, gpus_per_node, tp, pp, cp, dp, per_rank, strategies, vocab
-                   ) -> tuple[list[Candidate], int]:
+def _search_layout(cfg, device, memory, L, gpus, links, gpus_per_node, tp, pp, cp, dp, per_rank, strategies, vocab,
+                   precisions: int = 2) -> tuple[list[Candidate], int]:
     """One model-parallel layout's candidates: for each strategy, precision, micro-batch and schedule, the least
     recompute (none, then selective, then full; each without, then with the chunked loss) that fits — more
     recompute only costs time — and nothing more once a micro-batch of 1 fits with none of them."""
@@ -534,7 +536,7 @@ def _search_layout(cfg, device, memory, L, gpus, links, gpus_per_node, tp, pp, c
     found, tried = [], 0
     schedules = ("1f1b", "interleaved_1f1b") if pp > 1 else ("1f1b",)
     for strategy in (strategies if dp * cp == 1 else ("zero1", "fsdp")):
-        for precision in _precisions(device)[:2]:
+        for precision in _precisions(device)[:precisions]:
             for schedule in schedules:
                 for mb in _divisors(per_rank):
                     m = per_rank // mb

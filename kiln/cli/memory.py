@@ -106,9 +106,9 @@ def run(args, overrides) -> int:
     if note:
         print(f"note: {note}")
     if job.parallel != "none" and job.world > 1:
-        print(f"note: one rank's model state under {job.parallel} is exact (tests/parallel measures it); comm_buffers "
-              f"(DDP's gradient buckets, FSDP2's gathered parameters and reduce-scatter input) are modelled from "
-              f"torch's documentation and not yet measured")
+        print(f"note: one rank's whole-step peak under {job.parallel} (model state, saved tensors, DDP's buckets, "
+              f"FSDP2's gathered parameters) is measured on CPU gloo within 5% (tests/memory/test_rank_peak.py); "
+              f"on GPUs the collectives' buffers are modelled from torch's documentation")
     if plan.model_parallel or plan.cp > 1:
         print("note: tensor/pipeline/context-parallel bytes are modelled (docs/parallel.md), not yet measured; "
               "context parallelism is modelled only: training refuses it")

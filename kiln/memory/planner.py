@@ -8,6 +8,10 @@ It enumerates precision × micro-batch (with accumulation keeping the global bat
 offload × 8-bit AdamW × optimizer-state offload × chunked loss, keeps what kiln.memory.estimate predicts to fit,
 predicts each step's time with `step_time` (a roofline per op: FLOPs at the device's peak, bytes at its bandwidth,
 whichever is slower; recomputed forward FLOPs, host copies and the host optimizer included) and ranks by it.
+
+With several GPUs it also searches the layout (`layouts`: tensor × pipeline × context parallel, the rest data
+parallel under ddp, zero1 or fsdp), each layout's rank estimated through kiln.memory.levers.for_rank and timed
+with its collectives (`model_parallel_comm`) and the pipeline bubble (`bubble_fraction`); docs/parallel.md.
 """
 from __future__ import annotations
 

@@ -1,5 +1,6 @@
 """The modelled table of docs/parallel.md: Llama-7B and Llama-70B on 8, 64, 512 and 1024 H100s, the planner's best
-layout for each (`kiln plan --gpus G`'s search, its smaller lever set: kiln.memory.planner.search(quick=True)).
+layout for each (`kiln plan --gpus G`'s search with its smaller lever set and without the modelled-only context
+parallelism: kiln.memory.planner.search(quick=True, context=False)).
 
 Every number is a MODEL (kiln.memory.estimate for the bytes, kiln.memory.planner.step_time for the time, with
 the default efficiencies: matmuls at 60% of peak, collectives at 70% of the link), nothing here ran on a GPU.
@@ -33,9 +34,9 @@ BEGIN, END = "<!-- parallel_table: begin -->", "<!-- parallel_table: end -->"
 def row(name: str, gpus: int, device) -> str:
     cfg = load_config(None, MODELS[name])
     start = time.perf_counter()
-    plan = search(cfg, device, None, GLOBAL_TOKENS, gpus=gpus, quick=True)
+    plan = search(cfg, device, None, GLOBAL_TOKENS, gpus=gpus, quick=True, context=False)
     took = time.perf_counter() - start
-    best = next((c for c in plan.candidates if c.choice.cp == 1), None)  # what training can run
+    best = plan.best  # no context parallelism searched: what training can run
     if best is None:
         return f"| {name} | {gpus} | nothing fits | | | | | | |"
     c, model = best.choice, cfg.model.resolve()

@@ -118,8 +118,8 @@ def run(args, overrides) -> int:
         for s, (j, e) in enumerate(zip(jobs, stages)):
             print(f"  stage {s}: {j.model.n_layer} blocks, {j.in_flight():g} micro-batches in flight, "
                   f"peak {fmt_bytes(e.total_bytes)}" + ("  <- worst" if s == worst else ""))
-    print(f"parameters on this rank (before data-parallel sharding): {b.param_count:,} | attention backend: "
-          f"{b.backend} | peak at: {b.peak_phase}")
+    what = "parameters on this rank (before data-parallel sharding)" if plan.model_parallel else "parameters"
+    print(f"{what}: {b.param_count:,} | attention backend: {b.backend} | peak at: {b.peak_phase}")
     held = b.held()
     head = f"  {'component':<18}{'at peak':>12}{'full size':>12}" + (f"{'measured':>12}" if measured else "")
     print(head)

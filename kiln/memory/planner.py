@@ -465,14 +465,14 @@ def layouts(cfg, gpus: int, global_sequences: int, gpus_per_node: int = GPUS_PER
 
 def search(cfg, device, memory: int | None = None, global_batch_tokens: int = 0, gpus: int = 1,
            interconnect: str = "nvlink4", model_parallel: bool = True, gpus_per_node: int = GPUS_PER_NODE,
-           inter_node: str = "ib-ndr", quick: bool = False) -> Plan:
+           inter_node: str = "ib-ndr", quick: bool = False, context: bool = True) -> Plan:
     """gpus > 1: every rank has `memory`; the strategies ddp, zero1 and fsdp are searched too, their step time
     including the collectives over `interconnect` inside a node and `inter_node` between nodes of
     `gpus_per_node`. model_parallel: also search tensor × pipeline × context-parallel layouts (`layouts`), each
     with sequence parallelism on, 1F1B and interleaved 1F1B with one pipeline micro-batch per micro-batch, and a
     smaller set of levers (recompute none / selective / full, chunked loss, the two fastest precisions). quick: that
     smaller set for the data-parallel-only layout too, and the fastest precision only
-    (benchmarks/parallel_table.py)."""
+    (benchmarks/parallel_table.py). context: also the (modelled-only) context-parallel layouts."""
     for name in (interconnect, inter_node):
         if name not in INTERCONNECTS:
             raise ValueError(f"interconnect {name!r} is unknown; use one of {', '.join(INTERCONNECTS)}")
@@ -482,7 +482,7 @@ def search(cfg, device, memory: int | None = None, global_batch_tokens: int = 0,
     if tokens % T:
         raise ValueError(f"--global-batch-tokens={tokens} is not a multiple of data.seq_len={T}")
     G = tokens // T
-    splits = layouts(cfg, gpus, G, gpus_per_node) if model_parallel and gpus > 1 else [(1, 1, 1)]
+    splits = layouts(cfg, gpus, G, gpus_per_node, context) if model_parallel and gpus > 1 else [(1, 1, 1)]
     if G % gpus and not any(G % (gpus // (tp * pp * cp)) == 0 for tp, pp, cp in splits):
         raise ValueError(f"the global batch of {G} sequences cannot be shared by {gpus} GPUs; make it a multiple")
     base = job_for(cfg, device, recompute_plan=("none",) * cfg.model.resolve().n_layer)

@@ -15,6 +15,8 @@ recompute wrappers report those through kiln.memory.recompute.observe_kept and t
 from __future__ import annotations
 
 import contextlib
+import ctypes
+import glob
 import os
 import resource
 import time
@@ -271,9 +273,6 @@ class AllocatedBytes:
 def _count_every_thread(on: bool) -> None:
     """c10's FLAGS_caffe2_report_cpu_memory_usage (a plain bool in libc10, no Python binding): with it the CPU
     allocator counts the blocks of every thread, not only the profiled one's."""
-    import ctypes  # lazy: only AllocatedBytes sets the flag
-    import glob
-
     lib = glob.glob(os.path.join(os.path.dirname(torch.__file__), "lib", "libc10.*"))
     if not lib:
         raise RuntimeError("libc10 not found beside torch: AllocatedBytes cannot count every thread")

@@ -37,13 +37,15 @@ def row(name: str, gpus: int, device) -> str:
     plan = search(cfg, device, None, GLOBAL_TOKENS, gpus=gpus, quick=True, context=False)
     took = time.perf_counter() - start
     best = plan.best  # no context parallelism searched: what training can run
+    print(f"  {name} × {gpus}: {plan.considered} configurations, {took:.0f} s", flush=True)
     if best is None:
-        return f"| {name} | {gpus} | nothing fits | | | | | | |"
+        s = plan.smallest
+        return (f"| {name} | {gpus} | nothing fits in 80 GB | | smallest found: {s.choice.describe()} | "
+                f"{s.total_bytes / GiB:.1f} | | | |")
     c, model = best.choice, cfg.model.resolve()
     tokens_per_s = GLOBAL_TOKENS / best.step_s
     mfu = flops_per_token(model, cfg.data.seq_len) * tokens_per_s / (gpus * device.flops(c.precision))
     rec = c.recompute
-    print(f"  {name} × {gpus}: {plan.considered} configurations, {took:.0f} s", flush=True)
     return (f"| {name} | {gpus} | {c.layout(gpus)} | {c.parallel} | {c.precision}, mb {c.micro_batch_size}×"
             f"{c.grad_accum_steps}, recompute {rec}{', chunked loss' if c.chunked_loss else ''} | "
             f"{best.total_bytes / GiB:.1f} | {best.step_s:.2f} | {tokens_per_s / gpus:,.0f} | {mfu:.0%} |")

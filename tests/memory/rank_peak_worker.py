@@ -13,6 +13,6 @@ from kiln.run.measure import measure_rank_peaks
 from tests.memory.test_rank_peak import SCENARIOS, overrides
 
 out = Path(sys.argv[1])
-peaks = {name: measure_rank_peaks(load_config(None, overrides(name)), torch.device("cpu"), steps=3)
+peaks = {name: measure_rank_peaks(load_config(None, overrides(name)), torch.device("cpu"), steps=5)
          for name in SCENARIOS}
 (out / f"rank{os.environ['RANK']}.json").write_text(json.dumps(peaks))

@@ -1,4 +1,7 @@
-"""`kiln memory [CONFIG.toml] [--section.key=value ...] [--device NAME] [--measure] [--json] [--out PNG]`."""
+"""`kiln memory [CONFIG.toml] [--section.key=value ...] [--device NAME] [--ranks N] [--measure] [--json] [--out PNG]`.
+
+With --ranks N and parallel.tp / pp / cp: one rank's bytes under that layout (kiln.memory.levers.rank_jobs); with
+pipeline stages, every stage is estimated and the worst one is shown in full."""
 from __future__ import annotations
 
 import json
@@ -10,7 +13,7 @@ from kiln.cli.common import add_config_arguments, config_from
 from kiln.config import ConfigError
 from kiln.memory.devices import get_device, local_device
 from kiln.memory.estimate import COMPONENTS, estimate, fmt_bytes, peak_allocated
-from kiln.memory.levers import job_for
+from kiln.memory.levers import rank_jobs
 from kiln.memory.plots import breakdown_bar, timeline
 from kiln.perf.hardware import precision_notice
 from kiln.run.measure import measure_step
@@ -26,8 +29,9 @@ def add_parser(sub) -> None:
     p.add_argument("--measure", action="store_true", help="also run a few steps here and measure (saved tensors, "
                                                           "peak, timeline; CUDA: allocator peaks and a snapshot)")
     p.add_argument("--steps", type=int, default=3, help="steps to measure with --measure")
-    p.add_argument("--ranks", type=int, default=1, help="ranks sharing the model state under parallel.strategy "
-                                                      "(zero1 shards optimizer state, fsdp everything); one rank's bytes")
+    p.add_argument("--ranks", type=int, default=1, help="processes of the run (torchrun's world): split by "
+                                                      "parallel.tp × parallel.pp × parallel.cp, the rest data "
+                                                      "parallel under parallel.strategy; one rank's bytes")
     p.add_argument("--json", action="store_true", help="print JSON instead of the table")
     p.add_argument("--out", default="memory.png", help="stacked bar chart PNG ('' = no file: no chart, no "
                                                        "default timeline, no CUDA snapshot)")
@@ -46,10 +50,20 @@ def run(args, overrides) -> int:
     device = _device(args.device)
     if args.ranks < 1:
         raise ConfigError(f"--ranks must be ≥ 1, got {args.ranks}")
-    job = job_for(cfg, device, world=args.ranks)
-    b = estimate(job)
+    plan, jobs = rank_jobs(cfg, device, args.ranks)
+    stages = [estimate(j) for j in jobs]
+    worst = max(range(len(stages)), key=lambda s: stages[s].total_bytes)
+    job, b = jobs[worst], stages[worst]
     out = b.to_json()
     out["precision"] = job.precision
+    out["layout"] = {"mesh": plan.mesh_shape | ({"cp": plan.cp} if plan.cp > 1 else {}), "strategy": plan.strategy,
+                     "sequence_parallel": plan.sequence_parallel}
+    if plan.pp > 1:
+        out["layout"] |= {"pp_schedule": plan.pp_schedule, "pp_microbatches": job.grad_accum,
+                          "worst_stage": worst}
+        out["stages"] = [{"stage": s, "blocks": j.model.n_layer, "in_flight_microbatches": j.in_flight(),
+                          "total_bytes": e.total_bytes, "components": e.components}
+                         for s, (j, e) in enumerate(zip(jobs, stages))]
     note = _precision_note(cfg.precision.mode, device)
     if note:
         out["precision_note"] = note
@@ -71,7 +85,9 @@ def run(args, overrides) -> int:
             out["snapshot"] = measured.snapshot
     title = (f"{cfg.model.preset} ({job.model.arch}), {job.precision}, micro-batch {job.micro_batch}×{job.seq_len}"
              f", recompute {cfg.memory.recompute}, {device.name}"
-             + (f", {job.parallel} × {job.world} (per rank)" if job.parallel != "none" and job.world > 1 else ""))
+             + (f", {job.parallel} × {job.world} (per rank)" if job.parallel != "none" and job.world > 1 else "")
+             + (f", {_layout(plan)}" if plan.model_parallel or plan.cp > 1 else "")
+             + (f", stage {worst} of {plan.pp}" if plan.pp > 1 else ""))
     files = []
     if args.out:
         files.append(str(breakdown_bar(args.out, b.components, title, measured.components if measured else None,
@@ -90,10 +106,20 @@ def run(args, overrides) -> int:
     if note:
         print(f"note: {note}")
     if job.parallel != "none" and job.world > 1:
-        print(f"note: one rank's model state under {job.parallel} is exact (tests/parallel measures it); comm_buffers "
-              f"(DDP's gradient buckets, FSDP2's gathered parameters and reduce-scatter input) are modelled from "
-              f"torch's documentation and not yet measured")
-    print(f"parameters: {b.param_count:,} | attention backend: {b.backend} | peak at: {b.peak_phase}")
+        print(f"note: one rank's whole-step peak under {job.parallel} (model state, saved tensors, DDP's buckets, "
+              f"FSDP2's gathered parameters) is measured on CPU gloo within 5% (tests/memory/test_rank_peak.py); "
+              f"on GPUs the collectives' buffers are modelled from torch's documentation")
+    if plan.model_parallel or plan.cp > 1:
+        print("note: tensor/pipeline/context-parallel bytes are modelled (docs/parallel.md), not yet measured; "
+              "context parallelism is modelled only: training refuses it")
+    if plan.pp > 1:
+        print(f"pipeline {plan.pp_schedule}, {job.grad_accum} micro-batches of {job.micro_batch} sequences; every "
+              f"stage (the worst in full below):")
+        for s, (j, e) in enumerate(zip(jobs, stages)):
+            print(f"  stage {s}: {j.model.n_layer} blocks, {j.in_flight():g} micro-batches in flight, "
+                  f"peak {fmt_bytes(e.total_bytes)}" + ("  <- worst" if s == worst else ""))
+    what = "parameters on this rank (before data-parallel sharding)" if plan.model_parallel else "parameters"
+    print(f"{what}: {b.param_count:,} | attention backend: {b.backend} | peak at: {b.peak_phase}")
     held = b.held()
     head = f"  {'component':<18}{'at peak':>12}{'full size':>12}" + (f"{'measured':>12}" if measured else "")
     print(head)
@@ -126,6 +152,13 @@ def run(args, overrides) -> int:
     for f in files:
         print(f"wrote {Path(f)}")
     return 0
+
+
+def _layout(plan) -> str:
+    """tp2·pp4·dp8 (sp, 1f1b): the split of the world, innermost last."""
+    dims = [f"{k}{v}" for k, v in (("pp", plan.pp), ("dp", plan.dp), ("cp", plan.cp), ("tp", plan.tp)) if v > 1]
+    extra = [x for x in ("sp" if plan.sequence_parallel else "", plan.pp_schedule if plan.pp > 1 else "") if x]
+    return "·".join(dims or ["1"]) + (f" ({', '.join(extra)})" if extra else "")
 
 
 def _precision_note(mode: str, device) -> str | None:

@@ -29,10 +29,15 @@ def add_parser(sub) -> None:
                    help="tokens per optimizer step (default: micro_batch_size × grad_accum_steps × seq_len)")
     p.add_argument("--device", default="", help="H100, H200, A100-80GB, A100-40GB, V100-32GB, L4, RTX 4090 or cpu "
                                                 "(default: this machine's)")
-    p.add_argument("--gpus", type=int, default=1, help="GPUs sharing the global batch: also search "
-                                                     "parallel.strategy (ddp, zero1, fsdp); --memory is per GPU")
-    p.add_argument("--interconnect", default="nvlink4", help="link between the GPUs for the collectives' time: "
-                                                             "nvlink4, pcie4, pcie5 or ib-ndr")
+    p.add_argument("--gpus", type=int, default=1, help="GPUs sharing the global batch: also search the layout "
+                                                     "(parallel.tp × pp × cp, the rest data parallel under ddp, "
+                                                     "zero1 or fsdp); --memory is per GPU")
+    p.add_argument("--interconnect", default="nvlink4", help="link between the GPUs of a node for the collectives' "
+                                                             "time: nvlink4, pcie4, pcie5 or ib-ndr")
+    p.add_argument("--gpus-per-node", type=int, default=8, help="GPUs per node: tensor parallelism stays within one; "
+                                                              "groups spanning nodes use --inter-node")
+    p.add_argument("--inter-node", default="ib-ndr", help="link between nodes, per GPU (default ib-ndr, 50 GB/s)")
+    p.add_argument("--no-model-parallel", action="store_true", help="search data parallelism only (no tp, pp, cp)")
     p.add_argument("--top", type=int, default=10, help="rows of the ranked table")
     p.add_argument("--json", action="store_true", help='print {"best": {...}, "candidates": [...]}')
     p.add_argument("--calibrate", action="store_true", help="first measure this device's matmul and bandwidth "
@@ -43,7 +48,7 @@ def add_parser(sub) -> None:
 
 def _row(i, c, gpus: int) -> str:
     o, comp = c.overrides, c.breakdown.components
-    strategy = f"{o['parallel.strategy']:<7}" if gpus > 1 else ""
+    strategy = f"{c.choice.layout(gpus):<22}{o['parallel.strategy']:<7}" if gpus > 1 else ""
     state = sum(comp[k] for k in ("parameters", "gradients", "master_weights", "optimizer_states"))
     optim = o["optim.name"] + ("+host" if o["optim.offload"] != "none" else "")
     rec = o["memory.recompute"] + ("*" if o["memory.recompute"] == "budget" else "")
@@ -70,9 +75,11 @@ def run(args, overrides) -> int:
         memory = parse_bytes(args.memory) if args.memory else None
     except ValueError as e:
         raise ConfigError(str(e)) from None
-    if args.gpus < 1:
-        raise ConfigError(f"--gpus must be ≥ 1, got {args.gpus}")
-    plan = search(cfg, device, memory, args.global_batch_tokens, args.gpus, args.interconnect)
+    if args.gpus < 1 or args.gpus_per_node < 1:
+        raise ConfigError(f"--gpus and --gpus-per-node must be ≥ 1, got {args.gpus} and {args.gpus_per_node}")
+    plan = search(cfg, device, memory, args.global_batch_tokens, args.gpus, args.interconnect,
+                  model_parallel=not args.no_model_parallel, gpus_per_node=args.gpus_per_node,
+                  inter_node=args.inter_node)
     if args.json:
         out = plan.to_json()
         out["device_peak_flops"] = dict(device.peak_flops)
@@ -90,18 +97,34 @@ def run(args, overrides) -> int:
     if not plan.best:
         print(plan.shortfall())
         return 1
-    print(f"{'#':>3} {'strat  ' if args.gpus > 1 else ''}{'precision':<12}{'mb×acc':<9}{'recompute':<11}{'offl':<6}{'optimizer':<15}{'chunk':>6}"
+    if args.gpus > 1:
+        print("layout: pp·dp·cp·tp (tp innermost, within a node); sp = sequence parallel; 1f1b / i1f1b (interleaved) "
+              "/ m = pipeline micro-batches; cp is modelled only (training refuses it); peak and step s are the "
+              "worst pipeline stage's, modelled (docs/parallel.md)")
+    layout = f"{'layout':<22}{'strat':<7}" if args.gpus > 1 else ""
+    print(f"{'#':>3} {layout}{'precision':<12}{'mb×acc':<9}{'recompute':<11}{'offl':<6}{'optimizer':<15}{'chunk':>6}"
           f"{'state':>8}{'acts':>8}{'logit+t':>8}{'total':>8}{'step s':>10}   (GiB)")
     for i, c in enumerate(plan.candidates[: args.top], 1):
         print(_row(i, c, args.gpus))
-    best = plan.best
+    # context parallelism is modelled only: the recommendation is the fastest layout training can run
+    best = next((c for c in plan.candidates if c.choice.cp == 1), None)
+    if best is None:
+        print("every fitting layout needs context parallelism, which kiln models but does not train yet")
+        return 1
+    if best is not plan.best:
+        print(f"note: #1 uses context parallelism (parallel.cp), modelled only; recommended is the fastest "
+              f"without it")
     flags = " ".join(f"--{k}={v}" for k, v in best.overrides.items()
                      if v not in ("", None) and (k, v) != ("parallel.strategy", "none"))
-    launch = f"torchrun --nproc_per_node={args.gpus} -m kiln train" if args.gpus > 1 else "kiln train"
+    nodes = -(-args.gpus // args.gpus_per_node)
+    per_node = args.gpus // nodes
+    launch = ("kiln train" if args.gpus == 1 else f"torchrun --nproc_per_node={per_node} -m kiln train" if nodes == 1
+              else f"torchrun --nnodes={nodes} --nproc_per_node={per_node} --rdzv-endpoint=HOST:PORT -m kiln train")
     print(f"recommended: {launch} {args.config or ''} {flags}".replace("  ", " "))
     if cfg.optim.lr_scaling != "none":  # the batch it recommends sets the learning rate too
         o = best.overrides
-        tokens = o["train.micro_batch_size"] * o["train.grad_accum_steps"] * plan.seq_len * args.gpus
+        dp = args.gpus // (best.choice.tp * best.choice.pp * best.choice.cp)
+        tokens = o["train.micro_batch_size"] * o["train.grad_accum_steps"] * plan.seq_len * dp
         print(f"  {scaled_lr(cfg.optim, tokens)[1]}")
     if args.gpus == 1:
         print(f"  or: kiln train --plan.memory={args.memory or fmt_bytes(plan.memory).replace(' ', '')}"

@@ -77,6 +77,20 @@ class Numerics:
     residual: int  # the residual stream: block inputs and outputs, norm inputs
     compute: int  # matmul outputs and what attention and the MLP make of them
     autocast: bool  # linears see half-precision copies of their input and weight, made by autocast
+    casts: bool = True  # autocast copies the weights (fp32) to half precision; False when they are half already
+    gathered: int = 0  # bytes per element of FSDP2's all-gathered parameters (0: the parameter's own)
+
+    @property
+    def half_weights(self) -> bool:
+        """The norms see half-precision weights (bf16 parameters, or FSDP2 gathering them in bf16)."""
+        return self.param == 2 or self.gathered == 2
+
+
+# FSDP2 with MixedPrecisionPolicy(param_dtype=bf16), which kiln's bf16 mode uses under parallel.strategy=fsdp
+# (kiln.train.state): the fp32 shards are gathered as bf16, so autocast finds the linears' weights in bf16 already
+# and makes no copies; the embedding then returns bf16 and each block's inputs are cast to bf16
+# (cast_forward_inputs), so the residual stream is bf16 too. The fp32 shards and their fp32 gradients stay.
+FSDP_BF16 = Numerics(4, 4, 0, 2, 2, True, casts=False, gathered=2)
 
 
 NUMERICS = {
@@ -142,10 +156,55 @@ class Job:
     parallel: str = "none"  # data parallelism: "none" | "ddp" | "zero1" | "fsdp" (kiln.parallel)
     world: int = 1  # ranks sharing the model state; the breakdown is one rank's
     reshard_after_forward: bool = True  # fsdp: gathered parameters freed after each block's forward (ZeRO-3)
+    # The model-parallel layout of this rank (kiln.parallel.layout.ParallelPlan; levers.for_rank sets these from
+    # one). With pp > 1, `model` is this rank's stage: n_layer is the blocks it holds, micro_batch the pipeline's
+    # micro-batch and grad_accum the pipeline micro-batches per step.
+    tp: int = 1  # tensor-parallel degree: column/row linears and their activations split tp ways
+    sequence_parallel: bool = False  # tp: norms, dropout and the residual stream on 1/tp of the sequence
+    vocab_parallel: bool = False  # tp: embedding and head split by vocabulary rows (else replicated)
+    cp: int = 1  # context parallel (modelled only): the sequence split cp ways, ring attention
+    pp: int = 1  # pipeline stages
+    stage: int = 0  # this rank's pipeline stage (0: holds the embeddings; pp - 1: the final norm, head, loss)
+    pp_schedule: str = "1f1b"  # gpipe | 1f1b | interleaved_1f1b
+    virtual_stages: int = 1  # model chunks per pipeline rank (interleaved_1f1b: 2)
 
     @property
     def num(self) -> Numerics:
+        if self.parallel == "fsdp" and self.precision == "bf16":
+            return FSDP_BF16
         return NUMERICS[self.precision]
+
+    @property
+    def first_stage(self) -> bool:
+        return self.stage == 0
+
+    @property
+    def last_stage(self) -> bool:
+        return self.stage == self.pp - 1
+
+    @property
+    def tokens(self) -> int:
+        """Tokens of one micro-batch on this rank: context parallelism splits the sequence."""
+        return self.micro_batch * self.seq_len // self.cp
+
+    def in_flight(self) -> float:
+        """Micro-batches whose saved activations this pipeline rank holds at once, in units of all its blocks (the
+        schedules of torch.distributed.pipelining): GPipe runs every forward before any backward (all m); 1F1B
+        runs pp - stage forwards before its first backward (Schedule1F1B's warmup); interleaved 1F1B holds
+        (v - 1)·r + 2·(pp - 1 - stage) + 1 chunk forwards of 1/v of its blocks each (r micro-batches per round,
+        = pp when m is a multiple of it; _get_warmup_ops), i.e. pp + (pp - 1)/v on stage 0 — Korthikanti et al.
+        2022, §4.2.3: the interleaved schedule's first stage stores 1 + (p - 1)/(p·v) times 1F1B's."""
+        m = self.grad_accum
+        if self.pp == 1:
+            return 1
+        if self.pp_schedule == "gpipe":
+            return m
+        if self.pp_schedule == "1f1b":
+            return min(m, self.pp - self.stage)
+        v = self.virtual_stages
+        per_round = m // max(1, m // self.pp)
+        chunks = min((v - 1) * per_round + 2 * (self.pp - 1 - self.stage) + 1, m * v)
+        return chunks / v
 
     @property
     def backend(self) -> str:
@@ -192,6 +251,56 @@ def parameter_numels(cfg: ModelConfig) -> list[tuple[str, int]]:
     return [(name, math.prod(shape)) for name, shape in parameter_shapes(cfg)]
 
 
+def tp_shard_shape(name: str, shape: tuple[int, ...], cfg: ModelConfig, tp: int, vocab_parallel: bool = False
+                   ) -> tuple[int, ...] | None:
+    """The local shape of one parameter on a tensor-parallel rank, by its linear's role in the family's description
+    (kiln.models.family.Linear.tp): column = output rows split (Shard(0), as torch's ColwiseParallel: the weight
+    and its bias), row = input columns split (Shard(1), RowwiseParallel; its bias is replicated), expert = whole
+    experts divided (this rank keeps the first n_experts / tp; None for the others), replicate and everything
+    outside the linears (norms, positions) whole; the embedding and an untied head split by vocabulary rows
+    only with vocab_parallel."""
+    if tp == 1:
+        return shape
+    parts = name.split(".")
+    if parts[0] in ("embed", "head"):
+        return (shape[0] // tp, *shape[1:]) if vocab_parallel else shape
+    if parts[0] != "blocks":
+        return shape
+    module, kind = ".".join(parts[2:-1]), parts[-1]
+    if module.startswith("mlp.experts."):
+        expert = int(module.split(".")[2])
+        return shape if expert < cfg.n_experts // tp else None
+    role = family(cfg.arch).tp_layout(cfg).get(module, "replicate")
+    if role == "column":
+        return (shape[0] // tp, *shape[1:])
+    if role == "row" and kind == "weight":
+        return (shape[0], shape[1] // tp)
+    return shape
+
+
+def local_parameter_shapes(job: "Job") -> list[tuple[str, tuple[int, ...]]]:
+    """(name, shape) of the parameters this rank's model part holds before data-parallel sharding: its pipeline
+    stage's (job.model is the stage: its blocks; the embeddings on the first stage, the final norm and head on the
+    last, a tied embedding on both as two copies whose gradients the runtime sums) split by tensor parallelism
+    (tp_shard_shape). A later test compares their bytes with the sum of the local DTensor shards."""
+    cfg = job.model
+    shapes = parameter_shapes(cfg)
+    if job.pp > 1:
+        def kept(name):
+            top = name.split(".")[0]
+            return (top not in ("embed", "pos_embed") or job.first_stage) and (top not in ("norm", "head")
+                                                                               or job.last_stage)
+        shapes = [(n, s) for n, s in shapes if kept(n)]
+        if cfg.tie_embeddings and job.last_stage and not job.first_stage:
+            shapes.append(("head.weight", (cfg.padded_vocab, cfg.d_model)))
+    out = []
+    for name, shape in shapes:
+        local = tp_shard_shape(name, shape, cfg, job.tp, job.vocab_parallel)
+        if local is not None:
+            out.append((name, local))
+    return out
+
+
 def rank_state(job: "Job") -> dict[str, int]:
     """Parameter, gradient and optimizer-state bytes one rank holds under data parallelism (job.parallel on
     job.world ranks), as kiln builds them:
@@ -205,7 +314,7 @@ def rank_state(job: "Job") -> dict[str, int]:
            state is the shard's real rows (rank 0's, the largest).
     """
     num, W = job.num, job.world
-    shapes = parameter_shapes(job.model)
+    shapes = local_parameter_shapes(job)
     numels = [math.prod(shape) for _, shape in shapes]
     n = sum(numels)
     state = {"parameters": n * num.param, "gradients": n * num.grad,
@@ -277,11 +386,16 @@ def _norm_tensors(cfg, N, num, target, name) -> dict[str, int]:
     """What a norm saves for backward; the input is the residual stream."""
     d, r = cfg.d_model, num.residual
     if family(cfg.arch).norm == "layernorm":  # nn.LayerNorm: input, mean, rstd
-        return {f"{name}.input": N * d * r, f"{name}.stats": 2 * N * target.layernorm_stat_bytes(r)}
+        # autocast runs layer_norm in fp32: a bf16 input (FSDP2's bf16 residual) and weight are saved as fp32 copies
+        x = 4 if num.autocast else r
+        out = {f"{name}.input": N * d * x, f"{name}.stats": 2 * N * target.layernorm_stat_bytes(x)}
+        if num.autocast and num.half_weights:
+            out[f"{name}.weight_fp32"] = d * 4 * (2 if cfg.bias and family(cfg.arch).biases else 1)
+        return out
     # RMSNorm computes in fp32: x.float() (a copy when x is bf16), rsqrt per token, the normalized y;
     # y * weight.float() keeps the fp32 weight (a copy when the weight is bf16).
     out = {f"{name}.input": N * d * 4, f"{name}.stats": N * 4, f"{name}.normed": N * d * 4}
-    if num.param == 2:
+    if num.half_weights:
         out[f"{name}.weight_fp32"] = d * 4
     return out
 
@@ -340,7 +454,7 @@ def _block_tensors(cfg: ModelConfig, B: int, T: int, num: Numerics, target: Targ
         t.update(_moe_tensors(cfg, N, num))
     else:
         t.update(_mlp_tensors(fam.mlp, N, cfg.d_ff, c))
-    if num.autocast:
+    if num.autocast and num.casts:
         t["weight_casts"] = 2 * block_matmul_numel(cfg)
     # RMSNorm's fp32 copies of a bf16 weight are weight copies too
     w = sum(t.pop(f"{name}.weight_fp32", 0) for name in ("norm1", "norm2", "attn.q_norm", "attn.k_norm"))
@@ -372,7 +486,7 @@ def _qk_norm_tensors(cfg: ModelConfig, N: int, num: Numerics, backend: str) -> d
         out[f"{name}.input"] = rows * hd * 4 if num.compute != 4 else 0
         out[f"{name}.stats"] = rows * 4
         out[f"{name}.normed"] = rows * hd * 4
-        if num.param == 2:
+        if num.half_weights:
             out[f"{name}.weight_fp32"] = hd * 4
     return out
 
@@ -439,7 +553,7 @@ def _head_tensors(cfg: ModelConfig, B: int, T: int, num: Numerics, target: Targe
     else:
         t["logits"] = N * V * 4
         t["loss.total_weight"] = 4
-        if num.autocast:
+        if num.autocast and num.casts:
             w += 2 * V * d
     if w:
         t["weight_casts"] = w
@@ -465,7 +579,7 @@ def _loss_transients(cfg: ModelConfig, N: int, num: Numerics, chunk: int) -> tup
     return fwd, bwd
 
 
-def _block_grad_transient(cfg: ModelConfig, N: int, num: Numerics) -> int:
+def _block_grad_transient(cfg: ModelConfig, N: int, num: Numerics, tp: int = 1) -> int:
     """Bytes beyond the saved tensors when a block's backward peaks, at the MLP output projection: the gradient
     of the block output (and its half copy under autocast), the gradient of the projection's input (SwiGLU: with
     the (N, 2F) gate/up gradient that follows it) and the projection's weight gradient (half, then fp32). An MoE:
@@ -477,8 +591,10 @@ def _block_grad_transient(cfg: ModelConfig, N: int, num: Numerics) -> int:
         S = N * cfg.n_experts_active
         F, rows, extra = cfg.moe_d_ff, math.ceil(S / cfg.n_experts), S * d * (r + c)
     wide = F if mlp == "gelu" else 3 * F
-    grad_w = F * d * (c + 4 if num.autocast else num.grad)
-    return N * d * (r + (c if num.autocast else 0)) + rows * wide * c + grad_w + extra
+    # the projection's weight gradient: in the compute dtype, then an fp32 copy for an fp32 weight under autocast;
+    # in the weight's dtype without autocast (FSDP2's gathered bf16 weight: bf16)
+    grad_w = F * d * ((c + 4) if num.autocast and num.casts else c if num.autocast else num.grad)
+    return N * d * (r + (c if num.autocast and c != r else 0)) + (rows * wide * c + grad_w) // tp + extra
 
 
 def _forward_width(cfg: ModelConfig) -> int:
@@ -524,21 +640,65 @@ class Breakdown:
 
 
 def saved_tensors(job: Job) -> tuple[dict[str, int], list[dict[str, int]], dict[str, int]]:
-    """(embedding, per block, head) saved-for-backward bytes by kind, as held between forward and backward."""
-    cfg, B, T, num, tgt = job.model, job.micro_batch, job.seq_len, job.num, job.target
-    full_block = _block_tensors(cfg, B, T, num, tgt, job.backend)
+    """(embedding, per block, head) saved-for-backward bytes by kind, as held between forward and backward by one
+    micro-batch on this rank: its pipeline stage's parts, its tensor-parallel share (`_tp_share`), its context-
+    parallel share of the sequence."""
+    cfg, B, T, num, tgt = job.model, job.micro_batch, job.seq_len // job.cp, job.num, job.target
+    full_block = _rank_block(job)
     blocks = []
     for i in range(cfg.n_layer):
         p = job.policy(i)
         if p == "none":
             blocks.append(dict(full_block))
         elif p == "selective":
-            blocks.append(_selective_tensors(cfg, B, T, num))
+            blocks.append(_tp_share(_selective_tensors(cfg, B, T, num), job))
         elif p == "full":
-            blocks.append({"block_input": B * T * cfg.d_model * num.residual})
+            blocks.append(_tp_share({"block_input": B * T * cfg.d_model * num.residual}, job))
         else:  # inside a full segment: nothing kept
             blocks.append({})
-    return _embed_tensors(cfg, B, T, num, tgt), blocks, _head_tensors(cfg, B, T, num, tgt, job.chunked_loss)
+    embed = _tp_share(_embed_tensors(cfg, B, T, num, tgt), job) if job.first_stage else {}
+    head = _tp_share(_head_tensors(cfg, B, T, num, tgt, job.chunked_loss), job) if job.last_stage else {}
+    return embed, blocks, head
+
+
+def _rank_block(job: Job) -> dict[str, int]:
+    """One block's saved tensors on this rank without recomputation."""
+    return _tp_share(_block_tensors(job.model, job.micro_batch, job.seq_len // job.cp, job.num, job.target,
+                                    job.backend), job)
+
+
+# Saved kinds that stay whole on every tensor-parallel rank: the inputs of the column-parallel linears (torch's
+# ColwiseParallel all-gathers a sequence-parallel input and the matmul saves the gathered tensor, unlike Megatron's
+# which saves the shard and gathers again in backward), token ids and targets, the RoPE tables, an MoE's routing
+# and expert tensors (expert parallelism is not modelled: replicated, an over-count).
+_TP_WHOLE = ("attn.qkv_input", "mlp.fc_input", "loss.input", "embed.", "loss.targets", "loss.total_weight",
+             "attn.rope_tables", "moe.")
+# ... and those split only by sequence parallelism: the norms, the residual stream (block inputs, the row-parallel
+# linears' outputs) and dropout on it (Korthikanti et al. 2022, §4.2.2).
+_TP_SEQUENCE = ("norm1.", "norm2.", "norm.", "resid.", "block_input", "attn.proj_out", "mlp.proj_out",
+                "embed.dropout_mask")
+_TP_VOCAB = ("logits", "loss.logsumexp")  # split only with a vocabulary-parallel head
+
+
+def _tp_share(kinds: dict[str, int], job: Job) -> dict[str, int]:
+    """One tensor-parallel rank's bytes of saved kinds: attention by heads and the MLP by width (q, k, v, scores,
+    the attention output, the MLP's inner tensors, autocast's copies of the local weight shards) over tp; what
+    sequence parallelism splits over tp only with it; the rest whole."""
+    tp = job.tp
+    if tp == 1:
+        return kinds
+    out = {}
+    for k, v in kinds.items():
+        if k.startswith(_TP_SEQUENCE):
+            split = job.sequence_parallel
+        elif k.startswith(_TP_VOCAB):
+            split = job.vocab_parallel
+        elif k.startswith(_TP_WHOLE):
+            split = False
+        else:
+            split = True
+        out[k] = v // tp if split else v
+    return out
 
 
 def _split(kinds: dict[str, int]) -> dict[str, int]:
@@ -562,7 +722,7 @@ def grad_shares(job: Job) -> dict:
     everything under DDP and ZeRO-1; under FSDP2 each parameter's padded shard, ceil(dim0 / world) rows."""
     fsdp, W = job.parallel == "fsdp" and job.world > 1, job.world
     out: dict = {"embed": 0, "pos_embed": 0, "norm": 0, "head": 0}
-    for name, shape in parameter_shapes(job.model):
+    for name, shape in local_parameter_shapes(job):
         key = int(name.split(".")[1]) if name.startswith("blocks.") else name.split(".")[0]
         rows = math.ceil(shape[0] / W) if fsdp else shape[0]
         out[key] = out.get(key, 0) + rows * math.prod(shape[1:])
@@ -580,9 +740,14 @@ class CommBuffers:
                 prefetch; with reshard_after_forward=false a block's stay from its forward to its backward.
                 Gathered in the compute dtype under bf16 autocast (MixedPrecisionPolicy), else the parameter's.
                 Backward also holds each block's unsharded fp32 gradient as the reduce-scatter input.
+                On CPU, gloo stages each all-gather's output through a copy of its size (_allgather_base_) and
+                clones each reduce-scatter's input (_reduce_scatter_base_): one more block's bytes while they run
+                (measured, tests/memory/test_rank_peak.py); NCCL writes in place.
     """
 
     persistent: int = 0  # held all step
+    staging_forward: int = 0  # gloo's copy of a block's all-gather while a forward runs (CPU)
+    staging_backward: int = 0  # ... of an all-gather or reduce-scatter while a backward runs (CPU)
     gathered: dict = field(default_factory=dict)  # block index -> its all-gathered parameter bytes (fsdp)
     reduce_scatter: dict = field(default_factory=dict)  # block index -> the reduce-scatter input of its backward
     keep_gathered: bool = False  # reshard_after_forward=false: gathered blocks stay until their backward
@@ -602,16 +767,22 @@ class CommBuffers:
 
 def _comm_buffers(job: Job, block_params: dict) -> CommBuffers:
     W, num = job.world, job.num
-    if W == 1 or job.parallel == "none":
+    element = num.gathered or num.param
+    if job.parallel == "none" or (W == 1 and (job.parallel != "fsdp" or element == num.param)):
         return CommBuffers()
     if job.parallel in ("ddp", "zero1"):
         return CommBuffers(persistent=sum(block_params.values()) * num.grad)
-    element = num.compute if num.autocast else num.param
     blocks = range(job.model.n_layer)
+    # The reduce-scatter input is fp32 (reduce_dtype), 4 bytes an element, beside one more fp32 copy of the block's
+    # gradients: the unsharded fp32 gradients being copied in, or a bf16 gradient's fp32 cast (the bf16 one is
+    # released first), or on CPU gloo's clone of the input (measured: 8 bytes an element in every case)
+    rs = 8
+    gathered = {i: block_params[i] * element for i in blocks}
+    staging = (max(gathered.values()), 0) if job.target.kind == "cpu" and gathered else (0, 0)
     return CommBuffers(persistent=sum(v for k, v in block_params.items() if not isinstance(k, int)) * element,
-                       gathered={i: block_params[i] * element for i in blocks},
-                       reduce_scatter={i: block_params[i] * 4 for i in blocks},
-                       keep_gathered=not job.reshard_after_forward)
+                       gathered=gathered, reduce_scatter={i: block_params[i] * rs for i in blocks},
+                       keep_gathered=not job.reshard_after_forward, staging_forward=staging[0],
+                       staging_backward=staging[1])
 
 
 @dataclass
@@ -636,6 +807,7 @@ class _Step:
     tied_head: int  # elements of a head tied to the embedding (0 if untied)
     step_tmp: int  # the optimizer step's transient bytes
     offloaded: set
+    pipeline: dict = field(default_factory=dict)  # other micro-batches' saved bytes held meanwhile (pp), by component
 
 
 def _model_state(job: Job, numels: list[tuple[str, int]]) -> tuple[dict[str, int], int, dict[str, int]]:
@@ -667,17 +839,17 @@ def _block_parameters(numels: list[tuple[str, int]]) -> dict:
 def _simulate(p: _Step, first_step: bool, accumulating: bool) -> list[tuple[str, dict[str, int]]]:
     """Walk one micro-batch and the optimizer step; return [(event, live bytes per component)]."""
     job, num, cfg = p.job, p.job.num, p.job.model
-    N, L = job.micro_batch * job.seq_len, cfg.n_layer
+    N, L = job.tokens, cfg.n_layer
     events = []
     state = dict(p.state, optimizer_states=0 if first_step else p.state["optimizer_states"],
                  gradients=p.state["gradients"] if accumulating else 0)
-    live = {"activations": 0, "logits": 0, "weight_casts": 0}
+    live = {"activations": 0, "logits": 0, "weight_casts": 0, **p.pipeline}
     cache = 0
 
-    def snap(name, temporaries=0, extra_casts=0, gathered=()):
+    def snap(name, temporaries=0, extra_casts=0, gathered=(), staging=0):
         comp = {**state, **live, "temporaries": temporaries}
         comp["weight_casts"] += extra_casts
-        comp["comm_buffers"] = p.comm.persistent + sum(p.comm.gathered[i] for i in gathered)
+        comp["comm_buffers"] = p.comm.persistent + sum(p.comm.gathered[i] for i in gathered) + staging
         events.append((name, comp))
 
     def add(kinds, sign=1):
@@ -693,6 +865,9 @@ def _simulate(p: _Step, first_step: bool, accumulating: bool) -> list[tuple[str,
             cache += p.casts  # not saved on the device, but in autocast's cache until forward ends
         snap(f"forward: block {i}", temporaries=p.fwd_tmp if recomputed else N * cfg.d_model * 4, extra_casts=cache,
              gathered=p.comm.forward(i))
+        if p.comm.staging_forward and i + 1 < L:  # the next block's all-gather (prefetch), staged by gloo
+            snap(f"forward: block {i + 1} all-gather", extra_casts=cache, gathered=p.comm.forward(i),
+                 staging=p.comm.staging_forward)
     add(p.head)
     snap("forward: loss", temporaries=p.loss_fwd, extra_casts=cache)
     snap("forward: end", extra_casts=cache)
@@ -702,16 +877,20 @@ def _simulate(p: _Step, first_step: bool, accumulating: bool) -> list[tuple[str,
     held = p.held
     if not accumulating:
         state["gradients"] += (held["head"] + held["norm"] + (held["embed"] if p.tied_head else 0)) * num.grad
-    snap("backward: head", temporaries=N * cfg.d_model * (num.compute + num.residual)
-         + cfg.padded_vocab * cfg.d_model * (num.compute + 4 if num.autocast else 0))
+    if job.last_stage:
+        V = cfg.padded_vocab // (job.tp if job.vocab_parallel else 1)
+        snap("backward: head", temporaries=N * cfg.d_model * (num.compute + num.residual)
+             + V * cfg.d_model * ((num.compute + (4 if num.casts else 0)) if num.autocast else 0))
     for first, stop, policy in reversed(job.segments()):
         # Recomputing a segment brings back what its blocks would have saved (selective: minus what it kept).
         per_block_work = {"none": 0, "full": p.work_full, "selective": p.work_full - p.selective_kept}[policy]
         work = (stop - first) * per_block_work
         for i in reversed(range(first, stop)):
             casts = p.casts if (num.autocast and policy != "none") else 0
-            snap(f"backward: block {i}", temporaries=work + p.grad_tmp + p.comm.reduce_scatter.get(i, 0),
-                 extra_casts=casts, gathered=p.comm.backward(i))
+            snap(f"backward: block {i}", temporaries=work + p.grad_tmp, extra_casts=casts, gathered=p.comm.backward(i))
+            if p.comm.reduce_scatter:  # after the block's backward: its gradients reduce-scattered
+                snap(f"backward: block {i} reduce-scatter", temporaries=work + p.comm.reduce_scatter[i],
+                     gathered=p.comm.backward(i), staging=p.comm.staging_backward)
             if not accumulating:
                 state["gradients"] += held[i] * num.grad
             add(p.blocks[i], sign=-1)
@@ -746,14 +925,14 @@ def estimate(job: Job) -> Breakdown:
     """The step's bytes: model state, what the forward saves (per block, by kind), the transients, walked event
     by event through a steady step and the first one (no optimizer state yet); the peak is the largest event."""
     cfg, num, tgt = job.model, job.num, job.target
-    B, T, L = job.micro_batch, job.seq_len, cfg.n_layer
-    N = B * T
-    numels = parameter_numels(cfg)
+    B, T, L = job.micro_batch, job.seq_len // job.cp, cfg.n_layer
+    N, tp = B * T, job.tp
+    numels = [(name, math.prod(shape)) for name, shape in local_parameter_shapes(job)]
     n_params = sum(n for _, n in numels)
     state, step_gradients, host = _model_state(job, numels)
 
     embed, blocks, head = saved_tensors(job)
-    full_block = _block_tensors(cfg, B, T, num, tgt, job.backend)
+    full_block = _rank_block(job)
     offloaded = {i for i in job.offload if 0 <= i < L and job.policy(i) == "none"} if tgt.kind == "cuda" else set()
     if offloaded:
         host["activations"] = sum(sum(blocks[i].values()) for i in offloaded)
@@ -763,22 +942,31 @@ def estimate(job: Job) -> Breakdown:
             all_saved[k] = all_saved.get(k, 0) + v
 
     comm = _comm_buffers(job, _block_parameters(numels))
-    loss_fwd, loss_bwd = _loss_transients(cfg, N, num, job.chunked_loss)
+    loss_fwd, loss_bwd = _loss_transients(cfg, N, num, job.chunked_loss) if job.last_stage else (0, 0)
+    if job.vocab_parallel:
+        loss_fwd, loss_bwd = loss_fwd // tp, loss_bwd // tp
+    # a pipeline rank holds other micro-batches' saved tensors while one walks through (Job.in_flight)
+    others = job.in_flight() - 1
+    pipeline = {}
+    if others:
+        parts = [_split(part) for part in [embed, head, *blocks]]
+        pipeline = {k: int(others * sum(part[k] for part in parts)) for k in ("activations", "logits", "weight_casts")}
     host_opt = job.optimizer_offload != "none"
     parts = _Step(
         job=job, state=state, step_gradients=step_gradients, embed=embed, head=head,
         blocks=[({} if i in offloaded else b) for i, b in enumerate(blocks)], held=grad_shares(job), comm=comm,
-        casts=2 * block_matmul_numel(cfg) if num.autocast else 0, loss_fwd=loss_fwd, loss_bwd=loss_bwd,
-        grad_tmp=_block_grad_transient(cfg, N, num),
+        casts=2 * block_matmul_numel(cfg) // tp if num.autocast and num.casts else 0, loss_fwd=loss_fwd,
+        loss_bwd=loss_bwd, grad_tmp=_block_grad_transient(cfg, N, num, tp),
         # Forward of one block: the residual stream, its half copy and the widest MLP tensors (SwiGLU: gate/up,
         # silu, product) are alive together; a block that keeps nothing frees them as it goes.
-        fwd_tmp=N * (cfg.d_model * (num.residual + num.compute) + _forward_width(cfg) * num.compute),
+        fwd_tmp=N * (cfg.d_model * (num.residual + num.compute) + _forward_width(cfg) * num.compute // tp),
         work_full=sum(full_block.values()) - full_block.get("weight_casts", 0),
-        selective_kept=sum(_selective_tensors(cfg, B, T, num).values()),
-        tied_head=cfg.padded_vocab * cfg.d_model if cfg.tie_embeddings else 0,
+        selective_kept=sum(_tp_share(_selective_tensors(cfg, B, T, num), job).values()),
+        tied_head=cfg.padded_vocab * cfg.d_model // (tp if job.vocab_parallel else 1)
+        if cfg.tie_embeddings and job.first_stage and job.last_stage else 0,
         step_tmp=min(max(n for _, n in numels), ADAM8BIT_CHUNK) * 16 if job.optimizer == "adamw8bit" and not host_opt
         else 0,
-        offloaded=offloaded)
+        offloaded=offloaded, pipeline=pipeline)
 
     steady = _simulate(parts, first_step=False, accumulating=job.grad_accum > 1)
     first = _simulate(parts, first_step=True, accumulating=job.grad_accum > 1)

@@ -5,6 +5,9 @@
     job_for(cfg, device)                  ... for a Device (kiln.memory.devices)
     runtime_job(cfg, model_cfg, mode, d)  ... for the torch device this process trains on: its recompute plan is
                                           what kiln's model pipeline (kiln.train.pipeline) applies
+    for_rank(job, plan, stage)            one rank of a ParallelPlan (tensor, pipeline, context, data parallel)
+    rank_jobs(cfg, device, ranks)         the plan of `ranks` processes checked as training checks it, and the
+                                          Job of every pipeline stage
 """
 from __future__ import annotations
 
@@ -14,6 +17,8 @@ import torch
 
 from kiln.memory.estimate import Job, Target, parse_bytes
 from kiln.memory.offload import parse_blocks
+from kiln.models.registry import family
+from kiln.parallel.layout import ParallelPlan
 from kiln.memory.recompute import POLICIES, plan_for
 from kiln.perf.hardware import auto_mode, fp8_refusal
 from kiln.util import closest
@@ -102,3 +107,41 @@ def runtime_job(cfg, model_cfg, precision: str, torch_device) -> Job:
     """The Job of the step this process is about to train (its concrete precision, its device, nothing measured):
     its recompute plan is what kiln's model pipeline applies."""
     return make_job(cfg, model_cfg, precision, runtime_target(torch_device))
+
+
+def for_rank(job: Job, plan: ParallelPlan, stage: int = 0, vocab_parallel: bool = False) -> Job:
+    """The Job of pipeline rank `stage` of `plan`, from the Job of the whole model on one rank (make_job): its
+    blocks (plan.rank_blocks) become the model, the per-rank batch (micro_batch × grad_accum sequences) is cut into
+    the plan's pipeline micro-batches, the model state is shared by plan.dp × plan.cp ranks under plan.strategy
+    (context-parallel ranks hold the same weights and reduce their gradients together, as torchtitan's FSDP over
+    its dp_shard_cp mesh)."""
+    model, T = job.model, job.seq_len
+    if T % plan.cp:
+        raise ValueError(f"parallel.cp={plan.cp} splits each sequence of data.seq_len={T} tokens: pick a cp that "
+                         f"divides it")
+    blocks = plan.rank_blocks(model.n_layer, stage) if plan.pp > 1 else list(range(model.n_layer))
+    micro, accum = job.micro_batch, job.grad_accum
+    if plan.pp > 1:
+        m = plan.pp_microbatches or max(plan.pp, accum)
+        micro, accum = micro * accum // m, m
+    recompute = tuple(job.recompute[i] for i in blocks) if job.recompute else ()
+    if recompute and recompute[0] == "seg":  # a full segment cut by the stage boundary starts here
+        recompute = ("full",) + recompute[1:]
+    return replace(job, model=replace(model, n_layer=len(blocks)), micro_batch=micro, grad_accum=accum,
+                   recompute=recompute, offload=frozenset(k for k, i in enumerate(blocks) if i in job.offload),
+                   parallel=plan.strategy, world=plan.dp * plan.cp, tp=plan.tp,
+                   sequence_parallel=plan.sequence_parallel, vocab_parallel=vocab_parallel, cp=plan.cp,
+                   pp=plan.pp, stage=stage, pp_schedule=plan.pp_schedule, virtual_stages=plan.virtual_stages)
+
+
+def rank_jobs(cfg, device, ranks: int, recompute_plan: tuple[str, ...] | None = None
+              ) -> tuple[ParallelPlan, list[Job]]:
+    """`ranks` processes under cfg.parallel: the ParallelPlan (checked by ParallelPlan.build, the runtime's own
+    check, so the errors are the same) and one Job per pipeline stage (one without pipeline parallelism)."""
+    model = resolved_model(cfg)
+    tc = cfg.train
+    plan = ParallelPlan.build(cfg.parallel, ranks, model, family(model.arch),
+                              batch_sequences=tc.micro_batch_size * tc.grad_accum_steps,
+                              grad_accum_steps=tc.grad_accum_steps)
+    job = job_for(cfg, device, recompute_plan, world=plan.dp * plan.cp)
+    return plan, [for_rank(job, plan, s) for s in range(plan.pp)]

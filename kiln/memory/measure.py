@@ -2,6 +2,9 @@
 
     measure_saved(model, x, y, precision)   bytes saved for backward, by storage, classified like the estimate
     LiveBytes                               a dispatch mode that follows live tensor bytes op by op (any device)
+    AllocatedBytes                          every byte torch's CPU allocator hands out and takes back, through the
+                                            profiler: what LiveBytes cannot see (FSDP2 resizes its parameters'
+                                            storages; DDP allocates its buckets in C++)
     (kiln.run.measure.measure_step runs a few real train steps with these instruments)
 
 Saved bytes come from torch.autograd.graph.saved_tensors_hooks: every tensor autograd keeps, deduplicated by
@@ -12,6 +15,8 @@ recompute wrappers report those through kiln.memory.recompute.observe_kept and t
 from __future__ import annotations
 
 import contextlib
+import ctypes
+import glob
 import os
 import resource
 import time
@@ -192,3 +197,83 @@ def optimizer_state_tensors(optimizer) -> list[torch.Tensor]:
     if inner is not None:  # HostOptimizer: the state lives on the host
         return []
     return [v for state in optimizer.state.values() for v in state.values() if isinstance(v, torch.Tensor)]
+
+
+class AllocatedBytes:
+    """The CPU allocator's live bytes over a region, from torch.profiler's memory events (profile_memory=True):
+    c10's CPU allocator reports each allocation made while profiling and its free, with the running total of
+    those still alive, whoever made them (an op, a storage resize, C++ inside DDP or a collective).
+
+        with AllocatedBytes() as live:
+            ...
+            with live.window("step 1"):
+                ...
+        live.peak("step 1")   # the most bytes alive during the window, counting from the region's start
+
+    Only allocations made inside the region count (tensors made before it are invisible, even when freed in it),
+    so a region that starts before the model is built sees the whole rank: model state, buffers, activations,
+    gathered parameters.
+
+    The allocator's running total counts only the threads the profiler watches unless c10's flag
+    caffe2_report_cpu_memory_usage is on: a block made here and freed by a collective's worker thread (gloo keeps
+    its tensors until the work object dies there) would stay counted for good. The flag is set for the region
+    (`_count_every_thread`), so the total is every thread's; the events (allocations on this thread) sample it."""
+
+    def __init__(self):
+        self._prof = None
+        self.events: list[tuple[int, int]] = []  # (time ns, allocator total after the event)
+        self.windows: dict[str, tuple[int, int]] = {}
+        self.base = 0  # bytes alive at the region's start: none counted
+
+    def __enter__(self):
+        from torch.profiler import ProfilerActivity, profile  # lazy: only a measurement starts the profiler
+
+        self._prof = profile(activities=[ProfilerActivity.CPU], profile_memory=True)
+        _count_every_thread(True)
+        self._prof.__enter__()
+        return self
+
+    @contextlib.contextmanager
+    def window(self, name: str):
+        with torch.profiler.record_function(f"kiln.window.{name}"):
+            yield
+
+    def __exit__(self, *exc):
+        self._prof.__exit__(*exc)
+        _count_every_thread(False)
+        events = []
+        stack = list(self._prof.profiler.kineto_results.experimental_event_tree())
+        while stack:
+            e = stack.pop()
+            stack.extend(e.children)
+            fields = e.extra_fields
+            if type(fields).__name__ == "_ExtraFields_Allocation" and fields.device.type == "cpu":
+                events.append((e.start_time_ns, fields.total_allocated, fields.alloc_size))
+            elif e.name.startswith("kiln.window."):
+                self.windows[e.name.removeprefix("kiln.window.")] = (e.start_time_ns, e.end_time_ns)
+        events.sort()
+        if events:
+            self.base = events[0][1] - events[0][2]
+        self.events = [(t, total) for t, total, _ in events]
+        return False
+
+    def peak(self, name: str) -> int:
+        start, end = self.windows[name]
+        before = [total for t, total in self.events if t < start]
+        inside = [total for t, total in self.events if start <= t <= end]
+        return max(inside + before[-1:], default=self.base) - self.base
+
+    def at(self, name: str) -> int:
+        """Bytes alive when the window opens."""
+        start, _ = self.windows[name]
+        before = [total for t, total in self.events if t < start]
+        return (before[-1] if before else self.base) - self.base
+
+
+def _count_every_thread(on: bool) -> None:
+    """c10's FLAGS_caffe2_report_cpu_memory_usage (a plain bool in libc10, no Python binding): with it the CPU
+    allocator counts the blocks of every thread, not only the profiled one's."""
+    lib = glob.glob(os.path.join(os.path.dirname(torch.__file__), "lib", "libc10.*"))
+    if not lib:
+        raise RuntimeError("libc10 not found beside torch: AllocatedBytes cannot count every thread")
+    ctypes.c_bool.in_dll(ctypes.CDLL(lib[0]), "FLAGS_caffe2_report_cpu_memory_usage").value = on

@@ -8,6 +8,10 @@ It enumerates precision × micro-batch (with accumulation keeping the global bat
 offload × 8-bit AdamW × optimizer-state offload × chunked loss, keeps what kiln.memory.estimate predicts to fit,
 predicts each step's time with `step_time` (a roofline per op: FLOPs at the device's peak, bytes at its bandwidth,
 whichever is slower; recomputed forward FLOPs, host copies and the host optimizer included) and ranks by it.
+
+With several GPUs it also searches the layout (`layouts`: tensor × pipeline × context parallel, the rest data
+parallel under ddp, zero1 or fsdp), each layout's rank estimated through kiln.memory.levers.for_rank and timed
+with its collectives (`model_parallel_comm`) and the pipeline bubble (`bubble_fraction`); docs/parallel.md.
 """
 from __future__ import annotations
 
@@ -16,11 +20,12 @@ import math
 from dataclasses import dataclass, field, replace
 
 from kiln.memory.devices import get_device
-from kiln.memory.estimate import (Breakdown, Job, block_matmul_numel, estimate, fmt_bytes, parameter_numels,
+from kiln.memory.estimate import (Breakdown, Job, block_matmul_numel, estimate, fmt_bytes, local_parameter_shapes,
                                   parse_bytes, recompute_plan, saved_tensors)
-from kiln.memory.levers import job_for
+from kiln.memory.levers import for_rank, job_for
 from kiln.memory.recompute import solve_budget
 from kiln.models.registry import family
+from kiln.parallel.layout import ParallelPlan
 
 MATMUL_EFFICIENCY = 0.6  # share of peak FLOP/s large matmuls reach (GPU: 55-70% is typical for bf16 GEMMs)
 BANDWIDTH_EFFICIENCY = 0.75  # share of peak bandwidth elementwise kernels and copies reach
@@ -66,8 +71,9 @@ def communication(job: Job, link: float, compute_s: float) -> dict[str, float]:
     if job.parallel == "none" or N == 1:
         return {"bytes": 0.0, "seconds": 0.0, "exposed": 0.0}
     f = (N - 1) / N
-    n_params = sum(n for _, n in parameter_numels(job.model))
-    P, G = n_params * job.num.param, n_params * 4  # gradients are reduced in fp32 (FSDP2: reduce_dtype fp32)
+    n_params = _local_params(job)
+    # gradients are reduced in fp32 (FSDP2: reduce_dtype fp32); FSDP2 gathers bf16 under MixedPrecisionPolicy
+    P, G = n_params * (job.num.gathered or job.num.param), n_params * 4
     bw = link * COMM_EFFICIENCY
     backward = compute_s / job.grad_accum * 2 / 3  # the last micro-batch's backward: ~2/3 of its FLOPs
     if job.parallel in ("ddp", "zero1"):
@@ -123,6 +129,52 @@ def fit_time_model(device, observations: list[tuple[Job, float]], bandwidth_effi
     return {"matmul_efficiency": min(1.0, 1 / u) if u > 0 else 1.0, "op_overhead_s": max(o, 0.0)}
 
 
+def _local_params(job: Job) -> int:
+    """Parameters this rank's model part holds before data-parallel sharding (its stage, its tensor shard)."""
+    return sum(math.prod(shape) for _, shape in local_parameter_shapes(job))
+
+
+def model_parallel_comm(job: Job, tp_link: float, cp_link: float, pp_link: float, attention_s: float
+                        ) -> dict[str, float]:
+    """Seconds of one step's tensor-, context- and pipeline-parallel communication on this rank, all of it on the
+    critical path except what ring attention hides behind the attention it feeds (docs/parallel.md):
+
+    tp  per block and micro-batch, 2 all-reduces of the (N, d) activations in forward (after attention's and the
+        MLP's row-parallel linear) and 2 in backward (of the column-parallel inputs' gradients), each moving
+        2(t-1)/t of the buffer per GPU on a ring; sequence parallelism swaps each for an all-gather plus a
+        reduce-scatter, (t-1)/t each: the same bytes (Korthikanti et al. 2022, §4.2.2). A fully recomputed block
+        runs its forward's 2 again.
+    cp  ring attention: each rank receives the other cp - 1 ranks' K and V chunks in forward, K, V and their
+        gradients in backward (3 passes); hidden up to the attention's own time.
+    pp  each stage boundary sends a micro-batch's activations forward and their gradient back; in the steady
+        state they overlap compute, the fill and drain put 2(p - 1) sends per model chunk on the critical path
+        (Narayanan et al. 2021, §2.2: interleaving multiplies the sends by v)."""
+    cfg, num = job.model, job.num
+    N, d, c = job.tokens, cfg.d_model, num.compute
+    out = {"tp": 0.0, "cp": 0.0, "cp_exposed": 0.0, "pp": 0.0}
+    eff = COMM_EFFICIENCY
+    if job.tp > 1:
+        t = job.tp
+        recomputed = sum(1 for i in range(cfg.n_layer) if job.policy(i) in ("full", "seg"))
+        collectives = 4 * cfg.n_layer + 2 * recomputed
+        out["tp"] = job.grad_accum * collectives * 2 * (t - 1) / t * N * d * c / (tp_link * eff)
+    if job.cp > 1:
+        C = job.cp
+        kv = (C - 1) * 2 * N * cfg.n_kv_head * cfg.head_dim * c / max(1, min(job.tp, cfg.n_kv_head))
+        out["cp"] = job.grad_accum * cfg.n_layer * 3 * kv / (cp_link * eff)
+        out["cp_exposed"] = max(0.0, out["cp"] - attention_s)
+    if job.pp > 1:
+        send = N * d * num.residual / (job.tp if job.sequence_parallel else 1)
+        out["pp"] = 2 * (job.pp - 1) * job.virtual_stages * send / (pp_link * eff)
+    return out
+
+
+def bubble_fraction(pp: int, microbatches: int, virtual_stages: int = 1) -> float:
+    """The pipeline's idle share of a step: (p - 1)/(m + p - 1) for GPipe and 1F1B, (p - 1)/(v·m + p - 1) with v
+    model chunks per rank (Narayanan et al. 2021, §2.2)."""
+    return (pp - 1) / (virtual_stages * microbatches + pp - 1) if pp > 1 else 0.0
+
+
 def _elementwise_width(cfg) -> int:
     """Elements per token the MLP's elementwise ops read and write (GELU 2F, SwiGLU 3F, an MoE 3F per routed
     pair plus its routing and weighting)."""
@@ -132,27 +184,36 @@ def _elementwise_width(cfg) -> int:
     return cfg.d_ff * (3 if mlp == "swiglu" else 2)
 
 
-def step_time(job: Job, device, link: float | None = None) -> dict[str, float]:
-    """Predicted seconds of one optimizer step, by part (compute, optimizer, transfers, communication) and in
-    total. link: per-GPU interconnect bytes/s for job.parallel on job.world ranks (default NVLink 4)."""
+def step_time(job: Job, device, link: float | None = None, tp_link: float | None = None,
+              cp_link: float | None = None, pp_link: float | None = None) -> dict[str, float]:
+    """Predicted seconds of one optimizer step on this rank, by part (compute, optimizer, transfers,
+    communication) and in total. link: per-GPU interconnect bytes/s for job.parallel on job.world ranks (default
+    NVLink 4); tp_link, cp_link, pp_link: the links the model-parallel groups use (default NVLink 4).
+
+    A tensor-parallel rank runs 1/tp of each split linear and of attention (by heads), a context-parallel rank
+    1/cp of the tokens (its queries against the whole causal context); a pipeline stage runs its blocks (the
+    head on the last stage) for each of its m micro-batches and waits out the bubble (bubble_fraction)."""
     cfg, num = job.model, job.num
-    B, T, L = job.micro_batch, job.seq_len, cfg.n_layer
-    N, d, hd, V = B * T, cfg.d_model, cfg.head_dim, cfg.padded_vocab
+    T, L, tp = job.seq_len, cfg.n_layer, job.tp
+    N, d, hd, V = job.tokens, cfg.d_model, cfg.head_dim, cfg.padded_vocab
     H, KV, c, r = cfg.n_head, cfg.n_kv_head, num.compute, num.residual
     peak, bw = device.flops(job.precision), device.bandwidth
     me, be, op_s, _ = time_constants(device)
+    nvlink = INTERCONNECTS["nvlink4"]
     # every matmul of the block from its family's description; an MoE's experts as one roofline over the routed
-    # rows that reads every expert's weights (expert parallelism would divide `copies` among the ranks)
-    mm = sum(_roofline(2 * N * x.active * x.n_in * x.n_out,
-                       (N * x.active * x.n_in + x.copies * x.n_in * x.n_out + N * x.active * x.n_out) * c,
-                       peak, bw, me, be) for x in family(cfg.arch).linears(cfg))
+    # rows that reads every expert's weights (expert parallelism would divide `copies` among the ranks); tensor
+    # parallelism divides the split linears
+    mm = sum(_roofline(2 * N * x.active * x.n_in * x.n_out / s,
+                       (N * x.active * x.n_in + x.copies * x.n_in * x.n_out + N * x.active * x.n_out) * c / s,
+                       peak, bw, me, be)
+             for x in family(cfg.arch).linears(cfg) for s in [tp if x.tp != "replicate" else 1])
     fused = job.backend != "math"
-    attn_flops = 4 * B * H * T * T * hd * (0.5 if fused else 1.0)
-    attn_bytes = N * (H + 2 * KV) * hd * c + N * H * hd * c + (0 if fused else 4 * B * H * T * T * 4)
+    attn_flops = 4 * N * H * T * hd * (0.5 if fused else 1.0) / tp  # this rank's queries against the context
+    attn_bytes = (N * (H + 2 * KV) * hd * c + N * H * hd * c + (0 if fused else 4 * N * H * T * 4)) / tp
     attn = _roofline(attn_flops, attn_bytes, peak, bw, me, be)
-    elem_bytes = N * d * r * 14 + N * _elementwise_width(cfg) * c
-    if num.autocast:
-        elem_bytes += block_matmul_numel(cfg) * 6  # fp32 weights read, half copies written, every micro-batch
+    elem_bytes = N * d * r * 14 / (tp if job.sequence_parallel else 1) + N * _elementwise_width(cfg) * c / tp
+    if num.autocast and num.casts:
+        elem_bytes += block_matmul_numel(cfg) * 6 / tp  # fp32 weights read, half copies written, every micro-batch
     elem = elem_bytes / (bw * be)
     launch = op_s * OPS_PER_BLOCK
     fwd_block = mm + attn + elem + launch
@@ -161,13 +222,19 @@ def step_time(job: Job, device, link: float | None = None) -> dict[str, float]:
     for first, stop, policy in job.segments():
         n = stop - first
         recompute += n * (fwd_block if policy == "full" else (attn + elem + launch) if policy == "selective" else 0)
-    head_mm = _roofline(2 * N * d * V, (N * d + V * d + N * V) * c, peak, bw, me, be)
-    head = 3 * head_mm + (head_mm if job.chunked_loss else 0) + N * V * (c + 20) / (bw * be)
+    Vr = V / (tp if job.vocab_parallel else 1)
+    head_mm = _roofline(2 * N * d * Vr, (N * d + Vr * d + N * Vr) * c, peak, bw, me, be)
+    head = 3 * head_mm + (head_mm if job.chunked_loss else 0) + N * Vr * (c + 20) / (bw * be)
     head += op_s * (OPS_HEAD + (12 * math.ceil(N / job.chunked_loss) if job.chunked_loss else 0))
-    micro = L * (fwd_block + bwd_block) + recompute + head
+    micro = L * (fwd_block + bwd_block) + recompute + (head if job.last_stage else 0)
     compute = job.grad_accum * micro
+    mp = model_parallel_comm(job, tp_link or nvlink, cp_link or nvlink, pp_link or nvlink,
+                             job.grad_accum * L * 3.5 * attn)
+    # the pipeline: m micro-batches of this stage, plus the bubble while the others fill and drain
+    bubble = micro * (job.pp - 1) / job.virtual_stages if job.pp > 1 else 0.0
+    compute += bubble + mp["tp"] + mp["cp_exposed"] + mp["pp"]
 
-    n_params = sum(n for _, n in parameter_numels(cfg))
+    n_params = _local_params(job)
     # Bytes moved per parameter by the update: fused AdamW reads p, g, m, v and writes p, m, v (28); the unfused
     # PyTorch 8-bit AdamW makes ~75 elementwise passes over fp32 temporaries (decode, update, re-encode): ~600.
     per_param = {"adamw": 28, "adam": 28, "sgd": 16, "adamw8bit": 600}[job.optimizer]
@@ -192,7 +259,8 @@ def step_time(job: Job, device, link: float | None = None) -> dict[str, float]:
     total = compute + clip + optimizer + comm["exposed"]
     return {"compute": compute, "recompute": job.grad_accum * recompute, "optimizer": optimizer + clip,
             "transfers": transfers, "communication": comm["seconds"], "exposed_communication": comm["exposed"],
-            "total": total}
+            "bubble": bubble, "tp_communication": mp["tp"], "cp_communication": mp["cp"],
+            "pp_communication": mp["pp"], "total": total}
 
 
 # ---------------------------------------------------------------- search
@@ -214,13 +282,37 @@ class Choice:
     optim_offload: str = "none"
     chunked_loss: int = 0
     parallel: str = "none"  # parallel.strategy (kiln plan --gpus N searches ddp, zero1 and fsdp)
+    tp: int = 1  # the model-parallel layout (kiln plan --gpus N searches tp × pp × cp; the rest is data parallel)
+    pp: int = 1
+    cp: int = 1
+    sequence_parallel: bool = False
+    pp_schedule: str = "1f1b"
+    pp_microbatches: int = 0
 
     def overrides(self) -> dict[str, object]:
-        return {"parallel.strategy": self.parallel, "precision.mode": self.precision, "train.micro_batch_size": self.micro_batch_size,
-                "train.grad_accum_steps": self.grad_accum_steps, "memory.recompute": self.recompute,
-                "memory.recompute_every": self.recompute_every, "memory.recompute_budget": self.recompute_budget,
-                "memory.offload_blocks": self.offload_blocks, "optim.name": self.optimizer,
-                "optim.offload": self.optim_offload, "memory.chunked_loss": self.chunked_loss}
+        out = {"parallel.strategy": self.parallel, "precision.mode": self.precision, "train.micro_batch_size": self.micro_batch_size,
+               "train.grad_accum_steps": self.grad_accum_steps, "memory.recompute": self.recompute,
+               "memory.recompute_every": self.recompute_every, "memory.recompute_budget": self.recompute_budget,
+               "memory.offload_blocks": self.offload_blocks, "optim.name": self.optimizer,
+               "optim.offload": self.optim_offload, "memory.chunked_loss": self.chunked_loss}
+        if self.tp > 1:
+            out |= {"parallel.tp": self.tp, "parallel.sequence_parallel": self.sequence_parallel}
+        if self.pp > 1:
+            out |= {"parallel.pp": self.pp, "parallel.pp_schedule": self.pp_schedule,
+                    "parallel.pp_microbatches": self.pp_microbatches}
+        if self.cp > 1:
+            out["parallel.cp"] = self.cp
+        return out
+
+    def layout(self, gpus: int) -> str:
+        """tp8·pp4·dp32: the split of `gpus`, outermost first as on the mesh; sp, the schedule and its micro-batches
+        after it."""
+        dp = gpus // (self.tp * self.pp * self.cp)
+        dims = [f"{k}{v}" for k, v in (("pp", self.pp), ("dp", dp), ("cp", self.cp), ("tp", self.tp)) if v > 1]
+        extra = (["sp"] if self.sequence_parallel else []) + (
+            [f"{'i1f1b' if self.pp_schedule == 'interleaved_1f1b' else self.pp_schedule}/m{self.pp_microbatches}"]
+            if self.pp > 1 else [])
+        return " ".join(["·".join(dims or ["1"]), *extra])
 
     def on(self, cfg):
         """cfg with this choice in its sections, for the estimator (kiln.config.apply_overrides validates)."""
@@ -231,12 +323,16 @@ class Choice:
                                       recompute_budget=self.recompute_budget, offload_blocks=self.offload_blocks,
                                       chunked_loss=self.chunked_loss),
                        optim=replace(cfg.optim, name=self.optimizer, offload=self.optim_offload),
-                       parallel=replace(cfg.parallel, strategy=self.parallel))
+                       parallel=replace(cfg.parallel, strategy=self.parallel, tp=self.tp, pp=self.pp, cp=self.cp,
+                                        sequence_parallel=self.sequence_parallel, pp_schedule=self.pp_schedule,
+                                        pp_microbatches=self.pp_microbatches))
 
     def describe(self) -> str:
         parts = [self.precision, f"mb {self.micro_batch_size}×{self.grad_accum_steps}", f"recompute {self.recompute}"]
         if self.parallel != "none":
             parts.insert(0, self.parallel)
+        if self.tp * self.pp * self.cp > 1:
+            parts.insert(0, self.layout(self.tp * self.pp * self.cp).replace("dp", ""))
         if self.offload_blocks != "none":
             parts.append(f"offload {self.offload_blocks}")
         if self.optimizer != "adamw":
@@ -342,40 +438,86 @@ def _valid(choice: Choice) -> bool:
     return True
 
 
+GPUS_PER_NODE = 8  # tensor parallelism stays inside a node (its collectives run on every block)
+
+
+def layouts(cfg, gpus: int, global_sequences: int, gpus_per_node: int = GPUS_PER_NODE, context: bool = True
+            ) -> list[tuple[int, int, int]]:
+    """(tp, pp, cp) splits of `gpus` the planner tries: tp within a node dividing the heads, kv-heads and the
+    split linears (ParallelPlan.build refuses the rest, so they are skipped), pp at most n_layer, cp up to 8
+    dividing data.seq_len (modelled only), and a data-parallel rest that divides the global batch."""
+    model = cfg.model.resolve()
+    T = cfg.data.seq_len
+    out = []
+    for tp in _divisors(gpus):
+        if tp > gpus_per_node:
+            continue
+        for pp in _divisors(gpus // tp):
+            if pp > model.n_layer:
+                continue
+            for cp in (_divisors(gpus // (tp * pp)) if context else [1]):
+                dp = gpus // (tp * pp * cp)
+                if cp > 8 or T % cp or global_sequences % dp or (cp > 1 and tp * cp > gpus_per_node):
+                    continue
+                out.append((tp, pp, cp))
+    return out
+
+
 def search(cfg, device, memory: int | None = None, global_batch_tokens: int = 0, gpus: int = 1,
-           interconnect: str = "nvlink4") -> Plan:
+           interconnect: str = "nvlink4", model_parallel: bool = True, gpus_per_node: int = GPUS_PER_NODE,
+           inter_node: str = "ib-ndr", quick: bool = False, context: bool = True) -> Plan:
     """gpus > 1: every rank has `memory`; the strategies ddp, zero1 and fsdp are searched too, their step time
-    including the collectives over `interconnect` (INTERCONNECTS)."""
-    if interconnect not in INTERCONNECTS:
-        raise ValueError(f"interconnect {interconnect!r} is unknown; use one of {', '.join(INTERCONNECTS)}")
+    including the collectives over `interconnect` inside a node and `inter_node` between nodes of
+    `gpus_per_node`. model_parallel: also search tensor × pipeline × context-parallel layouts (`layouts`), each
+    with sequence parallelism on, 1F1B and interleaved 1F1B with one pipeline micro-batch per micro-batch, and a
+    smaller set of levers (recompute none / selective / full, chunked loss, the two fastest precisions). quick: that
+    smaller set for the data-parallel-only layout too, and the fastest precision only
+    (benchmarks/parallel_table.py). context: also the (modelled-only) context-parallel layouts."""
+    for name in (interconnect, inter_node):
+        if name not in INTERCONNECTS:
+            raise ValueError(f"interconnect {name!r} is unknown; use one of {', '.join(INTERCONNECTS)}")
     memory = memory or device.memory
     T = cfg.data.seq_len
     tokens = global_batch_tokens or cfg.train.micro_batch_size * cfg.train.grad_accum_steps * T * gpus
     if tokens % T:
         raise ValueError(f"--global-batch-tokens={tokens} is not a multiple of data.seq_len={T}")
     G = tokens // T
-    if G % gpus:
+    splits = layouts(cfg, gpus, G, gpus_per_node, context) if model_parallel and gpus > 1 else [(1, 1, 1)]
+    if G % gpus and not any(G % (gpus // (tp * pp * cp)) == 0 for tp, pp, cp in splits):
         raise ValueError(f"the global batch of {G} sequences cannot be shared by {gpus} GPUs; make it a multiple")
     base = job_for(cfg, device, recompute_plan=("none",) * cfg.model.resolve().n_layer)
     L = base.model.n_layer
     optimizers = [cfg.optim.name] + (["adamw8bit"] if cfg.optim.name in ("adamw", "adam") else [])
     opt_offloads = ["none", "host"] if device.kind == "cuda" else ["none"]
-    strategies = ("ddp", "zero1", "fsdp") if gpus > 1 else ("none",)
-    per_rank = G // gpus
-    choices = [
-        c for c in (
-            Choice(precision, mb, per_rank // mb, policy, offload_blocks=offload, optimizer=optimizer,
-                   optim_offload=opt_off, chunked_loss=chunk, parallel=strategy)
-            for strategy, precision, mb, policy, optimizer, opt_off in itertools.product(
-                strategies, _precisions(device), _divisors(per_rank), ("none", "selective", "every_k", "full",
-                                                                        "budget"), optimizers, opt_offloads)
-            for offload in (["none", "all"] if device.kind == "cuda" and policy == "none" else ["none"])
-            for chunk in (0, chunk_for(base.model.padded_vocab, mb * T)))
-        if _valid(c)
-    ]
-    link = INTERCONNECTS[interconnect]
-    everything = [c for c in (_evaluate(cfg, device, choice, memory, L, gpus, link) for choice in choices)
-                  if c is not None]
+    links = {"intra": INTERCONNECTS[interconnect], "inter": INTERCONNECTS[inter_node]}
+    choices, model_parallel_choices, considered = [], [], 0
+    for tp, pp, cp in splits:
+        dp = gpus // (tp * pp * cp)
+        if G % dp:
+            continue
+        per_rank = G // dp
+        strategies = ("ddp", "zero1", "fsdp") if dp * cp > 1 else ("none",)
+        if tp * pp * cp == 1 and not quick:  # data parallel only: every lever
+            choices += [
+                c for c in (
+                    Choice(precision, mb, per_rank // mb, policy, offload_blocks=offload, optimizer=optimizer,
+                           optim_offload=opt_off, chunked_loss=chunk, parallel=strategy)
+                    for strategy, precision, mb, policy, optimizer, opt_off in itertools.product(
+                        strategies, _precisions(device), _divisors(per_rank), ("none", "selective", "every_k",
+                                                                                "full", "budget"), optimizers,
+                        opt_offloads)
+                    for offload in (["none", "all"] if device.kind == "cuda" and policy == "none" else ["none"])
+                    for chunk in (0, chunk_for(base.model.padded_vocab, mb * T)))
+                if _valid(c)]
+            continue
+        model_parallel_choices.append((tp, pp, cp, dp, per_rank, strategies))
+    everything = [c for c in (_evaluate(cfg, device, choice, memory, L, gpus, links, gpus_per_node)
+                              for choice in choices) if c is not None]
+    for tp, pp, cp, dp, per_rank, strategies in model_parallel_choices:
+        found, tried = _search_layout(cfg, device, memory, L, gpus, links, gpus_per_node, tp, pp, cp, dp, per_rank,
+                                      strategies, base.model.padded_vocab, 1 if quick else 2)
+        everything += found
+        considered += tried
     fitting = sorted((c for c in everything if c.fits), key=lambda c: (c.step_s, c.total_bytes))
     # Identical predictions (e.g. a budget plan that came out as 'none') are listed once.
     unique, seen = [], set()
@@ -386,12 +528,64 @@ def search(cfg, device, memory: int | None = None, global_batch_tokens: int = 0,
             unique.append(c)
     smallest = min(everything, key=lambda c: c.total_bytes)
     return Plan(device=device, memory=memory, global_sequences=G, seq_len=T, candidates=unique,
-                smallest=smallest, considered=len(choices))
+                smallest=smallest, considered=len(choices) + considered)
 
 
-def _evaluate(cfg, device, choice: Choice, memory: int, L: int, gpus: int = 1, link: float | None = None
-              ) -> Candidate | None:
-    job = job_for(choice.on(cfg), device, recompute_plan=("none",) * L, world=gpus)
+def _search_layout(cfg, device, memory, L, gpus, links, gpus_per_node, tp, pp, cp, dp, per_rank, strategies, vocab,
+                   precisions: int = 2) -> tuple[list[Candidate], int]:
+    """One model-parallel layout's candidates: for each strategy, precision, micro-batch and schedule, the least
+    recompute (none, then selective, then full; each without, then with the chunked loss) that fits — more
+    recompute only costs time — and nothing more once a micro-batch of 1 fits with none of them."""
+    T = cfg.data.seq_len
+    found, tried = [], 0
+    schedules = ("1f1b", "interleaved_1f1b") if pp > 1 else ("1f1b",)
+    for strategy in (strategies if dp * cp == 1 else ("zero1", "fsdp")):
+        for precision in _precisions(device)[:precisions]:
+            for schedule in schedules:
+                for mb in _divisors(per_rank):
+                    m = per_rank // mb
+                    if pp > 1 and m < pp:
+                        continue
+                    fitted, refused = False, False
+                    for policy, chunk in itertools.product(("none", "selective", "full"),
+                                                           (0, chunk_for(vocab, mb * T // cp))):
+                        c = Choice(precision, mb, m, policy, chunked_loss=chunk, parallel=strategy, tp=tp, pp=pp,
+                                   cp=cp, sequence_parallel=tp > 1, pp_schedule=schedule,
+                                   pp_microbatches=m if pp > 1 else 0)
+                        if not _valid(c):
+                            refused = True
+                            break
+                        tried += 1
+                        cand = _evaluate(cfg, device, c, memory, L, gpus, links, gpus_per_node)
+                        if cand is None:  # the runtime refuses this layout
+                            refused = True
+                            break
+                        found.append(cand)
+                        if cand.fits:
+                            fitted = True
+                            break
+                    if refused or not fitted:  # a larger micro-batch holds more: it will not fit either
+                        break
+    return found, tried
+
+
+def _links(choice: Choice, gpus: int, links: dict, gpus_per_node: int) -> dict[str, float]:
+    """The link each group's collectives cross, on the mesh (pp, dp, cp, tp), tp innermost: a group whose ranks lie
+    within one node of gpus_per_node talks over the node's link, one that spans nodes over the slower one."""
+    dp = gpus // (choice.tp * choice.pp * choice.cp)
+    def over(span):
+        return links["intra"] if span <= gpus_per_node else links["inter"]
+    return {"link": over(choice.tp * choice.cp * dp), "tp_link": over(choice.tp), "cp_link": over(choice.tp * choice.cp),
+            "pp_link": over(gpus)}
+
+
+def _evaluate(cfg, device, choice: Choice, memory: int, L: int, gpus: int = 1, links: dict | float | None = None,
+              gpus_per_node: int = GPUS_PER_NODE) -> Candidate | None:
+    if not isinstance(links, dict):  # one link for everything (a single node)
+        link = links or INTERCONNECTS["nvlink4"]
+        links = {"intra": link, "inter": link}
+    dp_cp = gpus // (choice.tp * choice.pp)
+    job = job_for(choice.on(cfg), device, recompute_plan=("none",) * L, world=dp_cp)
     if choice.recompute == "budget":
         plan = _fill_budget(job, device, memory)
         if plan is None:
@@ -401,8 +595,24 @@ def _evaluate(cfg, device, choice: Choice, memory: int, L: int, gpus: int = 1, l
     else:
         plan = recompute_plan(choice.recompute, L, choice.recompute_every)
     job = replace(job, recompute=plan)
-    b = estimate(job)
-    return Candidate(choice, b, step_time(job, device, link), b.total_bytes <= memory)
+    wired = _links(choice, gpus, links, gpus_per_node)
+    if choice.tp * choice.pp * choice.cp == 1:
+        b = estimate(job)
+        return Candidate(choice, b, step_time(job, device, wired["link"]), b.total_bytes <= memory)
+    c = choice.on(cfg)
+    try:
+        layout = ParallelPlan.build(c.parallel, gpus, job.model, family(job.model.arch),
+                                    batch_sequences=choice.micro_batch_size * choice.grad_accum_steps,
+                                    grad_accum_steps=choice.grad_accum_steps)
+        # the first stage holds the most blocks and micro-batches in flight, the last the head: every other
+        # stage is bounded by these two in memory and time
+        stages = [for_rank(job, layout, s) for s in sorted({0, layout.pp - 1})]
+    except ValueError:  # a layout the runtime refuses (tp not dividing the heads, too few blocks)
+        return None
+    estimates = [estimate(j) for j in stages]
+    worst = max(estimates, key=lambda e: e.total_bytes)
+    times = max((step_time(j, device, **wired) for j in stages), key=lambda t: t["total"])
+    return Candidate(choice, worst, times, worst.total_bytes <= memory)
 
 
 def _fill_budget(job: Job, device, memory: int):

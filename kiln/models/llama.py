@@ -33,6 +33,10 @@ PRESETS = {
     # Shaped like Llama-3.2-1B (tied embeddings, 128k vocabulary) and Llama-2-7B.
     "llama-1b": config(16, 32, 8, 2048, 8192, vocab_size=128256, tie_embeddings=True, rope_theta=500000.0),
     "llama-7b": config(32, 32, 32, 4096, 11008, max_seq_len=4096),
+    # Meta-Llama-3-70B's config.json: 80 layers, hidden 8192, 64 heads sharing 8 key/value heads, intermediate
+    # 28672, vocabulary 128256, rope_theta 500000, rms_norm_eps 1e-5, 8192 positions, untied embeddings.
+    "llama-70b": config(80, 64, 8, 8192, 28672, vocab_size=128256, max_seq_len=8192, rope_theta=500000.0,
+                        norm_eps=1e-5),
 }
 
 

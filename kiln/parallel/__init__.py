@@ -56,6 +56,7 @@ class ParallelConfig:
     pp_schedule: str = "1f1b"  # gpipe | 1f1b | interleaved_1f1b (2 virtual stages per rank)
     pp_microbatches: int = 0  # pipeline micro-batches per step; 0 = max(pp, train.grad_accum_steps)
     sequence_parallel: bool = False  # tp: norms and dropout on 1/tp of the sequence between the TP regions
+    cp: int = 1  # context parallel: modelled by `kiln memory` and `kiln plan` only; training refuses cp > 1
 
     def validate(self):
         if self.strategy not in STRATEGIES:
@@ -208,6 +209,10 @@ def launched_by_torchrun() -> bool:
 
 def init_world(cfg: ParallelConfig, device_type: str) -> World:
     """The world this process is part of. Errors name the fix for a launch that does not match the config."""
+    if cfg.cp > 1:
+        raise ValueError(f"parallel.cp={cfg.cp}: context parallelism is modelled only (kiln memory, kiln plan); "
+                         f"training it needs CUDA SDPA's ring attention, which kiln does not run yet: set "
+                         f"--parallel.cp=1")
     backend = cfg.backend if cfg.backend != "auto" else ("nccl" if device_type == "cuda" else "gloo")
     timeout = timedelta(seconds=cfg.timeout)
     if not launched_by_torchrun():

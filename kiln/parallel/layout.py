@@ -5,6 +5,11 @@ it see different data (data parallel), decided once from the `parallel` section,
     plan.mesh_shape                    {"pp": P, "dp": D, "tp": T}: tp innermost (neighbouring ranks, one node)
     plan.device_mesh(device_type)      torch's DeviceMesh with those named dims (init_device_mesh)
     plan.stage_layers()                the blocks each pipeline stage holds (even split, the remainder first)
+    plan.rank_blocks(n_layer, stage)   the blocks one pipeline rank holds (interleaved: its v chunks)
+
+Context parallelism (parallel.cp, the sequence split over cp ranks with ring attention) is modelled by the
+estimator and the planner only: it needs CUDA SDPA's ring attention (torch.distributed.tensor.experimental.
+context_parallel), which gloo on CPU cannot run and kiln's tests could not hold exact; `kiln train` refuses it.
 
 Everything that branches on a layout asks this object: the model pipeline (apply TP, split into stages, wrap for
 data parallelism), the loop (which ranks hold the loss, which reduce what), the checkpointer, the estimator and
@@ -30,10 +35,11 @@ class ParallelPlan:
     pp_schedule: str = "1f1b"
     pp_microbatches: int = 0  # 0 = max(pp, grad_accum_steps), resolved by build() when the batch is known
     virtual_stages: int = 1  # stages per pipeline rank (interleaved_1f1b: 2)
+    cp: int = 1  # context parallel: modelled by the estimator and planner only (the runtime refuses it, see build)
 
     @property
     def dp(self) -> int:
-        return self.world_size // (self.tp * self.pp)
+        return self.world_size // (self.tp * self.pp * self.cp)
 
     @property
     def mesh_shape(self) -> dict[str, int]:
@@ -63,6 +69,12 @@ class ParallelPlan:
             start += n
         return out
 
+    def rank_blocks(self, n_layer: int, stage: int) -> list[int]:
+        """The blocks pipeline rank `stage` holds: stage_layers()[stage], and under interleaving its later chunks
+        stage + pp, stage + 2·pp, ... (torch's interleaved schedules place virtual stage s on rank s mod pp)."""
+        layers = self.stage_layers(n_layer)
+        return [i for s in range(stage, len(layers), self.pp) for i in layers[s]]
+
     def device_mesh(self, device_type: str):
         """The run's DeviceMesh over every rank, dims named as MESH_DIMS (a dim of degree 1 is kept, so code can
         always ask mesh["tp"])."""
@@ -78,18 +90,22 @@ class ParallelPlan:
 
         batch_sequences: sequences one data-parallel rank computes per step (micro_batch_size ×
         grad_accum_steps), which the pipeline's micro-batches must divide."""
-        tp, pp = cfg.tp, cfg.pp
-        if tp < 1 or pp < 1:
-            raise ValueError(f"parallel.tp={tp} and parallel.pp={pp} must be ≥ 1 (1 = not split)")
-        if world_size % (tp * pp):
-            raise ValueError(f"{world_size} processes do not divide into parallel.tp={tp} × parallel.pp={pp} = "
-                             f"{tp * pp} ranks per model copy: launch a multiple of {tp * pp} processes "
-                             f"(torchrun --nproc_per_node) or change tp/pp")
-        dp = world_size // (tp * pp)
+        tp, pp, cp = cfg.tp, cfg.pp, getattr(cfg, "cp", 1)
+        if tp < 1 or pp < 1 or cp < 1:
+            raise ValueError(f"parallel.tp={tp}, parallel.pp={pp} and parallel.cp={cp} must be ≥ 1 (1 = not split)")
+        if world_size % (tp * pp * cp):
+            what = f"parallel.tp={tp} × parallel.pp={pp}" + (f" × parallel.cp={cp}" if cp > 1 else "")
+            raise ValueError(f"{world_size} processes do not divide into {what} = {tp * pp * cp} ranks per model "
+                             f"copy: launch a multiple of {tp * pp * cp} processes (torchrun --nproc_per_node) or "
+                             f"change tp/pp" + ("/cp" if cp > 1 else ""))
+        dp = world_size // (tp * pp * cp)
         if dp > 1 and cfg.strategy == "none":
             raise ValueError(f"{world_size} processes with tp={tp} × pp={pp} leave {dp} data-parallel copies, but "
                              f"parallel.strategy=none would train them independently: set "
                              f"--parallel.strategy=ddp, zero1 or fsdp")
+        if cp > 1 and cfg.strategy == "none":
+            raise ValueError(f"parallel.cp={cp} ranks hold the same weights and must reduce their gradients: set "
+                             f"--parallel.strategy=fsdp (or ddp, zero1); the state is sharded over dp × cp ranks")
         if cfg.sequence_parallel and tp == 1:
             raise ValueError("parallel.sequence_parallel splits the sequence among tensor-parallel ranks: it needs "
                              "--parallel.tp > 1")
@@ -111,7 +127,7 @@ class ParallelPlan:
             if cfg.pp_schedule != "gpipe" and micro < pp:
                 raise ValueError(f"parallel.pp_schedule={cfg.pp_schedule} with {pp} stages needs at least {pp} "
                                  f"pipeline micro-batches (parallel.pp_microbatches={micro}); raise it or use gpipe")
-        return cls(world_size, tp, pp, cfg.strategy, cfg.sequence_parallel, cfg.pp_schedule, micro, virtual)
+        return cls(world_size, tp, pp, cfg.strategy, cfg.sequence_parallel, cfg.pp_schedule, micro, virtual, cp)
 
 
 def _check_model(tp: int, stages: int, model: ModelConfig, family, schedule: str) -> None:

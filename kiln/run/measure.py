@@ -2,16 +2,20 @@
 
     measure_step(cfg, device, steps)   model state, saved bytes, peak and a timeline (kiln.memory.measure's
                                        instruments) over steps on random tokens, built by kiln.run.lm.build_lm
+    measure_rank_peaks(cfg, device, steps)   each step's peak of everything this rank's allocator holds, from
+                                       before the model is built (the CPU allocator through the profiler: FSDP2's
+                                       gathered parameters and DDP's buckets included); runs under torchrun too
 """
 from __future__ import annotations
 
+import gc
 import resource
 import time
 from dataclasses import dataclass
 
 import torch
 
-from kiln.memory.measure import LiveBytes, SavedBytes, measure_saved, optimizer_state_tensors, tensor_bytes
+from kiln.memory.measure import AllocatedBytes, LiveBytes, SavedBytes, measure_saved, optimizer_state_tensors, tensor_bytes
 from kiln.run.lm import build_lm
 from kiln.train.step import train_step
 
@@ -107,3 +111,28 @@ def _note_grads(model, rig, store):
     """Gradient bytes as the optimizer step starts (bf16-master: on the masters by then)."""
     params = rig.masters.masters if rig.masters is not None else list(model.parameters())
     store["grads"] = tensor_bytes([p.grad for p in params if p.grad is not None])
+
+
+def measure_rank_peaks(cfg, device: torch.device, steps: int = 2) -> list[int]:
+    """Each step's peak bytes on this rank (CPU): the model, its state and everything a step allocates, counted by
+    the allocator from before build_lm (kiln.memory.measure.AllocatedBytes), so what no Python hook sees is in it.
+    Step 1 makes the optimizer state; later steps are the steady state."""
+    if device.type != "cpu":
+        raise ValueError("measure_rank_peaks counts the CPU allocator; on CUDA use torch.cuda.max_memory_allocated")
+    V, B, T = None, cfg.train.micro_batch_size, cfg.data.seq_len
+    gen = torch.Generator().manual_seed(0)
+    # an earlier model in this process (cycles keep them alive) must not be collected inside the region: its frees
+    # would count against this one
+    gc.collect()
+    with AllocatedBytes() as live:
+        lm = build_lm(cfg, device=device, with_data=False)
+        rig, V = lm.state, lm.cfg.model.vocab_size
+        for step in range(steps):
+            batches = []
+            for _ in range(lm.cfg.train.grad_accum_steps):
+                x = torch.randint(0, V, (B, T + 1), generator=gen)
+                batches.append((x[:, :-1], x[:, 1:]))
+            with live.window(f"step {step}"):
+                train_step(rig.step_model, batches, rig.objective, rig.optimizer, rig.precision, rig.scaler,
+                           lm.cfg.optim, rig.masters)
+    return [live.peak(f"step {s}") for s in range(steps)]

@@ -24,6 +24,8 @@ def test_param_counts_of_known_models():
     assert param_count(ModelConfig(preset="gpt2-124m")) == 124_475_904
     # Llama-2-7B has 6,738,415,616.
     assert param_count(ModelConfig(preset="llama-7b")) == 6_738_415_616
+    # Meta-Llama-3-70B has 70,553,706,496.
+    assert param_count(ModelConfig(preset="llama-70b")) == 70_553_706_496
 
 
 @pytest.mark.parametrize("arch", ["gpt2", "llama"])

@@ -87,13 +87,10 @@ class PipelineModel(nn.Module):
             raise ValueError(f"parallel.tp={plan.tp} × parallel.pp={plan.pp} with {plan.dp} data-parallel copies is "
                              f"not built (each stage's DTensor parameters would need FSDP2's replicate under the "
                              f"schedule): launch tp × pp = {plan.tp * plan.pp} processes, or drop tp or pp")
-        if plan.tp > 1 and plan.sequence_parallel:
-            raise ValueError("parallel.sequence_parallel with parallel.pp is not built (the stages would pass "
-                             "sequence shards): set --parallel.sequence_parallel=false")
         self.plan, self.coords = plan, plan.coords(rank)
         mesh = mesh if mesh is not None else plan.device_mesh(device.type)
         if plan.tp > 1:  # torchtitan's order: tensor parallel on the whole model, then the split into stages
-            apply_tensor_parallel(model, mesh["tp"])
+            apply_tensor_parallel(model, mesh["tp"], plan.sequence_parallel)
         self.cfg = model.cfg  # what kiln.parallel.tensor.fused_rows reads (the checkpoint's TP row order)
         self.pp_group, self.dp_group = mesh["pp"].get_group(), mesh["dp"].get_group()
         n_stages = plan.pp * plan.virtual_stages

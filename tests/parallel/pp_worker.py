@@ -22,10 +22,11 @@ pp_run(pp_config(source, n_layer=4, pp=4, schedule="gpipe"), out / "gpipe4")
 # resharding: one process wrote 3 steps (DCP) before the launch, continued here; 3 steps here, continued by one
 pp_run(pp_config(source, pp=2, dp=2), out / "from_one", resume=True)
 pp_run(pp_config(source, pp=2, dp=2, steps=3), out / "to_one")
-# tensor × pipeline parallel, tp2 × pp2 (one copy), 1F1B: GPT-2 (tied embeddings: each tp rank sums with its own
-# pair) and Llama (SwiGLU's fused rows; saved at step 3 for the resume on one process); and the one-process run's 3
-# steps resumed under tp2 × pp2 (the model's rows into the TP order on load)
-pp_run(pp_config(source, pp=2, tp=2), out / "tp2pp2_gpt2")
+# tensor × pipeline parallel, tp2 × pp2 (one copy), 1F1B: GPT-2 with sequence parallelism (sequence shards between
+# the stages; tied embeddings: each tp rank sums with its own pair) and Llama (SwiGLU's fused rows; saved at step 3
+# for the resume on one process); and the one-process run's 3 steps resumed under tp2 × pp2 (the model's rows into
+# the TP order on load)
+pp_run(pp_config(source, pp=2, tp=2, sequence_parallel=True), out / "tp2pp2_gpt2")
 pp_run(pp_config(source, arch="llama", pp=2, tp=2, interval=3), out / "tp2pp2_llama")
 pp_run(pp_config(source, pp=2, tp=2), out / "from_one_tp2pp2", resume=True)
 sys.stdout.flush()

@@ -142,15 +142,15 @@ def stage_bytes(arch: str, tp: int) -> tuple[list[int], int]:
 
 @pytest.mark.parametrize("arch", ["gpt2", "llama"])
 def test_tp2_pp2_trains_as_one_process(pp_launched, single, arch):
-    """Tensor parallel inside each pipeline stage (dp 1): the same curve, weights and val_loss as one process, and
-    the layout event shows each rank holding half of its stage's block linears."""
+    """Tensor parallel inside each pipeline stage (dp 1; GPT-2 with sequence parallelism): the same curve, weights
+    and val_loss as one process, and the layout event shows each rank holding half of its stage's block linears."""
     run = pp_launched / f"tp2pp2_{arch}"
     assert_same_curve(run, single / arch)
     assert_same_weights(run, single / arch)  # gathered over tp and pp, fused rows in the model's order
     got, want = records(run, "eval")[-1]["val_loss"], records(single / arch, "eval")[-1]["val_loss"]
     assert got == pytest.approx(want, rel=RTOL)
     (event,) = [e for e in records(run, "event") if e["event"] == "layout"]
-    assert event["mesh"] == {"pp": 2, "dp": 1, "tp": 2}
+    assert event["mesh"] == {"pp": 2, "dp": 1, "tp": 2} and event["sequence_parallel"] == (arch == "gpt2")
     (first, last), whole = stage_bytes(arch, tp=2)
     assert event["param_bytes_per_rank"] == [first, first, last, last]  # ranks 0, 1: stage 0 (tp innermost)
     assert event["param_bytes_unsharded"] == whole
@@ -187,7 +187,6 @@ def test_bad_layouts_are_one_line_errors():
     refused = [
         (ParallelConfig(pp=2, strategy="fsdp"), 4, "parallel.pp with parallel.strategy=fsdp is not built: use"),
         (ParallelConfig(pp=2, tp=2, strategy="ddp"), 8, "with 2 data-parallel copies is not built .*: launch tp × pp"),
-        (ParallelConfig(pp=2, tp=2, sequence_parallel=True), 4, "sequence_parallel with parallel.pp is not built"),
     ]
     for cfg, world, message in refused:
         plan = ParallelPlan.build(cfg, world, model, batch_sequences=4)

@@ -48,7 +48,7 @@ def single(tmp_path_factory, source, kiln_cache):
 def pp_launched(tmp_path_factory, single, source):
     out = tmp_path_factory.mktemp("pp")
     pp_run(pp_config(source, steps=3, strategy="ddp"), out / "from_one")
-    shutil.copytree(out / "from_one", out / "from_one_tp2pp2")  # resumed under pp2 × dp2 and under tp2 × pp2
+    pp_run(pp_config(source, arch="llama", steps=3, strategy="ddp"), out / "tp2pp2_llama")  # resumed under tp2 × pp2
     env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
     began = time.monotonic()
     proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=4",
@@ -142,10 +142,11 @@ def stage_bytes(arch: str, tp: int) -> tuple[list[int], int]:
 
 @pytest.mark.parametrize("arch", ["gpt2", "llama"])
 def test_tp2_pp2_trains_as_one_process(pp_launched, single, arch):
-    """Tensor parallel inside each pipeline stage (dp 1; GPT-2 with sequence parallelism): the same curve, weights
-    and val_loss as one process, and the layout event shows each rank holding half of its stage's block linears."""
+    """Tensor parallel inside each pipeline stage (dp 1): GPT-2 with sequence parallelism from step 1, Llama from one
+    process's checkpoint at step 3 (its fused rows into the TP order on load). The same curve, weights and val_loss as
+    one process, and the layout event shows each rank holding half of its stage's block linears."""
     run = pp_launched / f"tp2pp2_{arch}"
-    assert_same_curve(run, single / arch)
+    assert_same_curve(run, single / arch, resumed=arch == "llama")
     assert_same_weights(run, single / arch)  # gathered over tp and pp, fused rows in the model's order
     got, want = records(run, "eval")[-1]["val_loss"], records(single / arch, "eval")[-1]["val_loss"]
     assert got == pytest.approx(want, rel=RTOL)
@@ -156,18 +157,16 @@ def test_tp2_pp2_trains_as_one_process(pp_launched, single, arch):
     assert event["param_bytes_unsharded"] == whole
 
 
-def test_tp2_pp2_checkpoints_reshard_both_ways(pp_launched, single, source, tmp_path):
-    """One process (3 steps) → tp2 × pp2 (to 6); tp2 × pp2 (Llama, saved at step 3) → one process (to 6): DCP by
-    full names, the fused rows in the model's order on disk."""
-    assert_same_curve(pp_launched / "from_one_tp2pp2", single / "gpt2", resumed=True)
-    assert_same_weights(pp_launched / "from_one_tp2pp2", single / "gpt2")
+def test_a_tp2_pp2_checkpoint_resumes_on_one_process(pp_launched, single, source, tmp_path):
+    """tp2 × pp2 (GPT-2, saved at step 3) → one process (to 6): DCP by full names, the fused rows in the model's
+    order on disk."""
     run = tmp_path / "tp2pp2_to_one"
-    shutil.copytree(pp_launched / "tp2pp2_llama", run)
+    shutil.copytree(pp_launched / "tp2pp2_gpt2", run)
     shutil.rmtree(run / "checkpoints" / "step_000006")
     (run / "checkpoints" / "latest").write_text("step_000003\n")
-    pp_run(pp_config(source, arch="llama", strategy="ddp"), run, resume=True)
-    assert_same_curve(run, single / "llama", resumed=True)
-    assert_same_weights(run, single / "llama")
+    pp_run(pp_config(source, strategy="ddp"), run, resume=True)
+    assert_same_curve(run, single / "gpt2", resumed=True)
+    assert_same_weights(run, single / "gpt2")
 
 
 def test_bad_layouts_are_one_line_errors():

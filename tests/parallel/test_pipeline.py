@@ -157,6 +157,15 @@ def test_tp2_pp2_trains_as_one_process(pp_launched, single, arch):
     assert event["param_bytes_unsharded"] == whole
 
 
+def test_every_tp2_pp2_rank_judges_the_logged_loss(pp_launched):
+    """The spike guard on each of the 4 ranks saw the global loss (summed over pp and dp, not tp): tp rank 1 as
+    well as tp rank 0, the first stage as well as the last."""
+    logged = [r["loss"] for r in records(pp_launched / "tp2pp2_gpt2", "train")]
+    for rank in range(4):
+        judged = json.loads((pp_launched / f"judged_rank{rank}.json").read_text())
+        assert judged == pytest.approx(logged, rel=1e-6), rank  # the guard records float32
+
+
 def test_a_tp2_pp2_checkpoint_resumes_on_one_process(pp_launched, single, source, tmp_path):
     """tp2 × pp2 (GPT-2, saved at step 3) → one process (to 6): DCP by full names, the fused rows in the model's
     order on disk."""

@@ -17,6 +17,12 @@ the backward their gradients are summed over a group of those two ranks, so both
 
 Data parallelism composes as DDP over the mesh's dp dim, one DDP per stage module (torch's PipelineStage syncs
 gradients on the last micro-batch only).
+
+Tensor parallelism composes inside each stage (tp × pp with one data-parallel copy): kiln.parallel.tensor splits the
+whole model over mesh["tp"] first, then it is split into stages; the stages pass plain tensors (the full hidden
+width, replicated over tp, or with sequence parallelism this rank's sequence shard). Each tp rank of the last stage
+computes the same loss; the gradient norm is each rank's DTensor norm (reduced over tp) summed over pp; the tied
+weight's gradient is summed between the first and last stage's ranks with the same tp coordinate.
 """
 from __future__ import annotations
 
@@ -80,13 +86,13 @@ class PipelineModel(nn.Module):
         if getattr(model, "moe", None):
             raise ValueError("parallel.pp with a mixture of experts is not built (its load-balancing loss spans the "
                              "stages): train it with --parallel.pp=1")
-        if strategy not in ("none", "ddp"):
-            raise ValueError(f"parallel.pp with parallel.strategy={strategy} is not built: use --parallel.strategy="
-                             f"ddp for the data-parallel copies of each stage (none when there is one copy)")
         if plan.tp > 1 and plan.dp > 1:
             raise ValueError(f"parallel.tp={plan.tp} × parallel.pp={plan.pp} with {plan.dp} data-parallel copies is "
                              f"not built (each stage's DTensor parameters would need FSDP2's replicate under the "
                              f"schedule): launch tp × pp = {plan.tp * plan.pp} processes, or drop tp or pp")
+        if strategy not in ("none", "ddp"):
+            raise ValueError(f"parallel.pp with parallel.strategy={strategy} is not built: use --parallel.strategy="
+                             f"ddp for the data-parallel copies of each stage (none when there is one copy)")
         self.plan, self.coords = plan, plan.coords(rank)
         mesh = mesh if mesh is not None else plan.device_mesh(device.type)
         if plan.tp > 1:  # torchtitan's order: tensor parallel on the whole model, then the split into stages

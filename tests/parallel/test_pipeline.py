@@ -194,7 +194,7 @@ def test_bad_layouts_are_one_line_errors():
         assert "\n" not in str(e.value)
     refused = [
         (ParallelConfig(pp=2, strategy="fsdp"), 4, "parallel.pp with parallel.strategy=fsdp is not built: use"),
-        (ParallelConfig(pp=2, tp=2, strategy="ddp"), 8, "with 2 data-parallel copies is not built .*: launch tp × pp"),
+        (ParallelConfig(pp=2, tp=2, strategy="fsdp"), 8, "with 2 data-parallel copies is not built .*: launch tp × pp"),
     ]
     for cfg, world, message in refused:
         plan = ParallelPlan.build(cfg, world, model, batch_sequences=4)

@@ -192,11 +192,15 @@ def layout_event(world: World, model: nn.Module) -> dict:
     holds them (its local shards; a collective: every rank calls it), against one whole copy of the model."""
     params = list(dict.fromkeys(model.parameters()))
     held = sum(_local(p).numel() * p.element_size() for p in params)
+    duplicate = getattr(model, "duplicate", None)  # a pipeline's last-stage copy of a tied embedding: counted once
+    whole = sum(p.numel() * p.element_size() for p in params if p is not duplicate)
     plan = world.plan
+    per_rank = world.gather_objects((held, whole))
+    if plan is not None and plan.pp > 1:  # each pipeline rank holds its stage's part: one copy's stages summed
+        whole = sum(w for r, (_, w) in enumerate(per_rank) if plan.coords(r)["dp"] == plan.coords(r)["tp"] == 0)
     return {"event": "layout", "mesh": plan.mesh_shape if plan is not None else {"dp": world.size},
             "strategy": world.strategy, "sequence_parallel": bool(plan is not None and plan.sequence_parallel),
-            "param_bytes_per_rank": world.gather_objects(held),
-            "param_bytes_unsharded": sum(p.numel() * p.element_size() for p in params)}
+            "param_bytes_per_rank": [h for h, _ in per_rank], "param_bytes_unsharded": whole}
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:

@@ -17,6 +17,12 @@ the backward their gradients are summed over a group of those two ranks, so both
 
 Data parallelism composes as DDP over the mesh's dp dim, one DDP per stage module (torch's PipelineStage syncs
 gradients on the last micro-batch only).
+
+Tensor parallelism composes inside each stage (tp × pp with one data-parallel copy): kiln.parallel.tensor splits the
+whole model over mesh["tp"] first, then it is split into stages; the stages pass plain tensors (the full hidden
+width, replicated over tp, or with sequence parallelism this rank's sequence shard). Each tp rank of the last stage
+computes the same loss; the gradient norm is each rank's DTensor norm (reduced over tp) summed over pp; the tied
+weight's gradient is summed between the first and last stage's ranks with the same tp coordinate.
 """
 from __future__ import annotations
 
@@ -26,10 +32,12 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.pipelining import PipelineStage
+from torch.distributed.tensor import DTensor
 from torch.distributed.pipelining.schedules import (Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B,
                                                      ScheduleLoopedBFS)
 
 from kiln.parallel.layout import ParallelPlan
+from kiln.parallel.tensor import apply_tensor_parallel, canonical, fused_rows
 
 SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B, "interleaved_1f1b": ScheduleInterleaved1F1B}
 
@@ -72,16 +80,24 @@ class PipelineModel(nn.Module):
     """This rank's part of a Transformer: the parts of its stages under their full-model names (what the optimizer,
     state_dict and DCP see), the stage modules and the schedule that runs them."""
 
-    def __init__(self, model: nn.Module, plan: ParallelPlan, rank: int, device: torch.device, strategy: str = "none"):
+    def __init__(self, model: nn.Module, plan: ParallelPlan, rank: int, device: torch.device, strategy: str = "none",
+                 mesh=None):
         super().__init__()
         if getattr(model, "moe", None):
             raise ValueError("parallel.pp with a mixture of experts is not built (its load-balancing loss spans the "
                              "stages): train it with --parallel.pp=1")
+        if plan.tp > 1 and plan.dp > 1:
+            raise ValueError(f"parallel.tp={plan.tp} × parallel.pp={plan.pp} with {plan.dp} data-parallel copies is "
+                             f"not built (each stage's DTensor parameters would need FSDP2's replicate under the "
+                             f"schedule): launch tp × pp = {plan.tp * plan.pp} processes, or drop tp or pp")
         if strategy not in ("none", "ddp"):
             raise ValueError(f"parallel.pp with parallel.strategy={strategy} is not built: use --parallel.strategy="
                              f"ddp for the data-parallel copies of each stage (none when there is one copy)")
         self.plan, self.coords = plan, plan.coords(rank)
-        mesh = plan.device_mesh(device.type)
+        mesh = mesh if mesh is not None else plan.device_mesh(device.type)
+        if plan.tp > 1:  # torchtitan's order: tensor parallel on the whole model, then the split into stages
+            apply_tensor_parallel(model, mesh["tp"], plan.sequence_parallel)
+        self.cfg = model.cfg  # what kiln.parallel.tensor.fused_rows reads (the checkpoint's TP row order)
         self.pp_group, self.dp_group = mesh["pp"].get_group(), mesh["dp"].get_group()
         n_stages = plan.pp * plan.virtual_stages
         layers = plan.stage_layers(model.cfg.n_layer)
@@ -161,9 +177,8 @@ class PipelineModel(nn.Module):
 
     def _share(self, sums: list[torch.Tensor], device) -> torch.Tensor:
         total = torch.zeros((), dtype=torch.float64, device=device)
-        if self.coords["tp"] == 0:  # one rank of a tensor-parallel group speaks for it
-            for s in sums:
-                total = total + s.double()
+        for s in sums:  # the same on every tp rank of the last stage (the loss runs replicated): reduced over pp, dp
+            total = total + s.double()
         return total
 
     def _sync_tied(self) -> None:
@@ -173,7 +188,7 @@ class PipelineModel(nn.Module):
         grad = self.embed.weight.grad
         if grad is None:
             grad = self.embed.weight.grad = torch.zeros_like(self.embed.weight)
-        dist.all_reduce(grad, group=self.tie_group)
+        dist.all_reduce(_local(grad), group=self.tie_group)  # under TP: replicated, each tp rank its own pair
 
     def grad_norm(self, params, masters=None) -> torch.Tensor:
         """The L2 norm of every stage's gradients, the tied copy counted once: this rank's sum of squares summed
@@ -185,6 +200,8 @@ class PipelineModel(nn.Module):
                 skip.add(id(masters.by_model_param[id(self.duplicate)]))
         grads = [p.grad for p in params if p.grad is not None and id(p) not in skip]
         local = torch.nn.utils.get_total_norm(grads, foreach=True) if grads else torch.zeros((), device=self.device)
+        if isinstance(local, DTensor):  # TP: split gradients' squares summed over the tp ranks, replicated ones once
+            local = local.full_tensor()
         sq = local.double() ** 2
         dist.all_reduce(sq, group=self.pp_group)
         return sq.sqrt().to(local.dtype)
@@ -207,7 +224,7 @@ class PipelineModel(nn.Module):
         self._sums.clear()
         schedule.eval(*((x,) if self.has_first else ()), target=y if self.has_last else None)
         total = self._share(self._sums[-n:] if self.has_last else [], x.device)
-        count = (y != -100).sum().double() if self.has_last and self.coords["tp"] == 0 else total.new_zeros(())
+        count = (y != -100).sum().double() if self.has_last else total.new_zeros(())
         return total, count
 
     def _eval_schedule(self, shape: tuple):
@@ -228,7 +245,10 @@ class PipelineModel(nn.Module):
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """The whole model's weights (host copies) on global rank 0, gathered from the pipeline ranks of its
         data-parallel copy; {} on every other rank."""
-        mine = {k: v.detach().cpu() for k, v in self.state_dict().items()}
+        mine = {k: _local(v.full_tensor() if isinstance(v, DTensor) else v).detach().cpu()
+                for k, v in self.state_dict().items()}  # TP: each weight gathered from its tp ranks
+        for name, parts in fused_rows(self).items():  # ... and its fused rows back in the model's order
+            mine[name] = canonical(mine[name], parts, self.plan.tp)
         ranks = dist.get_process_group_ranks(self.pp_group)
         out = [None] * len(ranks) if dist.get_rank() == ranks[0] else None
         dist.gather_object(mine, out, dst=ranks[0], group=self.pp_group)
@@ -238,6 +258,10 @@ class PipelineModel(nn.Module):
         for part in out:
             full.update(part)
         return full
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if isinstance(t, DTensor) else t
 
 
 def _tie_group(plan: ParallelPlan, rank: int):

@@ -95,14 +95,14 @@ def _split_sequence(mesh):
 
 def fused_rows(model: nn.Module) -> dict[str, tuple[int, ...]]:
     """{parameter name: rows of each part} of every fused column linear of kiln's Transformer (attn.qkv, a SwiGLU's
-    mlp.fc); {} for any other model."""
+    mlp.fc), or of the blocks a pipeline rank holds; {} for any other model."""
     cfg = getattr(model, "cfg", None)
-    if cfg is None or not isinstance(getattr(model, "blocks", None), nn.ModuleList):
-        return {}
+    if cfg is None or not isinstance(getattr(model, "blocks", None), (nn.ModuleList, nn.ModuleDict)):
+        return {}  # (a ModuleDict: a pipeline rank's blocks, under their model indices)
     out = {}
     for lin in family(cfg.arch).linears(cfg):
         if lin.parts:
-            for i in range(len(model.blocks)):
+            for i, _ in model.blocks.named_children():
                 for kind in ("weight", "bias"):
                     out[f"blocks.{i}.{lin.name}.{kind}"] = lin.parts
     return {k: v for k, v in out.items() if _has(model, k)}

@@ -12,8 +12,9 @@
                "chunked" (kiln.memory.chunked_loss); kiln.config refuses a fused and a chunked loss together.
 5. parallelize DDP wraps, FSDP2 shards (kiln.parallel.parallelize): after 1-4, so every transformed block is what
                fully_shard sees; a no-op in a world of one.
-   pipeline    parallel.pp > 1 (plan.layout): the blocks split into stages run by torch's pipeline schedules
-               (kiln.parallel.pipeline.PipelineModel), each stage wrapped in DDP over the data-parallel ranks;
+   pipeline    parallel.pp > 1 (plan.layout): tensor parallel first when parallel.tp > 1, then the blocks split
+               into stages run by torch's pipeline schedules (kiln.parallel.pipeline.PipelineModel), each stage
+               wrapped in DDP over the data-parallel ranks;
                the model and the step model are then that one object.
 6. compile     torch.compile of the finished model (the step calls the compiled one; hooks stay on the eager one).
 
@@ -112,7 +113,7 @@ def prepare_model(model: nn.Module, plan: ModelPlan, device: torch.device | None
         if plan.compile:
             raise ValueError("train.compile with parallel.pp is not built (the stages would compile one by one): "
                              "set --train.compile=false")
-        pipe = PipelineModel(model, plan.layout, world.rank, torch.device(device), plan.parallel.strategy)
+        pipe = PipelineModel(model, plan.layout, world.rank, torch.device(device), plan.parallel.strategy, world.mesh)
         applied["pipeline"] = f"{plan.layout.pp_schedule}: stages {pipe.stage_ids} of {plan.layout.pp} ranks"
         return PreparedModel(pipe, pipe, applied)
     step_model = model

@@ -26,12 +26,14 @@ class MaskedLoader:
         return getattr(self.loader, name)
 
 
-def pp_config(source: str, *, arch: str = "gpt2", n_layer: int = 2, pp: int = 1, dp: int = 1, steps: int = 6,
-              schedule: str = "1f1b", microbatches: int = 0, strategy: str | None = None):
+def pp_config(source: str, *, arch: str = "gpt2", n_layer: int = 2, pp: int = 1, dp: int = 1, tp: int = 1,
+              steps: int = 6, schedule: str = "1f1b", microbatches: int = 0, strategy: str | None = None,
+              interval: int = 0, sequence_parallel: bool = False):
     """fp32, global batch 8 sequences of 32 tokens (micro-batches of 4: 2 on one process, 1 per dp rank)."""
     cfg = lm_config(source, strategy or ("ddp" if dp > 1 else "none"), steps=steps)
     cfg.model.arch, cfg.model.n_layer = arch, n_layer
     cfg.parallel.pp, cfg.parallel.pp_schedule, cfg.parallel.pp_microbatches = pp, schedule, microbatches
+    cfg.parallel.tp, cfg.parallel.sequence_parallel, cfg.checkpoint.interval = tp, sequence_parallel, interval
     return cfg
 
 

@@ -22,4 +22,11 @@ pp_run(pp_config(source, n_layer=4, pp=4, schedule="gpipe"), out / "gpipe4")
 # resharding: one process wrote 3 steps (DCP) before the launch, continued here; 3 steps here, continued by one
 pp_run(pp_config(source, pp=2, dp=2), out / "from_one", resume=True)
 pp_run(pp_config(source, pp=2, dp=2, steps=3), out / "to_one")
+# tensor × pipeline parallel, tp2 × pp2 (one copy), 1F1B: GPT-2 with sequence parallelism (sequence shards between
+# the stages; tied embeddings: each tp rank sums with its own pair), saved at step 3 for the resume on one process;
+# and Llama (SwiGLU's fused rows) resumed from one process's 3 steps (the model's rows into the TP order on load)
+state = pp_run(pp_config(source, pp=2, tp=2, sequence_parallel=True, interval=3), out / "tp2pp2_gpt2")
+judged = state.numerics.guard.history[0, :6].tolist()  # the losses this rank's spike guard judged, step by step
+(out / f"judged_rank{rank}.json").write_text(json.dumps(judged))
+pp_run(pp_config(source, arch="llama", pp=2, tp=2), out / "tp2pp2_llama", resume=True)
 sys.stdout.flush()

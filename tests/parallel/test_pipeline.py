@@ -1,15 +1,18 @@
-"""Pipeline parallelism on CPU with gloo: one torchrun launch of 4 processes against one process, fp32, 6 steps, the
-same global batch (8 sequences) and seed, with a fifth of the target tokens ignored so that the ranks' micro-batches
-hold different numbers of valid tokens.
+"""Pipeline parallelism on CPU with gloo, alone and with tensor parallelism inside each stage (tp2 × pp2): one
+torchrun launch of 4 processes against one process, fp32, 6 steps, the same global batch (8 sequences) and seed, with
+a fifth of the target tokens ignored so that the ranks' micro-batches hold different numbers of valid tokens.
 
 Tolerance 1e-5 relative (the issue's): the runs add the same fp32 numbers in another order (micro-batches of 2
-sequences instead of 4, DDP's all-reduce, the gradient norm as a sum of the stages' squares), which moves the last
-bits of each step: losses and gradient norms measured within 3e-7 relative over 6 steps; weights within 4e-6
-absolute (a few of 16k elements, where AdamW's division by sqrt(v) of a near-zero gradient amplifies those bits). A real error — the loss normalised per stage or per micro-batch,
-a tied gradient not summed, a stage missing from the norm — moves step 2's loss by 1e-3 or more.
+sequences instead of 4, DDP's all-reduce, the gradient norm as a sum of the stages' squares, TP's row-parallel partial
+sums), which moves the last bits of each step: losses and gradient norms measured within 3e-7 relative over 6 steps;
+weights within 4e-6 absolute (a few of 16k elements, where AdamW's division by sqrt(v) of a near-zero gradient
+amplifies those bits). A real error — the loss normalised per stage or per micro-batch, a tied gradient not summed
+(or summed with another tp rank's), a stage missing from the norm, a tp shard counted twice in it — moves step 2's
+loss by 1e-3 or more.
 """
 import json
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -20,6 +23,7 @@ import torch
 from safetensors.torch import load_file
 
 from kiln.models import ModelConfig, build_model
+from kiln.models.registry import family
 from kiln.parallel import ParallelConfig
 from kiln.parallel.layout import ParallelPlan
 from kiln.parallel.pipeline import PipelineModel
@@ -44,6 +48,7 @@ def single(tmp_path_factory, source, kiln_cache):
 def pp_launched(tmp_path_factory, single, source):
     out = tmp_path_factory.mktemp("pp")
     pp_run(pp_config(source, steps=3, strategy="ddp"), out / "from_one")
+    pp_run(pp_config(source, arch="llama", steps=3, strategy="ddp"), out / "tp2pp2_llama")  # resumed under tp2 × pp2
     env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
     began = time.monotonic()
     proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=4",
@@ -111,6 +116,68 @@ def test_resharded_resume_continues_the_curve(pp_launched, single, source):
     assert_same_weights(pp_launched / "to_one", single / "gpt2")
 
 
+def stage_bytes(arch: str, tp: int) -> tuple[list[int], int]:
+    """(parameter bytes of each of 2 stages as one tp rank holds them, the whole model's): block i on stage i, the
+    embeddings on the first (GPT-2's tied one on the last too), the final norm and head on the last; a column
+    linear's weight and bias and a row linear's weight 1/tp, everything else whole on every tp rank."""
+    cfg = pp_config("", arch=arch).model
+    cfg.vocab_size = cfg.vocab_size or 256  # the byte tokenizer's
+    model = build_model(cfg.resolve(), "cpu")
+    roles = {lin.name: lin.tp for lin in family(cfg.arch).linears(model.cfg)}
+    stages, whole = [0, 0], 0
+    for name, p in model.named_parameters():
+        whole += 4 * p.numel()
+        top, _, rest = name.partition(".")
+        if top == "blocks":
+            i, _, rest = rest.partition(".")
+            module, _, kind = rest.rpartition(".")
+            split = roles.get(module) == "column" or (roles.get(module) == "row" and kind == "weight")
+            stages[int(i)] += 4 * p.numel() // (tp if split else 1)
+        else:
+            owners = {"embed": [0, 1] if model.head is None else [0], "pos_embed": [0]}.get(top, [1])
+            for s in owners:
+                stages[s] += 4 * p.numel()
+    return stages, whole
+
+
+@pytest.mark.parametrize("arch", ["gpt2", "llama"])
+def test_tp2_pp2_trains_as_one_process(pp_launched, single, arch):
+    """Tensor parallel inside each pipeline stage (dp 1): GPT-2 with sequence parallelism from step 1, Llama from one
+    process's checkpoint at step 3 (its fused rows into the TP order on load). The same curve, weights and val_loss as
+    one process, and the layout event shows each rank holding half of its stage's block linears."""
+    run = pp_launched / f"tp2pp2_{arch}"
+    assert_same_curve(run, single / arch, resumed=arch == "llama")
+    assert_same_weights(run, single / arch)  # gathered over tp and pp, fused rows in the model's order
+    got, want = records(run, "eval")[-1]["val_loss"], records(single / arch, "eval")[-1]["val_loss"]
+    assert got == pytest.approx(want, rel=RTOL)
+    (event,) = [e for e in records(run, "event") if e["event"] == "layout"]
+    assert event["mesh"] == {"pp": 2, "dp": 1, "tp": 2} and event["sequence_parallel"] == (arch == "gpt2")
+    (first, last), whole = stage_bytes(arch, tp=2)
+    assert event["param_bytes_per_rank"] == [first, first, last, last]  # ranks 0, 1: stage 0 (tp innermost)
+    assert event["param_bytes_unsharded"] == whole
+
+
+def test_every_tp2_pp2_rank_judges_the_logged_loss(pp_launched):
+    """The spike guard on each of the 4 ranks saw the global loss (summed over pp and dp, not tp): tp rank 1 as
+    well as tp rank 0, the first stage as well as the last."""
+    logged = [r["loss"] for r in records(pp_launched / "tp2pp2_gpt2", "train")]
+    for rank in range(4):
+        judged = json.loads((pp_launched / f"judged_rank{rank}.json").read_text())
+        assert judged == pytest.approx(logged, rel=1e-6), rank  # the guard records float32
+
+
+def test_a_tp2_pp2_checkpoint_resumes_on_one_process(pp_launched, single, source, tmp_path):
+    """tp2 × pp2 (GPT-2, saved at step 3) → one process (to 6): DCP by full names, the fused rows in the model's
+    order on disk."""
+    run = tmp_path / "tp2pp2_to_one"
+    shutil.copytree(pp_launched / "tp2pp2_gpt2", run)
+    shutil.rmtree(run / "checkpoints" / "step_000006")
+    (run / "checkpoints" / "latest").write_text("step_000003\n")
+    pp_run(pp_config(source, strategy="ddp"), run, resume=True)
+    assert_same_curve(run, single / "gpt2", resumed=True)
+    assert_same_weights(run, single / "gpt2")
+
+
 def test_bad_layouts_are_one_line_errors():
     model = ModelConfig(preset="tiny", n_layer=2, n_head=2, d_model=64, max_seq_len=64, vocab_size=256).resolve()
     cases = [
@@ -125,7 +192,12 @@ def test_bad_layouts_are_one_line_errors():
         with pytest.raises(ValueError, match=message) as e:
             ParallelPlan.build(cfg, world, model, **kw)
         assert "\n" not in str(e.value)
-    plan = ParallelPlan.build(ParallelConfig(pp=2, strategy="fsdp"), 4, model, batch_sequences=4)
-    with pytest.raises(ValueError, match="parallel.pp with parallel.strategy=fsdp is not built: use") as e:
-        PipelineModel(build_model(model, "cpu"), plan, 0, torch.device("cpu"), "fsdp")
-    assert "\n" not in str(e.value)
+    refused = [
+        (ParallelConfig(pp=2, strategy="fsdp"), 4, "parallel.pp with parallel.strategy=fsdp is not built: use"),
+        (ParallelConfig(pp=2, tp=2, strategy="fsdp"), 8, "with 2 data-parallel copies is not built .*: launch tp × pp"),
+    ]
+    for cfg, world, message in refused:
+        plan = ParallelPlan.build(cfg, world, model, batch_sequences=4)
+        with pytest.raises(ValueError, match=message) as e:
+            PipelineModel(build_model(model, "cpu"), plan, 0, torch.device("cpu"), cfg.strategy)
+        assert "\n" not in str(e.value)

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import ast
 import functools
+import subprocess
+import sys
 import textwrap
 from dataclasses import dataclass
 from pathlib import Path
@@ -251,3 +253,14 @@ def test_checker_on_a_synthetic_package(tmp_path):
 
     (tmp_path / "kiln" / "low" / "__init__.py").write_text("from kiln.base import helper\n")
     assert check(tmp_path / "kiln", layers).cycle == []
+
+
+def test_importing_kiln_leaves_triton_and_dynamo_alone():
+    """Triton reads TRITON_INTERPRET when its language module is imported (the kernel tests set it first), and
+    torch._dynamo imports that module: a kiln module that imports either at load time (torch.distributed.pipelining
+    did) breaks the interpreter for the whole process and costs every `kiln` command ~2 s of start-up."""
+    code = ("import sys, kiln, kiln.cli.main, kiln.run.lm, kiln.run.fit, kiln.train.step, kiln.parallel.pipeline, "
+            "kiln.parallel.tensor; print(sorted(m for m in ('triton', 'torch._dynamo') if m in sys.modules))")
+    done = subprocess.run([sys.executable, "-c", code], cwd=KILN.parent, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "[]"

@@ -31,15 +31,21 @@ import contextlib
 import torch
 import torch.distributed as dist
 import torch.nn as nn
-from torch.distributed.pipelining import PipelineStage
 from torch.distributed.tensor import DTensor
-from torch.distributed.pipelining.schedules import (Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B,
-                                                     ScheduleLoopedBFS)
 
 from kiln.parallel.layout import ParallelPlan
 from kiln.parallel.tensor import apply_tensor_parallel, canonical, fused_rows
 
-SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B, "interleaved_1f1b": ScheduleInterleaved1F1B}
+# parallel.pp_schedule -> torch.distributed.pipelining's schedule class
+SCHEDULES = {"gpipe": "ScheduleGPipe", "1f1b": "Schedule1F1B", "interleaved_1f1b": "ScheduleInterleaved1F1B"}
+
+
+def _pipelining():
+    """torch.distributed.pipelining, imported when a pipeline is built: it imports torch._dynamo and with it
+    Triton's language (about 2 s), which must not happen before a process decides on TRITON_INTERPRET."""
+    import torch.distributed.pipelining as pipelining  # lazy: see the docstring
+
+    return pipelining
 
 
 class Stage(nn.Module):
@@ -118,10 +124,11 @@ class PipelineModel(nn.Module):
         self.dp = plan.dp
         wrapped = [self._data_parallel(st, device, strategy) for st in self.stages]
         self.device = device
-        self._stages = [PipelineStage(w, s, n_stages, device, group=self.pp_group)
+        pipelining = _pipelining()
+        self._stages = [pipelining.PipelineStage(w, s, n_stages, device, group=self.pp_group)
                         for w, s in zip(wrapped, self.stage_ids)]
-        cls = SCHEDULES[plan.pp_schedule]
-        self.schedule = cls(self._stages if cls is ScheduleInterleaved1F1B else self._stages[0],
+        cls = getattr(pipelining, SCHEDULES[plan.pp_schedule])
+        self.schedule = cls(self._stages if cls is pipelining.ScheduleInterleaved1F1B else self._stages[0],
                             plan.pp_microbatches, loss_fn=self._train_loss, scale_grads=False)
         self._eval: dict = {}  # eval schedules by batch shape
         self._sums: list[torch.Tensor] = []  # the last stage's micro-batch losses (sum over tokens / count)
@@ -233,10 +240,11 @@ class PipelineModel(nn.Module):
         if shape not in self._eval:
             n = max(d for d in range(1, shape[0] + 1) if shape[0] % d == 0 and d <= self.plan.pp_microbatches)
             n_stages = self.plan.pp * self.plan.virtual_stages
-            stages = [PipelineStage(st, s, n_stages, self.device, group=self.pp_group)
+            pipelining = _pipelining()
+            stages = [pipelining.PipelineStage(st, s, n_stages, self.device, group=self.pp_group)
                       for st, s in zip(self.stages, self.stage_ids)]
-            schedule = ScheduleLoopedBFS(stages, n, loss_fn=self._eval_loss) if len(stages) > 1 else \
-                ScheduleGPipe(stages[0], n, loss_fn=self._eval_loss)
+            schedule = pipelining.schedules.ScheduleLoopedBFS(stages, n, loss_fn=self._eval_loss) if len(stages) > 1 else \
+                pipelining.ScheduleGPipe(stages[0], n, loss_fn=self._eval_loss)
             self._eval[shape] = (schedule, n)
         return self._eval[shape]
 

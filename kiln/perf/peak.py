@@ -4,15 +4,18 @@
     utilisation(model_flops, hardware_flops, rate, peak)   (MFU, HFU, the peak used), the peak raised to the
                                                            achieved rate when the model ran faster than it
 
-On a CPU the peak is measured. One timed square product (kiln.perf.flops.cpu_peak, 256-1024) is not what the
-model runs: on an AMD EPYC (Zen 4, AVX512-BF16, no AVX512-FP16; 2 cores, shared) a 256³ fp16 product ran at
-1.3 GFLOP/s while the nano model's own (2048×256)·(256×768) ran at 12.6 under fp16 autocast, and MFU read
-170-205%. So the peak is the best of that square product and the model's own linear shapes (rows = the
-micro-batch's tokens), timed as the model runs them: F.linear under the run's autocast dtype. The attention
-matmuls and everything else are not in it, and a CPU's rate moves with the other work on the machine, so the
-loop still raises the peak to the rate the model achieved if that is higher: MFU is then 100%, never more, and
-each train record carries the peak used (`mfu_peak_flops`). The raise holds for that record only, so one
-interval whose rate was misjudged (a window cut by an evaluation) cannot lower every later MFU.
+On a CPU the peak is measured, at the model's own shapes: one timed square product (kiln.perf.flops.cpu_peak,
+256-1024) is not what the model runs. On an AMD EPYC (Zen 4, AVX512-BF16, no AVX512-FP16; 2 cores, shared) a 256³
+fp16 product ran at 1.3 GFLOP/s while the nano model's own (2048×256)·(256×768) ran at 12.6 under fp16 autocast,
+and MFU read 170-205%; on an AMX Xeon the square bf16 product gave 1,385 GFLOP/s while torch reached 2.1-3.5
+TFLOP/s on the model's shapes, so MFU read too high there too. So the peak is the best rate of the model's own
+linear shapes (rows = the micro-batch's tokens), timed as the model runs them: F.linear under the run's autocast
+dtype. Each shape is measured once per machine (CPU model, threads, torch version) and kept in kiln's cache
+(kiln.perf.measured): later runs and `kiln profile` read the same number, and start without the measurement.
+The attention matmuls and everything else are not in it, and a CPU's rate moves with the other work on the
+machine, so the loop still raises the peak to the rate the model achieved if that is higher: MFU is then 100%,
+never more, and each train record carries the peak used (`mfu_peak_flops`). The raise holds for that record only,
+so one interval whose rate was misjudged (a window cut by an evaluation) cannot lower every later MFU.
 """
 from __future__ import annotations
 
@@ -22,13 +25,15 @@ import torch
 import torch.nn.functional as F
 
 from kiln.models import family
-from kiln.perf.flops import cpu_peak, device_peak_flops
+from kiln.perf.flops import device_peak_flops
+from kiln.perf.measured import remembered
 
 MAX_ROWS, MAX_OUT = 2048, 4096  # the largest product timed: a 50k-vocabulary head is timed on 4096 of its rows
 # FLOPs of one timed product: rows are cut to fit it (never below 64). Timed at the run's own rows, not on a ladder
 # that stops early: fp16 on the Zen 4 CPU runs (64×256)·(256×768) at 0.48 GFLOP/s and (2048×256)·(256×768) at 2.2
 # (both measured under a load of ~10 on its 2 cores), so a ladder that a busy machine cut short measured the slow end.
 FLOP_BUDGET = 2e9
+TRIES = 5  # timed calls after a first one (which picks the kernel); the best is kept: it is measured once
 _cache: dict[tuple, float] = {}
 
 
@@ -46,29 +51,35 @@ def _timed(fn) -> float:
 
 
 def linear_rate(rows: int, k: int, n: int, precision: str) -> float:
-    """Best FLOP/s of F.linear((rows, k), (n, k)) on this CPU, run as a `precision` run runs its linears."""
-    key = (rows, k, n, precision)
+    """Best FLOP/s of F.linear((rows, k), (n, k)) on this CPU, run as a `precision` run runs its linears: measured
+    once per machine, then read from kiln's cache."""
+    n = min(n, MAX_OUT)
+    m = min(rows, MAX_ROWS, max(64, int(FLOP_BUDGET // (2 * k * n))))
+    key = (m, k, n, precision)
     if key not in _cache:
-        gen = torch.Generator().manual_seed(0)  # never the global stream: training RNG stays untouched
-        autocast = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(precision)
-        dtype = {"bf16-master": torch.bfloat16, "fp64": torch.float64}.get(precision, torch.float32)
-        n = min(n, MAX_OUT)
-        m = min(rows, MAX_ROWS, max(64, int(FLOP_BUDGET // (2 * k * n))))
-        w = torch.randn(n, k, generator=gen).to(dtype)
-        x = torch.randn(m, k, generator=gen).to(dtype)
-        with torch.autocast("cpu", dtype=autocast, enabled=autocast is not None):
-            t = min(_timed(lambda: F.linear(x, w)) for _ in range(2))  # the first call also picks the kernel
-        _cache[key] = 2 * m * k * n / t
+        _cache[key] = remembered("matmul_flops", f"{precision} linear {m}x{k}x{n}",
+                                 lambda: _measure_linear(m, k, n, precision))
     return _cache[key]
 
 
+def _measure_linear(m: int, k: int, n: int, precision: str) -> float:
+    gen = torch.Generator().manual_seed(0)  # never the global stream: training RNG stays untouched
+    autocast = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(precision)
+    dtype = {"bf16-master": torch.bfloat16, "fp64": torch.float64}.get(precision, torch.float32)
+    w = torch.randn(n, k, generator=gen).to(dtype)
+    x = torch.randn(m, k, generator=gen).to(dtype)
+    with torch.autocast("cpu", dtype=autocast, enabled=autocast is not None):
+        F.linear(x, w)  # picks the kernel, warms the caches
+        t = min(_timed(lambda: F.linear(x, w)) for _ in range(TRIES))
+    return 2 * m * k * n / t
+
+
 def model_peak_flops(device: torch.device, precision: str, cfg=None, rows: int = 0) -> float | None:
-    """The peak MFU divides by: CUDA's datasheet; on a CPU the best measured rate of a square product and of
-    the model's own linear shapes (`cfg` a resolved ModelConfig, `rows` the tokens of a micro-batch)."""
-    peak = device_peak_flops(device, precision)
-    if device.type != "cpu" or cfg is None or not rows or peak is None:
-        return peak
-    return max([peak] + [linear_rate(m, k, n, precision) for m, k, n in linear_shapes(cfg, rows)])
+    """The peak MFU divides by: CUDA's datasheet; on a CPU the best measured rate of the model's own linear shapes
+    (`cfg` a resolved ModelConfig, `rows` the tokens of a micro-batch), or of a square product without a model."""
+    if device.type != "cpu" or cfg is None or not rows:
+        return device_peak_flops(device, precision)
+    return max(linear_rate(m, k, n, precision) for m, k, n in linear_shapes(cfg, rows))
 
 
 def utilisation(model_flops: float, hardware_flops: float, rate: float,

@@ -137,7 +137,7 @@ class LMRun:
         tokens = c.train.micro_batch_size * c.train.grad_accum_steps * c.data.seq_len * self.state.world.size
         return scaled_lr(c.optim, tokens)
 
-    def trainer(self, run_dir: Path, console: Console | None = None) -> Trainer:
+    def trainer(self, run_dir: Path, console: Console | None = None, callbacks=()) -> Trainer:
         c, state = self.cfg, self.state
         model_flops = flops_per_token(c.model, c.data.seq_len)
         recomputed = recompute_flops_per_token(c.model, c.data.seq_len, self.state.applied.get("recompute", ()))
@@ -146,7 +146,7 @@ class LMRun:
                        hardware_flops_per_unit=model_flops + recomputed,
                        peak_flops=model_peak_flops(state.device, state.precision.mode, c.model,
                                                    c.train.micro_batch_size * c.data.seq_len),
-                       peak_lr=self.peak_lr()[0],
+                       peak_lr=self.peak_lr()[0], callbacks=callbacks,
                        vocab_size=self.data.tokenizer.vocab_size if self.data is not None else None)
 
 
@@ -218,11 +218,11 @@ def _build_lm(cfg: Config, run_dir, log, device: torch.device, with_data: bool, 
 
 
 def train(cfg: Config, run_dir: Path, resume: bool = False, console: Console | None = None,
-          force: bool = False) -> TrainResult:
+          force: bool = False, callbacks=()) -> TrainResult:
     """Train (or resume) a language-model run; returns the result with the final validation loss and a sample.
 
     On a CPU the predicted peak is checked against the free RAM first (force: warn instead of refusing). A step
-    that runs out of memory raises OutOfMemory after printing its report."""
+    that runs out of memory raises OutOfMemory after printing its report. callbacks: kiln.train.callbacks."""
     run_dir = Path(run_dir)
     if not resume and Checkpointer(cfg.checkpoint, run_dir).latest() is not None:
         raise FileExistsError(f"{run_dir} already holds a run with checkpoints; pass --resume {run_dir} to continue "
@@ -235,13 +235,13 @@ def train(cfg: Config, run_dir: Path, resume: bool = False, console: Console | N
     with RunLock(run_dir, enabled=main), determinism(cfg.train.deterministic):
         lm = build_lm(cfg, run_dir, log=lambda msg: con.print(msg, highlight=False))
         try:
-            return _train(lm, cfg, run_dir, resume, con)
+            return _train(lm, cfg, run_dir, resume, con, callbacks)
         finally:
             lm.state.world.close()
 
 
-def _train(lm: LMRun, cfg: Config, run_dir: Path, resume: bool, con: Console) -> TrainResult:
-    trainer = lm.trainer(run_dir, con)
+def _train(lm: LMRun, cfg: Config, run_dir: Path, resume: bool, con: Console, callbacks=()) -> TrainResult:
+    trainer = lm.trainer(run_dir, con, callbacks)
     if resume:
         path = trainer.resume()
         con.print(f"resumed from {path} at step {lm.state.step}", highlight=False)

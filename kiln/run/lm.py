@@ -32,6 +32,7 @@ from kiln.models import ModelConfig, Transformer, build_model
 from kiln.models.config import with_training_fields
 from kiln.numerics.faults import DelayedLoader
 from kiln.perf import flops_per_token
+from kiln.perf.compile import compile_key, compile_setting, decide_compile
 from kiln.perf.flops import recompute_flops_per_token
 from kiln.perf.peak import model_peak_flops
 from kiln.perf.hardware import decide_mode, precision_notice, resolve_kernels
@@ -98,6 +99,19 @@ def recorded_precision(pc, asked: str, device: torch.device):
     if pc.mode != asked:
         why = f"plan.memory chose precision.mode={mode} (precision.mode={asked} was given)"
     return replace(pc, mode=mode, decided_by=pc.decided_by if pc.decided_by and pc.mode == asked != "auto" else why)
+
+
+def recorded_compile(cfg: Config, device: torch.device):
+    """The train section with train.compile resolved (auto: from its measured cost and gain, kiln.perf.compile) and
+    why, as config.toml records them: a resume, or `--train.max_steps=N`, compiles as the run did. A concrete
+    value that already says why (a resumed run's) keeps its words."""
+    tc = cfg.train
+    if compile_setting(tc.compile) != "auto" and tc.compile_decided_by:
+        return replace(tc, compile=compile_setting(tc.compile) == "true")
+    rows = tc.micro_batch_size * cfg.data.seq_len
+    on, why = decide_compile(tc.compile, device, compile_key(cfg.model, cfg.precision.mode, rows), tc.max_steps,
+                             tc.time_budget, blocked_by="faults.* hook the eager modules" if cfg.faults.any else None)
+    return replace(tc, compile=on, compile_decided_by=why)
 
 
 @dataclass
@@ -194,6 +208,7 @@ def _build_lm(cfg: Config, run_dir, log, device: torch.device, with_data: bool, 
         cfg = plan_memory(cfg, device, log)
     cfg = replace(cfg, precision=recorded_precision(cfg.precision, asked, device))
     precision = cfg.precision.mode
+    cfg = replace(cfg, train=recorded_compile(cfg, device))
     model = build_model(cfg.model, "cpu" if device.type == "meta" else device)
     if initial is not None:
         missing, unexpected = model.load_state_dict(initial, strict=False)
@@ -266,6 +281,8 @@ def _train(lm: LMRun, cfg: Config, run_dir: Path, resume: bool, con: Console, ca
         note = f"precision {c.precision.mode}, as recorded when the run started ({c.precision.decided_by})"
     if note:
         con.print(note, highlight=False)
+    if c.train.compile_decided_by.startswith("auto"):
+        con.print(f"train.compile {c.train.compile_decided_by}", highlight=False)
     try:
         result = trainer.run()
     except torch.OutOfMemoryError as e:

@@ -38,11 +38,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
-import torch.distributed.checkpoint as dcp
 import xxhash
-from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
-                                                     get_optimizer_state_dict, get_state_dict, set_model_state_dict,
-                                                     set_optimizer_state_dict)
 
 
 @dataclass
@@ -276,6 +272,8 @@ class Checkpointer:
 
     def save_sharded(self, step: int, state, config_toml: str) -> Path:
         """Every rank calls this with the same step: a TrainState under data parallelism (kiln.parallel)."""
+        import torch.distributed.checkpoint as dcp  # lazy: 1.9 s of imports (DTensor, FSDP); sharded runs only
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict  # lazy: as dcp
         self.wait()  # at most one save in flight
         world = state.world
         final = self.dir / f"step_{step:06d}"
@@ -320,6 +318,9 @@ class Checkpointer:
 
     def load_sharded(self, state) -> Path:
         """Resume a TrainState under data parallelism from the latest checkpoint, whatever world wrote it."""
+        import torch.distributed.checkpoint as dcp  # lazy: 1.9 s of imports (DTensor, FSDP); sharded runs only
+        from torch.distributed.checkpoint.state_dict import (  # lazy: as dcp
+            set_model_state_dict, set_optimizer_state_dict)
         path = self.latest()
         if path is None:
             raise self.none_error()
@@ -348,6 +349,8 @@ class Checkpointer:
     def _load_whole(self, path: Path, state) -> None:
         """A checkpoint one process wrote, into a data-parallel run: every rank reads the whole state.pt and keeps
         its part (FSDP2 shards the full tensors; ZeRO-1 takes its partition of the optimizer state)."""
+        from torch.distributed.checkpoint.state_dict import (  # lazy: as dcp
+            StateDictOptions, set_model_state_dict, set_optimizer_state_dict)
         saved = self.load(map_location="cpu", path=path)
         full = StateDictOptions(full_state_dict=True)
         set_model_state_dict(state.model, saved["model"], options=full)
@@ -478,6 +481,7 @@ def _by_name(saved: dict, state) -> dict:
     """A torch optimizer state dict keyed by parameter position (what one process saves), re-keyed by the parameter
     names torch.distributed.checkpoint uses, read off this run's optimizer, which lists its parameters in the same
     groups and order (kiln builds both from the same model)."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict  # lazy: as dcp
     names = get_optimizer_state_dict(state.model, state.optimizer,
                                      options=StateDictOptions(full_state_dict=True))["param_groups"]
     if [len(g["params"]) for g in names] != [len(g["params"]) for g in saved["param_groups"]]:
@@ -491,6 +495,7 @@ def _by_name(saved: dict, state) -> dict:
 def _sharded_state_dicts(state):
     """(model, optimizer) state dicts keyed by parameter names, DTensor shards under FSDP2; the optimizer's is None
     for ZeroRedundancyOptimizer, which DCP cannot shard (it is consolidated instead)."""
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_state_dict  # lazy: as dcp
     if type(state.optimizer).__name__ == "ZeroRedundancyOptimizer":
         return get_model_state_dict(state.model), None
     return get_state_dict(state.model, state.optimizer)

@@ -33,6 +33,7 @@ SHAPE = dict(n_layer=6, n_head=6, d_model=384, seq_len=256, batch=8, vocab=256)
 HYPER = dict(lr=2e-3, beta1=0.9, beta2=0.95, weight_decay=0.1, grad_clip=1.0, warmup=50, min_lr_ratio=0.1)
 WARM = 5  # updates not counted in the steady rate
 VARIANTS = ("plain-fp32", "kiln-fp32", "kiln-bf16", "plain-bf16")
+BASE = "kiln-fp32-base"  # with --base-tree DIR: kiln-fp32 from another checkout (before/after a change, interleaved)
 EVAL_BATCHES = 20  # kiln's train.eval_batches default: the plain loop's final evaluation does the same work
 
 
@@ -180,14 +181,18 @@ def cpu_name() -> str:
     return platform.processor() or platform.machine()
 
 
-def run_variant(variant: str, steps: int, seed: int, shards: tuple[str, str], tmp: str, tag: str) -> dict:
+def run_variant(variant: str, steps: int, seed: int, shards: tuple[str, str], tmp: str, tag: str,
+                base_tree: str | None = None) -> dict:
     run_dir = os.path.join(tmp, f"{variant}-{tag}")
     os.makedirs(run_dir)
     out = os.path.join(tmp, f"{variant}-{tag}.json")
-    cmd = [sys.executable, __file__, "--child", variant, "--steps", str(steps), "--seed", str(seed),
-           "--run-dir", run_dir, "--out", out, "--train-bin", shards[0], "--val-bin", shards[1]]
+    cmd = [sys.executable, __file__, "--child", "kiln-fp32" if variant == BASE else variant, "--steps", str(steps),
+           "--seed", str(seed), "--run-dir", run_dir, "--out", out, "--train-bin", shards[0], "--val-bin", shards[1]]
+    env = dict(os.environ)
+    if variant == BASE:  # that checkout's kiln must accept kiln.run.lm.train(callbacks=...)
+        env["PYTHONPATH"] = os.pathsep.join([base_tree] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p])
     spawned = time.time()
-    subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
+    subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL, env=env)
     wall = time.time() - spawned
     r = json.load(open(out))
     ends = r["ends"]
@@ -218,6 +223,7 @@ def main():
     ap.add_argument("--variants", default="", help=f"comma-separated, of {VARIANTS} (default: all where the CPU has "
                     f"native bf16, else the fp32 two: emulated bf16 matmuls run ~7x slower than fp32)")
     ap.add_argument("--json", help="write every measurement here")
+    ap.add_argument("--base-tree", help=f"also run kiln-fp32 from this checkout, as variant {BASE}")
     ap.add_argument("--child", help=argparse.SUPPRESS)
     for hidden in ("--run-dir", "--out", "--train-bin", "--val-bin"):
         ap.add_argument(hidden, help=argparse.SUPPRESS)
@@ -232,7 +238,9 @@ def main():
     from kiln.perf.hardware import native_bf16
 
     variants = args.variants.split(",") if args.variants else list(VARIANTS if native_bf16() else VARIANTS[:2])
-    unknown = set(variants) - set(VARIANTS)
+    if args.base_tree:
+        variants.append(BASE)
+    unknown = set(variants) - set(VARIANTS) - {BASE}
     if unknown:
         raise SystemExit(f"unknown variants {sorted(unknown)}; use some of {VARIANTS}")
     shards = prepared_shards(args.seed)
@@ -241,7 +249,7 @@ def main():
         for r in range(args.rounds):
             order = variants[r % len(variants):] + variants[:r % len(variants)]
             for v in order:
-                row = run_variant(v, args.steps, args.seed, shards, tmp, str(r)) | {"round": r}
+                row = run_variant(v, args.steps, args.seed, shards, tmp, str(r), args.base_tree) | {"round": r}
                 rows.append(row)
                 print(f"round {r} {v:11} steady {row['steady_tok_s']:8,.0f} tok/s | whole process {row['wall_s']:6.1f}"
                       f" s (imports {row['import_s']:.2f} s, step 1 ends at {row['first_step_s']:.1f} s, after the "

@@ -106,8 +106,11 @@ def recorded_compile(cfg: Config, device: torch.device):
     why, as config.toml records them: a resume, or `--train.max_steps=N`, compiles as the run did. A concrete
     value that already says why (a resumed run's) keeps its words."""
     tc = cfg.train
-    if compile_setting(tc.compile) != "auto" and tc.compile_decided_by:
-        return replace(tc, compile=compile_setting(tc.compile) == "true")
+    setting = compile_setting(tc.compile)
+    why = tc.compile_decided_by
+    recorded = "true" if why.startswith("auto: on,") else "false" if why.startswith("auto: off,") else ""
+    if setting != "auto" and recorded == setting:  # the run's own reason for the value it has (not an override's)
+        return replace(tc, compile=setting == "true")
     rows = tc.micro_batch_size * cfg.data.seq_len
     on, why = decide_compile(tc.compile, device, compile_key(cfg.model, cfg.precision.mode, rows), tc.max_steps,
                              tc.time_budget, blocked_by="faults.* hook the eager modules" if cfg.faults.any else None)

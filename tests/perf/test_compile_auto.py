@@ -96,3 +96,16 @@ def test_config_toml_records_the_resolved_value_and_why(small_config, tmp_path, 
                     resume=True)
     assert resumed.cfg.train.compile is False
     assert resumed.cfg.train.compile_decided_by == saved["compile_decided_by"]
+
+
+def test_an_override_on_a_recorded_run_says_so(small_config):
+    from dataclasses import replace
+
+    from kiln.run.lm import recorded_compile
+
+    cfg = small_config()
+    recorded = replace(cfg, train=replace(cfg.train, compile=False, compile_decided_by="auto: off, no gain"))
+    assert recorded_compile(recorded, CPU).compile_decided_by == "auto: off, no gain"  # a resume keeps its words
+    overridden = replace(cfg, train=replace(cfg.train, compile="true", compile_decided_by="auto: off, no gain"))
+    tc = recorded_compile(overridden, CPU)
+    assert tc.compile is True and tc.compile_decided_by == "train.compile=true"

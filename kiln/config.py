@@ -25,6 +25,7 @@ from kiln.memory.planner import PlanConfig
 from kiln.models import PRESETS, ModelConfig
 from kiln.models.values import refuse_replaced
 from kiln.numerics import FaultsConfig, NumericsConfig
+from kiln.perf.compile import compile_setting
 from kiln.train.checkpoint import CheckpointConfig
 from kiln.train.logging import LogConfig
 from kiln.train.loop import TrainConfig
@@ -233,7 +234,7 @@ def _cross_checks(cfg: Config) -> None:
         raise ConfigError("train.kernels=triton already fuses the LM head and cross-entropy (the logits never exist "
                           "at once); memory.chunked_loss would replace it: drop --memory.chunked_loss, or use "
                           "--train.kernels=torch")
-    if cfg.faults.any and cfg.train.compile:
+    if cfg.faults.any and compile_setting(cfg.train.compile) == "true":
         raise ConfigError("faults.* hook the eager model's modules, which torch.compile bypasses; set "
                           "--train.compile=false to inject faults")
     parse_blocks(cfg.memory.offload_blocks, model.n_layer)

@@ -7,7 +7,8 @@ flushed to zero, one above 65504 overflows to Inf and the scaler skips the step 
 from __future__ import annotations
 
 import torch
-from torch.distributed.tensor import DTensor
+
+from kiln.util import is_dtensor
 
 FP16_MIN_NORMAL = 2.0**-14
 FP16_MAX = 65504.0
@@ -37,7 +38,7 @@ class Fp16Telemetry:
             zero = (a == 0).sum()
             tiny = (a < FP16_MIN_NORMAL).sum() - zero
             big = (~(a <= FP16_MAX)).sum()  # NaN and Inf count as overflow too
-            counts = [c.full_tensor() if isinstance(c, DTensor) else c for c in (zero, tiny, big)]  # FSDP2: all shards
+            counts = [c.full_tensor() if is_dtensor(c) else c for c in (zero, tiny, big)]  # FSDP2: all shards
             rows.append(torch.stack(counts).float() / n)
         self.pending.append((step, [n for n, _ in named], torch.stack(rows)))  # (tensors, 3): zero, subnormal, over
 

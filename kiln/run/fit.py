@@ -37,6 +37,7 @@ from kiln.parallel import device_for, init_world
 from kiln.memory.offload import parse_blocks
 from kiln.memory.estimate import recompute_plan
 from kiln.perf import device_peak_flops
+from kiln.perf.compile import compile_setting
 from kiln.perf.hardware import precision_notice, resolve_kernels, resolve_mode
 from kiln.run.fit_checks import (FitInputError, FitWarning, check_data, check_first_loss, given_keys, ignored_keys,
                                  recorded, schedule_change)
@@ -109,7 +110,7 @@ def _plan(cfg: Config, model: nn.Module, precision: str, device: torch.device) -
         raise ValueError("memory.chunked_loss replaces kiln's LM head + cross-entropy; a model of your own computes "
                          "its loss through `loss=`: set memory.chunked_loss=0")
     return ModelPlan(kernels=resolve_kernels(cfg.train.kernels, device), recompute=recompute, offload=offload,
-                     compile=cfg.train.compile, parallel=cfg.parallel)
+                     compile=compile_setting(cfg.train.compile) == "true", parallel=cfg.parallel)
 
 
 def _epoch_batches(data, batch_size: int) -> int | None:

@@ -33,6 +33,7 @@ from kiln.models.config import with_training_fields
 from kiln.models.registry import family
 from kiln.numerics.faults import DelayedLoader
 from kiln.perf import flops_per_token
+from kiln.perf.compile import compile_key, compile_setting, decide_compile
 from kiln.perf.flops import recompute_flops_per_token
 from kiln.perf.peak import model_peak_flops
 from kiln.perf.hardware import decide_mode, precision_notice, resolve_kernels
@@ -103,6 +104,24 @@ def recorded_precision(pc, asked: str, device: torch.device):
     return replace(pc, mode=mode, decided_by=pc.decided_by if pc.decided_by and pc.mode == asked != "auto" else why)
 
 
+def recorded_compile(cfg: Config, device: torch.device):
+    """The train section with train.compile resolved (auto: from its measured cost and gain, kiln.perf.compile) and
+    why, as config.toml records them: a resume, or `--train.max_steps=N`, compiles as the run did. A concrete
+    value that already says why (a resumed run's) keeps its words."""
+    tc = cfg.train
+    setting = compile_setting(tc.compile)
+    why = tc.compile_decided_by
+    recorded = "true" if why.startswith("auto: on,") else "false" if why.startswith("auto: off,") else ""
+    if setting != "auto" and recorded == setting:  # the run's own reason for the value it has (not an override's)
+        return replace(tc, compile=setting == "true")
+    rows = tc.micro_batch_size * cfg.data.seq_len
+    on, why = decide_compile(tc.compile, device, compile_key(cfg.model, cfg.precision.mode, rows), tc.max_steps,
+                             tc.time_budget, blocked_by="faults.* hook the eager modules" if cfg.faults.any else
+                             "parallel.pp runs torch's pipeline schedules on eager stages" if cfg.parallel.pp > 1
+                             else None)
+    return replace(tc, compile=on, compile_decided_by=why)
+
+
 @dataclass
 class LMRun:
     cfg: Config  # resolved: model shape and vocabulary filled in, the plan applied
@@ -150,7 +169,7 @@ class LMRun:
         tokens = c.train.micro_batch_size * c.train.grad_accum_steps * c.data.seq_len * self.state.world.dp_size
         return scaled_lr(c.optim, tokens)
 
-    def trainer(self, run_dir: Path, console: Console | None = None) -> Trainer:
+    def trainer(self, run_dir: Path, console: Console | None = None, callbacks=()) -> Trainer:
         c, state = self.cfg, self.state
         model_flops = flops_per_token(c.model, c.data.seq_len)
         recomputed = recompute_flops_per_token(c.model, c.data.seq_len, self.state.applied.get("recompute", ()))
@@ -159,7 +178,7 @@ class LMRun:
                        hardware_flops_per_unit=model_flops + recomputed,
                        peak_flops=model_peak_flops(state.device, state.precision.mode, c.model,
                                                    c.train.micro_batch_size * c.data.seq_len),
-                       peak_lr=self.peak_lr()[0],
+                       peak_lr=self.peak_lr()[0], callbacks=callbacks,
                        vocab_size=self.data.tokenizer.vocab_size if self.data is not None else None)
 
 
@@ -216,6 +235,7 @@ def _build_lm(cfg: Config, run_dir, log, device: torch.device, with_data: bool, 
         if cfg.numerics.trace:  # its replay runs the model in one piece; non-finite steps are still withheld
             log("numerics.trace: off under parallel.pp (the NaN trace's replay is not built for a split model)")
             cfg = replace(cfg, numerics=replace(cfg.numerics, trace=False))
+    cfg = replace(cfg, train=recorded_compile(cfg, device))
     model = build_model(cfg.model, "cpu" if device.type == "meta" else device)
     if initial is not None:
         missing, unexpected = model.load_state_dict(initial, strict=False)
@@ -240,11 +260,11 @@ def _build_lm(cfg: Config, run_dir, log, device: torch.device, with_data: bool, 
 
 
 def train(cfg: Config, run_dir: Path, resume: bool = False, console: Console | None = None,
-          force: bool = False) -> TrainResult:
+          force: bool = False, callbacks=()) -> TrainResult:
     """Train (or resume) a language-model run; returns the result with the final validation loss and a sample.
 
     On a CPU the predicted peak is checked against the free RAM first (force: warn instead of refusing). A step
-    that runs out of memory raises OutOfMemory after printing its report."""
+    that runs out of memory raises OutOfMemory after printing its report. callbacks: kiln.train.callbacks."""
     run_dir = Path(run_dir)
     if not resume and Checkpointer(cfg.checkpoint, run_dir).latest() is not None:
         raise FileExistsError(f"{run_dir} already holds a run with checkpoints; pass --resume {run_dir} to continue "
@@ -257,13 +277,13 @@ def train(cfg: Config, run_dir: Path, resume: bool = False, console: Console | N
     with RunLock(run_dir, enabled=main), determinism(cfg.train.deterministic):
         lm = build_lm(cfg, run_dir, log=lambda msg: con.print(msg, highlight=False))
         try:
-            return _train(lm, cfg, run_dir, resume, con)
+            return _train(lm, cfg, run_dir, resume, con, callbacks)
         finally:
             lm.state.world.close()
 
 
-def _train(lm: LMRun, cfg: Config, run_dir: Path, resume: bool, con: Console) -> TrainResult:
-    trainer = lm.trainer(run_dir, con)
+def _train(lm: LMRun, cfg: Config, run_dir: Path, resume: bool, con: Console, callbacks=()) -> TrainResult:
+    trainer = lm.trainer(run_dir, con, callbacks)
     if resume:
         path = trainer.resume()
         con.print(f"resumed from {path} at step {lm.state.step}", highlight=False)
@@ -290,6 +310,8 @@ def _train(lm: LMRun, cfg: Config, run_dir: Path, resume: bool, con: Console) ->
         note = f"precision {c.precision.mode}, as recorded when the run started ({c.precision.decided_by})"
     if note:
         con.print(note, highlight=False)
+    if c.train.compile_decided_by.startswith("auto"):
+        con.print(f"train.compile {c.train.compile_decided_by}", highlight=False)
     try:
         result = trainer.run()
     except torch.OutOfMemoryError as e:

@@ -29,6 +29,7 @@ from kiln.memory.estimate import estimate, fmt_bytes
 from kiln.memory.levers import job_for
 from kiln.perf.bottleneck import MATMUL_OPS, Breakdown, Op, Verdict, verdict
 from kiln.perf.flops import flops_per_token
+from kiln.perf.peak import model_peak_flops
 from kiln.run.lm import build_lm
 
 TRACE_STEPS = 3
@@ -41,6 +42,7 @@ class ProfileResult:
     verdict: Verdict
     files: dict[str, str]
     steps: int
+    matmul_rates: dict[str, float] | None = None  # CPU: measured FLOP/s at the model's linear shapes, per precision
 
     def summary(self) -> dict:
         """RUN_DIR/profile/summary.json (read by `kiln report`)."""
@@ -50,6 +52,7 @@ class ProfileResult:
                 "device": b.device, "steps": self.steps, "device_idle_share": b.device_idle_share,
                 "comm_s": b.comm_s, "peak_flops": b.peak_flops, "bandwidth": b.bandwidth, "ridge": b.ridge,
                 "model_flops_per_step": b.model_flops_per_step,
+                "matmul_rates": self.matmul_rates, "mfu": b.model_flops_per_step / b.step_s / b.peak_flops,
                 "top_ops": [{"name": o.name, "calls": o.calls, "self_s": o.self_s, "flops": o.flops, "bytes": o.bytes,
                              "intensity": o.intensity} for o in b.ops[:15]], "files": self.files}
 
@@ -201,13 +204,20 @@ def profile_run(cfg, run_dir: Path, steps: int = 10, warmup: int = 3, log=print)
     target = local_device(state.device)
     c = lm.cfg
     tokens = c.train.micro_batch_size * c.train.grad_accum_steps * c.data.seq_len
+    peak, rates = target.flops(state.precision.mode), None
+    if state.device.type == "cpu":  # the rate torch reaches on the model's own linears (measured once, cached)
+        rows = c.train.micro_batch_size * c.data.seq_len
+        rates = {p: model_peak_flops(state.device, p, c.model, rows) for p in dict.fromkeys(
+            (state.precision.mode, "fp32", "bf16"))}
+        # a peak the model beat was measured while the machine was busier: MFU ≤ 100%, as in the train records
+        peak = max(rates[state.precision.mode], flops_per_token(c.model, c.data.seq_len) * tokens / step_s)
     b = Breakdown(step_s=step_s, parts={p: clock.totals.get(p, 0.0) / steps for p in PARTS}, ops=ops,
-                  device=state.device.type, peak_flops=target.flops(state.precision.mode),
+                  device=state.device.type, peak_flops=peak,
                   bandwidth=target.bandwidth, model_flops_per_step=flops_per_token(c.model, c.data.seq_len) * tokens,
                   device_idle_share=idle, comm_s=comm)
     v = verdict(b)
     v.advice = _advice(v, b, c, target)
-    result = ProfileResult(b, v, files, steps)
+    result = ProfileResult(b, v, files, steps, rates)
     (out / "summary.json").write_text(json.dumps(result.summary(), indent=2) + "\n")
     return result
 
@@ -222,6 +232,13 @@ def report_lines(r: ProfileResult, top: int = 8) -> list[str]:
         lines.append(f"  device idle {100 * b.device_idle_share:.1f}% of the traced steps")
     if b.comm_s is not None:
         lines.append(f"  all-reduce in flight {1000 * b.comm_s:.2f} ms per step (overlaps the backward)")
+    mfu = b.model_flops_per_step / b.step_s / b.peak_flops
+    lines.append(f"MFU {100 * mfu:.1f}%: {b.model_flops_per_step / b.step_s / 1e9:,.1f} GFLOP/s of model FLOPs against "
+                 f"{b.peak_flops / 1e9:,.1f} GFLOP/s" + (" (the rate torch reaches on the model's own linears in this "
+                                                         "precision)" if r.matmul_rates else ""))
+    if r.matmul_rates:
+        lines.append("matmul rate at the model's shapes (measured once on this machine, cached): " + ", ".join(
+            f"{p} {rate / 1e9:,.1f} GFLOP/s" for p, rate in r.matmul_rates.items()))
     lines.append(f"top operations per step (* matmuls; self time; ridge point {b.ridge:.3g} FLOPs/byte = "
                  f"{b.peak_flops / 1e9:,.0f} GFLOP/s ÷ {b.bandwidth / 1e9:,.1f} GB/s):")
     lines.append(f"  {'operation':<36}{'calls':>6}{'ms':>9}{'GFLOP':>8}{'GFLOP/s':>9}{'MB':>8}{'GB/s':>7}{'FLOP/B':>7}")

@@ -40,11 +40,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
-import torch.distributed.checkpoint as dcp
 import xxhash
-from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
-                                                     get_optimizer_state_dict, get_state_dict, set_model_state_dict,
-                                                     set_optimizer_state_dict)
 
 from kiln.parallel.tensor import canonical, from_canonical, fused_rows
 
@@ -280,6 +276,8 @@ class Checkpointer:
 
     def save_sharded(self, step: int, state, config_toml: str) -> Path:
         """Every rank calls this with the same step: a TrainState under data parallelism (kiln.parallel)."""
+        import torch.distributed.checkpoint as dcp  # lazy: 1.9 s of imports (DTensor, FSDP); sharded runs only
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict  # lazy: as dcp
         self.wait()  # at most one save in flight
         world = state.world
         final = self.dir / f"step_{step:06d}"
@@ -324,6 +322,9 @@ class Checkpointer:
 
     def load_sharded(self, state) -> Path:
         """Resume a TrainState under data parallelism from the latest checkpoint, whatever world wrote it."""
+        import torch.distributed.checkpoint as dcp  # lazy: 1.9 s of imports (DTensor, FSDP); sharded runs only
+        from torch.distributed.checkpoint.state_dict import (  # lazy: as dcp
+            set_model_state_dict, set_optimizer_state_dict)
         path = self.latest()
         if path is None:
             raise self.none_error()
@@ -355,6 +356,9 @@ class Checkpointer:
     def _load_whole(self, path: Path, state) -> None:
         """A checkpoint one process wrote, into a data-parallel run: every rank reads the whole state.pt and keeps
         its part (FSDP2 shards the full tensors; ZeRO-1 takes its partition of the optimizer state)."""
+        from torch.distributed.checkpoint.state_dict import (  # lazy: as dcp
+            StateDictOptions, set_model_state_dict, set_optimizer_state_dict)
+
         if state.world.plan is not None and state.world.plan.pp > 1:
             raise ValueError(f"{path} was written by one process without parallel.strategy (a whole state.pt), "
                              f"which a pipeline-parallel run cannot split; resume it on one process with "
@@ -508,6 +512,7 @@ def _by_name(saved: dict, state) -> dict:
     """A torch optimizer state dict keyed by parameter position (what one process saves), re-keyed by the parameter
     names torch.distributed.checkpoint uses, read off this run's optimizer, which lists its parameters in the same
     groups and order (kiln builds both from the same model)."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict  # lazy: as dcp
     names = get_optimizer_state_dict(state.model, state.optimizer,
                                      options=StateDictOptions(full_state_dict=True))["param_groups"]
     if [len(g["params"]) for g in names] != [len(g["params"]) for g in saved["param_groups"]]:
@@ -526,6 +531,9 @@ def _sharded_state_dicts(state, flat: bool = True):
     The optimizer's is flat (its param_groups settings per parameter name too): pipeline stages hold different
     parameters, and a list of each group's parameters would differ from rank to rank where DCP expects one value.
     flat=False reads a checkpoint written before (param_groups as lists)."""
+    from torch.distributed.checkpoint.state_dict import (  # lazy: as dcp
+        StateDictOptions, get_model_state_dict, get_state_dict)
+
     if type(state.optimizer).__name__ == "ZeroRedundancyOptimizer":
         model_sd, optim_sd = get_model_state_dict(state.model), None
     else:
@@ -537,6 +545,8 @@ def _sharded_state_dicts(state, flat: bool = True):
 
 def _flat_optimizer(sharded: Path) -> bool:
     """Whether a DCP checkpoint holds its optimizer state flat (param_groups.<name>.lr), as kiln writes it now."""
+    import torch.distributed.checkpoint as dcp  # lazy: 1.9 s of imports (DTensor, FSDP); sharded runs only
+
     keys = dcp.FileSystemReader(str(sharded)).read_metadata().state_dict_metadata
     return not any(re.match(r"optimizer\.param_groups\.\d", k) for k in keys)
 
@@ -544,6 +554,8 @@ def _flat_optimizer(sharded: Path) -> bool:
 def full_weights(state) -> dict:
     """The whole model's weights on rank 0's host, in the model's own layout, gathered from every rank's shards (a
     collective: every rank calls it; the others get {}). What export and sampling read under FSDP, TP or PP."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict  # lazy: as dcp
+
     if hasattr(state.model, "full_state_dict"):  # kiln.parallel.pipeline.PipelineModel: every stage's weights
         return state.model.full_state_dict()
     full = get_model_state_dict(state.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))

@@ -33,6 +33,7 @@ from kiln.parallel.watchdog import collective_errors
 from kiln.models import moe_metrics
 from kiln.numerics.monitor import Handles, Numerics
 from kiln.numerics.outcome import LossWatch
+from kiln.perf.compile import compile_setting
 from kiln.perf.peak import utilisation
 from kiln.train.callbacks import Callbacks
 from kiln.train.checkpoint import Checkpointer, CheckpointWriteError
@@ -64,7 +65,8 @@ class TrainConfig:
     deterministic: bool = False  # deterministic kernels (use_deterministic_algorithms; CUDA: cuBLAS, math SDPA)
     seed: int = 1337  # seed of model init and every training RNG stream
     device: str = "auto"  # "auto" (cuda when available, else cpu) | "cpu" | "cuda" | "cuda:N"
-    compile: bool = False  # wrap the model in torch.compile
+    compile: bool | str = "auto"  # torch.compile: true | false | auto (on when its measured compile time and gain pay off over the run; kiln.perf.compile)
+    compile_decided_by: str = ""  # written by kiln train: why train.compile resolved as it did (auto's prediction, or the config)
     kernels: str = "torch"  # "torch" | "triton" | "auto" (Triton on CUDA compute capability ≥ 8.0 when importable)
     max_time: str = ""  # wall-clock limit, e.g. 3h50m or 90s: the run saves and ends at the step that crosses it
     sample_tokens: int = 200  # tokens generated after training (0: no sample)
@@ -87,6 +89,7 @@ class TrainConfig:
             raise ValueError(f"train.global_batch_size={self.global_batch_size} is not a multiple of "
                              f"train.micro_batch_size={self.micro_batch_size}")
         parse_duration(self.max_time)
+        compile_setting(self.compile)
         if self.kernels not in KERNELS:
             raise ValueError(f"train.kernels={self.kernels!r} is unknown; use one of {KERNELS}")
 

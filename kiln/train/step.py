@@ -10,7 +10,6 @@ from dataclasses import dataclass
 
 import torch
 from torch.distributed import ReduceOp
-from torch.distributed.tensor import DTensor
 
 from kiln.data.batches import to_device
 from kiln.parallel import World, gradient_sync
@@ -19,6 +18,7 @@ from kiln.numerics.spikes import StepGuard
 from kiln.train.masked import optimizer_step
 from kiln.train.optim import AdaptiveClip, clip_gradients
 from kiln.train.precision import LossScaler, MasterWeights, Precision
+from kiln.util import is_dtensor
 
 
 @dataclass
@@ -100,7 +100,7 @@ def train_step(model, batches, objective, optimizer, precision: Precision, scale
     pipelined = isinstance(model, PipelineModel)  # the norm over every stage's gradients, not this rank's
     norm_of = (lambda ps: model.grad_norm(ps, masters)) if pipelined else None
     grad_norm, threshold = clip_gradients(params, optim_cfg, adaptive_clip, norm_of)
-    if isinstance(grad_norm, DTensor):  # FSDP2: the norm over every rank's shards, replicated
+    if is_dtensor(grad_norm):  # FSDP2: the norm over every rank's shards, replicated
         grad_norm = grad_norm.full_tensor()
     # A non-finite gradient is never applied, whatever the precision.
     nonfinite = torch.maximum(found_inf, (~torch.isfinite(grad_norm)).float())

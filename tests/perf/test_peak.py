@@ -40,6 +40,8 @@ def test_fp16_mfu_never_exceeds_one(small_config, tmp_path, monkeypatch, shapes_
     monkeypatch.setattr(flops, "_cpu_peak_cache", {torch.float16: 1e6})
     if shapes_too:
         monkeypatch.setattr(peak, "linear_rate", lambda *args: 1e6)
+        monkeypatch.setattr(peak, "refresh_rate", lambda *args: 1e6)
+        monkeypatch.setattr(peak, "square_rate", lambda *args: 1e6)
     cfg = small_config(precision={"mode": "fp16"}, train={"max_steps": 4})
     model = train(cfg, tmp_path / "run").cfg.model  # resolved: the byte vocabulary filled in
     records = _train_records(tmp_path / "run")

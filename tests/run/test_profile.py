@@ -27,7 +27,7 @@ def test_a_tiny_model_and_batch_is_host_overhead_bound(small_config, tmp_path):
     assert "train.micro_batch_size to 2" in r.verdict.advice[0] and "fits" in r.verdict.advice[0]
 
 
-def test_wide_matmuls_are_compute_bound_and_the_parts_add_up(small_config, tmp_path):
+def test_wide_matmuls_are_compute_bound_and_the_parts_add_up(small_config, tmp_path, kiln_cache):
     r = _profile(small_config, tmp_path, model={"n_layer": 2, "d_model": 384, "n_head": 6, "max_seq_len": 128},
                  data={"seq_len": 128}, train={"micro_batch_size": 8})
     b = r.breakdown
@@ -39,6 +39,13 @@ def test_wide_matmuls_are_compute_bound_and_the_parts_add_up(small_config, tmp_p
     assert (tmp_path / "run" / "profile" / "trace.json").stat().st_size > 1000
     top = summary["top_ops"][0]
     assert top["name"] == "aten::mm" and top["flops"] > 0 and top["intensity"] > 1
+    # MFU and the ridge point divide by the rate torch reaches on the model's own linears (measured, cached), and the
+    # bf16 rate is printed whatever the run's precision
+    rates = summary["matmul_rates"]
+    assert set(rates) == {"fp32", "bf16"} and min(rates.values()) > 0
+    assert summary["peak_flops"] >= rates["fp32"] and 0 < summary["mfu"] <= 1
+    stored = json.loads((kiln_cache / "measured.json").read_text())["matmul_flops"]
+    assert rates["fp32"] in [v for k, v in stored.items() if "| fp32 " in k]  # a linear shape or the square
 
 
 def test_the_rules_in_order():

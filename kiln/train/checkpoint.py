@@ -324,7 +324,7 @@ class Checkpointer:
         """Resume a TrainState under data parallelism from the latest checkpoint, whatever world wrote it."""
         import torch.distributed.checkpoint as dcp  # lazy: 1.9 s of imports (DTensor, FSDP); sharded runs only
         from torch.distributed.checkpoint.state_dict import (  # lazy: as dcp
-            set_model_state_dict, set_optimizer_state_dict)
+            StateDictOptions, set_model_state_dict, set_optimizer_state_dict)
         path = self.latest()
         if path is None:
             raise self.none_error()

@@ -18,12 +18,8 @@ def test_the_cli_and_the_lm_job_import_no_distributed_checkpoint_or_compiler():
     assert out.strip() == "[]"
 
 
-def test_is_dtensor_without_importing_dtensor():
-    assert not is_dtensor(torch.zeros(2)) and not is_dtensor(None)
-    code = ("import sys, torch; from kiln.util import is_dtensor; ok = not is_dtensor(torch.zeros(1)); "
-            "print(ok, 'torch.distributed.tensor' in sys.modules)")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
-    assert out.split() == ["True", "False"]
+def test_is_dtensor_on_plain_values():
+    assert not is_dtensor(torch.zeros(2)) and not is_dtensor(None) and not is_dtensor(3.0)
 
 
 def test_is_dtensor_knows_a_dtensor():

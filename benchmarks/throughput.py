@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import argparse
 import io
-import platform
 import tempfile
 import time
 
@@ -25,6 +24,7 @@ from rich.console import Console
 from kiln.config import load_config
 from kiln.data import TokenLoader, prepare_data
 from kiln.perf.hardware import native_bf16
+from kiln.perf.measured import cpu_model
 from kiln.train.schedule import lr_factor
 from kiln.run.lm import build_lm
 from kiln.train.loop import Trainer
@@ -115,14 +115,6 @@ def kiln_loop(precision: str, steps: int, run_dir: str, overrides: list[str] | N
     return build_lm(cfg, run_dir, log=lambda m: None).trainer(run_dir, console)
 
 
-def cpu_name() -> str:
-    try:
-        for line in open("/proc/cpuinfo"):
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
 
 
 def main():
@@ -156,7 +148,7 @@ def main():
     timed_steps = args.steps - min(args.block, args.steps)
     tokens = timed_steps * SHAPE["batch"] * SHAPE["seq_len"]
     tps = {name: tokens / t for name, t in times.items()}
-    print(f"CPU: {cpu_name()} | {torch.get_num_threads()} threads | torch {torch.__version__} | "
+    print(f"CPU: {cpu_model()} | {torch.get_num_threads()} threads | torch {torch.__version__} | "
           f"ISA {torch.backends.cpu.get_cpu_capability()} | native bf16: {unit or 'none'}")
     print(f"{timed_steps} timed steps each of {SHAPE['batch']}x{SHAPE['seq_len']} tokens, "
           f"blocks of {args.block} alternating")

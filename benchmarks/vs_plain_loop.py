@@ -170,15 +170,6 @@ def kiln_child(args) -> dict:
 
 # ------------------------------------------------------------------------------------------------ driver
 
-def cpu_name() -> str:
-    try:
-        for line in open("/proc/cpuinfo"):
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    import platform
-    return platform.processor() or platform.machine()
 
 
 def run_variant(variant: str, steps: int, seed: int, shards: tuple[str, str], tmp: str, tag: str,
@@ -236,6 +227,7 @@ def main():
     if args.steps <= WARM:
         raise SystemExit(f"--steps must exceed the {WARM} warm-up updates")
     from kiln.perf.hardware import native_bf16
+    from kiln.perf.measured import cpu_model
 
     variants = args.variants.split(",") if args.variants else list(VARIANTS if native_bf16() else VARIANTS[:2])
     if args.base_tree:
@@ -256,7 +248,7 @@ def main():
                       f"last step {row['after_last_step_s']:.1f} s) | val {row['val_loss']:.4f}", flush=True)
     import torch
 
-    print(f"\nCPU: {cpu_name()} | {rows[0]['threads']} threads | torch {torch.__version__} | ISA "
+    print(f"\nCPU: {cpu_model()} | {rows[0]['threads']} threads | torch {torch.__version__} | ISA "
           f"{torch.backends.cpu.get_cpu_capability()} | load average {os.getloadavg()[0]:.1f}")
     print(f"{args.rounds} rounds × {args.steps} updates of {SHAPE['batch']}×{SHAPE['seq_len']} tokens; steady = updates "
           f"{WARM + 1}-{args.steps}")

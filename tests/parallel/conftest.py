@@ -2,6 +2,7 @@
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -11,6 +12,18 @@ from tests.parallel.scenarios import fit_run, lm_config
 from tests.train.test_golden_curve import corpus_text
 
 ROOT = Path(__file__).resolve().parents[2]
+
+
+def torchrun(worker: str, out: Path, source, nproc: int, timeout: int = 600) -> float:
+    """Launch tests/parallel/WORKER on `nproc` gloo ranks (one thread each) with `out` and `source`; it must exit 0.
+    Returns the launch's wall seconds."""
+    env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
+    began = time.monotonic()
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
+                           str(ROOT / "tests" / "parallel" / worker), str(out), str(source)],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    return time.monotonic() - began
 
 
 @pytest.fixture(scope="session")
@@ -35,9 +48,5 @@ def launched(tmp_path_factory, source, kiln_cache):
     out = tmp_path_factory.mktemp("dist")
     for strategy in ("fsdp", "zero1"):  # one process writes 5 steps; the launch resumes them on 2 ranks
         train(lm_config(source, "none", steps=5), out / f"from_one_{strategy}")
-    env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
-    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-                           str(ROOT / "tests" / "parallel" / "worker.py"), str(out), source],
-                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    torchrun("worker.py", out, source, nproc=2, timeout=300)
     return out

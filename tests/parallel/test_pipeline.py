@@ -11,11 +11,7 @@ amplifies those bits). A real error — the loss normalised per stage or per mic
 loss by 1e-3 or more.
 """
 import json
-import os
 import shutil
-import subprocess
-import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -27,6 +23,7 @@ from kiln.models.registry import family
 from kiln.parallel import ParallelConfig
 from kiln.parallel.layout import ParallelPlan
 from kiln.parallel.pipeline import PipelineModel
+from tests.parallel.conftest import torchrun
 from tests.parallel.pp_scenarios import latest, pp_config, pp_run
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -49,13 +46,8 @@ def pp_launched(tmp_path_factory, single, source):
     out = tmp_path_factory.mktemp("pp")
     pp_run(pp_config(source, steps=3, strategy="ddp"), out / "from_one")
     pp_run(pp_config(source, arch="llama", steps=3, strategy="ddp"), out / "tp2pp2_llama")  # resumed under tp2 × pp2
-    env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
-    began = time.monotonic()
-    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=4",
-                           str(ROOT / "tests" / "parallel" / "pp_worker.py"), str(out), source],
-                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
-    (out / "launch_seconds.txt").write_text(f"{time.monotonic() - began:.1f}")
+    seconds = torchrun("pp_worker.py", out, source, nproc=4)
+    (out / "launch_seconds.txt").write_text(f"{seconds:.1f}")
     return out
 
 

@@ -7,22 +7,16 @@ all-reduced over tp, gradients reduced over dp) which moves the last bits of eac
 forward over 6 steps. A real error is orders of magnitude larger: a fused weight split as one block (rank 0 gets all
 of q) changes the model's function at step 1, and tokens counted on each tp rank halve every gradient.
 """
-import json
-import os
 import shutil
-import subprocess
-import sys
-import time
 
 import pytest
 import torch
 from safetensors.torch import load_file
 
-from kiln.models import ModelConfig
 from kiln.models.registry import family
 from kiln.run import lm
 from kiln.run.lm import train
-from tests.parallel.conftest import ROOT
+from tests.parallel.conftest import torchrun
 from tests.parallel.scenarios import MaskedLoader, tp_config
 from tests.parallel.test_dist import losses, records
 
@@ -33,13 +27,7 @@ RTOL = 1e-5
 def tp_launched(tmp_path_factory, source, kiln_cache):
     """One torchrun launch of tests/parallel/tp_worker.py on 4 processes; its wall time is printed (-s shows it)."""
     out = tmp_path_factory.mktemp("tp")
-    env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
-    began = time.monotonic()
-    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=4",
-                           str(ROOT / "tests" / "parallel" / "tp_worker.py"), str(out), source],
-                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
-    print(f"tensor-parallel launch: {time.monotonic() - began:.1f} s")
+    print(f"tensor-parallel launch: {torchrun('tp_worker.py', out, source, nproc=4):.1f} s")
     return out
 
 

@@ -238,6 +238,10 @@ def part_throughput(s: Suite, box: float, compile_: bool, steps: int, block: int
     padded = (vocab + 63) // 64 * 64  # kiln pads to a multiple of 64 (models/config.py); the plain model gets the same
     precision, autocast = ("fp32", None) if s.dry else ("bf16", torch.bfloat16)
     flag = ["--train.compile=true"] if compile_ else []
+    # The dry run compiles the two main loops (dynamo, AOT autograd and inductor all run) but times the variants
+    # eager: each variant's inductor build costs 15-35 s of C++ compilation on a 2-core CPU (about 100 s of the
+    # suite's dry run on the 2-core Zen 5 of 2026-11-27), and on the GPU a variant that fails costs only its row.
+    variant_flag = flag if not s.dry else []
     data_note = ("byte corpus (ids < 256) into a 50257-token model (padded 50304)" if vocab == 50257
                  else "byte corpus, byte vocabulary")
     chunk = 4 * shape["seq_len"] // (1 if s.dry else 4)
@@ -249,7 +253,7 @@ def part_throughput(s: Suite, box: float, compile_: bool, steps: int, block: int
                 "kiln chunked+selective 2x batch": (lean, 2 * shape["batch"])}
     result = {"shape": shape, "vocab": vocab, "padded_vocab": padded, "data": data_note, "kiln_precision": precision,
               "plain_precision": "bf16 autocast, fp32 weights" if autocast else "fp32", "compile": compile_,
-              "steps": steps, "block": block,
+              "variants_compile": bool(variant_flag), "steps": steps, "block": block,
               "variants_planned": list(variants)}  # the merge lists those a cut-off run never reached
     rate = matmul_rate(dev, s.dry)
     result["matmul"] = rate
@@ -266,11 +270,11 @@ def part_throughput(s: Suite, box: float, compile_: bool, steps: int, block: int
                 return PlainLoop(data.train, cfg.optim.lr, steps + 1, cfg.schedule, vocab=padded, shape=sh,
                                  device=str(dev), autocast=autocast, fused=dev.type == "cuda", compile=compile_)
             return kiln_loop(precision, steps, f"{tmp}/run{next(built)}",
-                             kiln_overrides(sh, vocab, dev, flag + extra))
+                             kiln_overrides(sh, vocab, dev, extra))
 
         # 1. tokens/s: plain and kiln alternate in blocks so machine noise hits both alike; the first rotation is
         # warm-up (allocator, cuBLAS heuristics, compile).
-        loops = {"plain": make("plain", [], shape["batch"]), "kiln": make("kiln", [], shape["batch"])}
+        loops = {"plain": make("plain", [], shape["batch"]), "kiln": make("kiln", flag, shape["batch"])}
         fpt = loops["kiln"].flops_per_unit
         times = {name: 0.0 for name in loops}
         for start in range(0, steps, block):
@@ -298,7 +302,7 @@ def part_throughput(s: Suite, box: float, compile_: bool, steps: int, block: int
 
         # 2. peak memory at equal batch, each loop alone on the device (both resident would count each other's state).
         for name in ("plain", "kiln"):
-            rows[name]["peak_bytes"] = peak_of(lambda: make(name, [], shape["batch"]), dev, min(3, steps))
+            rows[name]["peak_bytes"] = peak_of(lambda: make(name, flag, shape["batch"]), dev, min(3, steps))
         result["loops"] = rows
         s.write("throughput", result, table + _rows(rows, rows["plain"]["tokens_per_s"]))
 
@@ -312,7 +316,7 @@ def part_throughput(s: Suite, box: float, compile_: bool, steps: int, block: int
                 result["variants"][name] = {"skipped": "time box spent"}
                 continue
             try:
-                tps, peak = time_alone(lambda: make(name, extra, b), dev, block, steps)
+                tps, peak = time_alone(lambda: make(name, variant_flag + extra, b), dev, block, steps)
                 tps *= b * shape["seq_len"]
                 plain_peak = rows["plain"]["peak_bytes"]
                 result["variants"][name] = {"tokens_per_s": tps, "mfu": tps * fpt / rate["flops_per_s"], "batch": b,
@@ -824,7 +828,8 @@ def main(argv=None) -> int:
     ap.add_argument("--dry-run", action="store_true", help="CPU, toy sizes, same code paths (< 60 s)")
     ap.add_argument("--compile", action=argparse.BooleanOptionalAction, default=True,
                     help="torch.compile both throughput loops and every kiln variant (--train.compile=true), as the "
-                         "issue's comparison asks; --no-compile times them eager (default: compile)")
+                         "issue's comparison asks; --no-compile times them eager (default: compile; the dry run "
+                         "times the kiln variants eager)")
     ap.add_argument("--steps", type=int, default=0, help="throughput steps per loop (default 60; dry run 4)")
     ap.add_argument("--block", type=int, default=0, help="steps per alternation block (default 10; dry run 2)")
     ap.add_argument("--batch", type=int, default=0, help="throughput micro-batch (default 16 on GPU)")

@@ -63,6 +63,7 @@ def test_throughput_part_measures_both_loops(results):
     assert data["ratio_kiln_over_plain"] == pytest.approx(ratio)
     assert finite_positive(data["matmul"]["flops_per_s"]) and finite_positive(data["flops_per_token"])
     assert data["data"] and data["compile"] is True  # the comparison: both loops under torch.compile
+    assert data["variants_compile"] is False  # the dry run times the variants eager (their inductor builds cost ~100 s)
     variants = data["variants"]
     assert variants["kiln triton kernels"] == {"skipped": "Triton kernels need CUDA"}
     measured = {k: v for k, v in variants.items() if "triton" not in k}

@@ -13,7 +13,9 @@ early stopping (kiln.train.gap), and when to save, the signal save included (kil
 benchmark advances it in blocks that alternate with another loop's, so both see the same machine noise. Time
 spent outside `advance` is not counted in the logged throughput.
 
-`cfg` is read for its train, optim, schedule, log, numerics, faults and checkpoint sections only.
+The loop itself reads cfg.train, schedule, optim and log; every part is handed its own sections (numerics and
+faults to the numerics monitor, checkpoint to the checkpointer and the saves, parallel to the straggler watch). The
+whole cfg is kept only to be written as the run's config.toml and returned in the TrainResult.
 """
 from __future__ import annotations
 

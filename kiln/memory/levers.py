@@ -9,7 +9,7 @@
                                           what kiln's model pipeline (kiln.train.pipeline) applies
     for_rank(job, plan, stage)            one rank of a ParallelPlan (tensor, pipeline, context, data parallel)
     rank_jobs(cfg, device, ranks)         the plan of `ranks` processes checked as training checks it, and the
-                                          Job of every pipeline stage
+                                          Job of every pipeline stage (the planner's too)
 """
 from __future__ import annotations
 
@@ -143,14 +143,15 @@ def for_rank(job: Job, plan: ParallelPlan, stage: int = 0, vocab_parallel: bool 
                    pp=plan.pp, stage=stage, pp_schedule=plan.pp_schedule, virtual_stages=plan.virtual_stages)
 
 
-def rank_jobs(cfg, device, ranks: int, recompute_plan: tuple[str, ...] | None = None
+def rank_jobs(cfg, device, ranks: int, recompute_plan: tuple[str, ...] | None = None, stages=None
               ) -> tuple[ParallelPlan, list[Job]]:
     """`ranks` processes under cfg.parallel: the ParallelPlan (checked by ParallelPlan.build, the runtime's own
-    check, so the errors are the same) and one Job per pipeline stage (one without pipeline parallelism)."""
+    check, so the errors are the same) and the Job of every pipeline stage (one without pipeline parallelism), or
+    of the `stages` given. The one builder of a rank's Job, for `kiln memory --ranks` and the planner alike."""
     model = resolved_model(cfg)
     tc = cfg.train
     plan = ParallelPlan.build(cfg.parallel, ranks, model, family(model.arch),
                               batch_sequences=tc.micro_batch_size * tc.grad_accum_steps,
                               grad_accum_steps=tc.grad_accum_steps)
     job = job_for(cfg, device, recompute_plan, world=plan.dp * plan.cp)
-    return plan, [for_rank(job, plan, s) for s in range(plan.pp)]
+    return plan, [for_rank(job, plan, s) for s in (range(plan.pp) if stages is None else stages(plan))]

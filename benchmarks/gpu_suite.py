@@ -275,7 +275,7 @@ def part_throughput(s: Suite, box: float, compile_: bool, steps: int, block: int
         # 1. tokens/s: plain and kiln alternate in blocks so machine noise hits both alike; the first rotation is
         # warm-up (allocator, cuBLAS heuristics, compile).
         loops = {"plain": make("plain", [], shape["batch"]), "kiln": make("kiln", flag, shape["batch"])}
-        fpt = loops["kiln"].flops_per_unit
+        fpt = loops["kiln"].metrics.flops_per_unit
         times = {name: 0.0 for name in loops}
         for start in range(0, steps, block):
             end = min(start + block, steps)

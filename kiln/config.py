@@ -260,6 +260,14 @@ def _cross_checks(cfg: Config) -> None:
                           f"data.seq_len={cfg.data.seq_len}")
 
 
+def checked(cfg: Config) -> Config:
+    """A copy of cfg (sections replaced in code, e.g. a planner's Choice.on) through the checks a loaded config
+    passes; a ConfigError names the key and the fix."""
+    out = copy.deepcopy(cfg)
+    validate(out)
+    return out
+
+
 def apply_overrides(cfg: Config, overrides: dict[str, object]) -> Config:
     """A copy of cfg with {"section.key": value} set through the same coercion and checks as the command line."""
     out = copy.deepcopy(cfg)

@@ -9,7 +9,7 @@ import torch
 
 from kiln.cli.common import add_config_arguments, config_from
 from kiln.cli.memory import _device
-from kiln.config import ConfigError, apply_overrides
+from kiln.config import ConfigError, apply_overrides, checked
 from kiln.memory.estimate import GiB, fmt_bytes, parse_bytes, peak_allocated
 from kiln.memory import calibrate as calibration
 from kiln.memory.levers import job_for, precision_for
@@ -169,7 +169,7 @@ def _verify(cfg, plan, k: int, quiet: bool) -> list[dict]:
         what = "max_memory_allocated" if here.type == "cuda" else "live tensor bytes"
         print(f"verify on {here.type} (3 steps each; peak = {what}):")
     for i, c in enumerate(plan.candidates[:k], 1):
-        trial = apply_overrides(cfg, c.overrides)
+        trial = checked(c.choice.on(cfg))
         m = measure_step(trial, here, steps=3)
         pred = peak_allocated(c.breakdown)
         row = {"rank": i, "overrides": c.overrides, "predicted_peak_bytes": pred, "measured_peak_bytes": m.peak_bytes,

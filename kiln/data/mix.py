@@ -80,10 +80,6 @@ class Mixture(ShardedTokens):
                 raise ValueError(f"{what}: source {name!r} holds {len(tokens)} tokens, fewer than seq_len + 1 = "
                                  f"{seq_len + 1}; lower data.seq_len or give it more text")
 
-    def sources_of(self, seed: int, index: int, batch_size: int) -> np.ndarray:
-        """The source of each row of batch `index` (the draw `windows` makes)."""
-        return np.random.default_rng([seed, index]).choice(len(self.arrays), size=batch_size, p=self.weights)
-
     def windows(self, seed: int, index: int, batch_size: int, seq_len: int) -> np.ndarray:
         """(batch_size, seq_len + 1) token windows of training batch `index`."""
         rng = np.random.default_rng([seed, index])

@@ -35,10 +35,6 @@ PROGRESS = "progress.json"
 SPLITS = ("train", "val")
 
 
-def _suffixes(path: Path) -> str:
-    return "".join(path.suffixes[-2:]).lower()
-
-
 def file_kind(path: Path, fmt: str) -> tuple[str, str | None]:
     """(format, compression) of one input file; data.format='auto' decides by extension."""
     name = path.name.lower()

@@ -1,13 +1,15 @@
 """The `memory` config section, and the estimator's Job for a configuration.
 
     MemoryConfig                          recompute, offload, chunked loss keys
-    make_job(cfg, model, precision, target)  the one builder of the estimator's Job from a Config
+    make_job(model, precision, target, *, train, seq_len, memory, optim, parallel)
+                                          the one builder of the estimator's Job, from the sections it reads
+    job_of(cfg, model, precision, target) ... from a Config
     job_for(cfg, device)                  ... for a Device (kiln.memory.devices)
     runtime_job(cfg, model_cfg, mode, d)  ... for the torch device this process trains on: its recompute plan is
                                           what kiln's model pipeline (kiln.train.pipeline) applies
     for_rank(job, plan, stage)            one rank of a ParallelPlan (tensor, pipeline, context, data parallel)
     rank_jobs(cfg, device, ranks)         the plan of `ranks` processes checked as training checks it, and the
-                                          Job of every pipeline stage
+                                          Job of every pipeline stage (the planner's too)
 """
 from __future__ import annotations
 
@@ -72,27 +74,34 @@ def precision_for(mode: str, device) -> str:
     return mode
 
 
-def make_job(cfg, model, precision: str, target: Target, recompute_plan: tuple[str, ...] | None = None,
-             world: int = 1) -> Job:
-    """The one builder of the estimator's Job from a Config: a resolved model section, a concrete precision and
-    a Target; the recompute plan is the `memory` section's (solved for `budget`) unless given. world: ranks of
-    parallel.strategy sharing the state (the breakdown is one rank's)."""
-    m = cfg.memory
-    job = Job(model=model, micro_batch=cfg.train.micro_batch_size, seq_len=cfg.data.seq_len,
-              grad_accum=cfg.train.grad_accum_steps, precision=precision, target=target,
-              offload=parse_blocks(m.offload_blocks, model.n_layer), chunked_loss=m.chunked_loss,
-              optimizer=cfg.optim.name, sgd_momentum=cfg.optim.momentum, optimizer_offload=cfg.optim.offload,
-              parallel=cfg.parallel.strategy, world=world,
-              reshard_after_forward=cfg.parallel.reshard_after_forward)
+def make_job(model, precision: str, target: Target, *, train, seq_len: int, memory: MemoryConfig, optim, parallel,
+             recompute_plan: tuple[str, ...] | None = None, world: int = 1) -> Job:
+    """The one builder of the estimator's Job: a resolved model section, a concrete precision and a Target, and
+    the config sections the step's bytes depend on (train: the batch; memory: recompute, offload, chunked loss;
+    optim: the optimizer and its offload; parallel: the strategy). The recompute plan is the memory section's
+    (solved for `budget`) unless given. world: ranks of parallel.strategy sharing the state (the breakdown is one
+    rank's). `job_of` passes a Config's sections."""
+    job = Job(model=model, micro_batch=train.micro_batch_size, seq_len=seq_len, grad_accum=train.grad_accum_steps,
+              precision=precision, target=target, offload=parse_blocks(memory.offload_blocks, model.n_layer),
+              chunked_loss=memory.chunked_loss, optimizer=optim.name, sgd_momentum=optim.momentum,
+              optimizer_offload=optim.offload, parallel=parallel.strategy, world=world,
+              reshard_after_forward=parallel.reshard_after_forward)
     if recompute_plan is None:
-        recompute_plan = plan_for(m.recompute, m.recompute_every, m.recompute_budget, job)
+        recompute_plan = plan_for(memory.recompute, memory.recompute_every, memory.recompute_budget, job)
     return replace(job, recompute=tuple(recompute_plan))
+
+
+def job_of(cfg, model, precision: str, target: Target, recompute_plan: tuple[str, ...] | None = None,
+           world: int = 1) -> Job:
+    """make_job with a Config's train, data, memory, optim and parallel sections."""
+    return make_job(model, precision, target, train=cfg.train, seq_len=cfg.data.seq_len, memory=cfg.memory,
+                    optim=cfg.optim, parallel=cfg.parallel, recompute_plan=recompute_plan, world=world)
 
 
 def job_for(cfg, device, recompute_plan: tuple[str, ...] | None = None, world: int = 1) -> Job:
     """The Job of a Config on a Device (kiln.memory.devices: a table entry, or this machine measured)."""
-    return make_job(cfg, resolved_model(cfg), precision_for(cfg.precision.mode, device), device.target,
-                    recompute_plan, world)
+    return job_of(cfg, resolved_model(cfg), precision_for(cfg.precision.mode, device), device.target,
+                  recompute_plan, world)
 
 
 def runtime_target(torch_device) -> Target:
@@ -106,7 +115,7 @@ def runtime_target(torch_device) -> Target:
 def runtime_job(cfg, model_cfg, precision: str, torch_device) -> Job:
     """The Job of the step this process is about to train (its concrete precision, its device, nothing measured):
     its recompute plan is what kiln's model pipeline applies."""
-    return make_job(cfg, model_cfg, precision, runtime_target(torch_device))
+    return job_of(cfg, model_cfg, precision, runtime_target(torch_device))
 
 
 def for_rank(job: Job, plan: ParallelPlan, stage: int = 0, vocab_parallel: bool = False) -> Job:
@@ -134,14 +143,15 @@ def for_rank(job: Job, plan: ParallelPlan, stage: int = 0, vocab_parallel: bool 
                    pp=plan.pp, stage=stage, pp_schedule=plan.pp_schedule, virtual_stages=plan.virtual_stages)
 
 
-def rank_jobs(cfg, device, ranks: int, recompute_plan: tuple[str, ...] | None = None
+def rank_jobs(cfg, device, ranks: int, recompute_plan: tuple[str, ...] | None = None, stages=None
               ) -> tuple[ParallelPlan, list[Job]]:
     """`ranks` processes under cfg.parallel: the ParallelPlan (checked by ParallelPlan.build, the runtime's own
-    check, so the errors are the same) and one Job per pipeline stage (one without pipeline parallelism)."""
+    check, so the errors are the same) and the Job of every pipeline stage (one without pipeline parallelism), or
+    of the `stages` given. The one builder of a rank's Job, for `kiln memory --ranks` and the planner alike."""
     model = resolved_model(cfg)
     tc = cfg.train
     plan = ParallelPlan.build(cfg.parallel, ranks, model, family(model.arch),
                               batch_sequences=tc.micro_batch_size * tc.grad_accum_steps,
                               grad_accum_steps=tc.grad_accum_steps)
     job = job_for(cfg, device, recompute_plan, world=plan.dp * plan.cp)
-    return plan, [for_rank(job, plan, s) for s in range(plan.pp)]
+    return plan, [for_rank(job, plan, s) for s in (range(plan.pp) if stages is None else stages(plan))]

@@ -10,7 +10,7 @@ predicts each step's time with `step_time` (a roofline per op: FLOPs at the devi
 whichever is slower; recomputed forward FLOPs, host copies and the host optimizer included) and ranks by it.
 
 With several GPUs it also searches the layout (`layouts`: tensor × pipeline × context parallel, the rest data
-parallel under ddp, zero1 or fsdp), each layout's rank estimated through kiln.memory.levers.for_rank and timed
+parallel under ddp, zero1 or fsdp), each layout's rank estimated through kiln.memory.levers.rank_jobs and timed
 with its collectives (`model_parallel_comm`) and the pipeline bubble (`bubble_fraction`); docs/parallel.md.
 """
 from __future__ import annotations
@@ -22,10 +22,9 @@ from dataclasses import dataclass, field, replace
 from kiln.memory.devices import get_device
 from kiln.memory.estimate import (Breakdown, Job, block_matmul_numel, estimate, fmt_bytes, local_parameter_shapes,
                                   parse_bytes, recompute_plan, saved_tensors)
-from kiln.memory.levers import for_rank, job_for
+from kiln.memory.levers import job_for, rank_jobs
 from kiln.memory.recompute import solve_budget
 from kiln.models.registry import family
-from kiln.parallel.layout import ParallelPlan
 
 MATMUL_EFFICIENCY = 0.6  # share of peak FLOP/s large matmuls reach (GPU: 55-70% is typical for bf16 GEMMs)
 BANDWIDTH_EFFICIENCY = 0.75  # share of peak bandwidth elementwise kernels and copies reach
@@ -268,8 +267,9 @@ def step_time(job: Job, device, link: float | None = None, tp_link: float | None
 
 @dataclass(frozen=True)
 class Choice:
-    """One point of the search: the keys the planner sets, typed. Applied to a Config as overrides, through the
-    same coercion and checks as the command line (kiln.config.apply_overrides)."""
+    """One point of the search: the levers the planner sets, typed. `on(cfg)` applies them to a Config's sections
+    (what the estimator sees and `--plan.memory` trains: kiln.config.checked validates it); `overrides()` spells
+    them as the command-line flags a user types."""
 
     precision: str
     micro_batch_size: int
@@ -290,6 +290,7 @@ class Choice:
     pp_microbatches: int = 0
 
     def overrides(self) -> dict[str, object]:
+        """The choice as command-line flags (section.key: value), for the user to read and type."""
         out = {"parallel.strategy": self.parallel, "precision.mode": self.precision, "train.micro_batch_size": self.micro_batch_size,
                "train.grad_accum_steps": self.grad_accum_steps, "memory.recompute": self.recompute,
                "memory.recompute_every": self.recompute_every, "memory.recompute_budget": self.recompute_budget,
@@ -315,7 +316,8 @@ class Choice:
         return " ".join(["·".join(dims or ["1"]), *extra])
 
     def on(self, cfg):
-        """cfg with this choice in its sections, for the estimator (kiln.config.apply_overrides validates)."""
+        """cfg with this choice in its sections: for the estimator, and for training (kiln.config.checked
+        validates it)."""
         return replace(cfg, precision=replace(cfg.precision, mode=self.precision),
                        train=replace(cfg.train, micro_batch_size=self.micro_batch_size,
                                      grad_accum_steps=self.grad_accum_steps),
@@ -361,6 +363,7 @@ class Candidate:
 
     @property
     def overrides(self) -> dict[str, object]:
+        """The choice as command-line flags (section.key: value), for the user to read and type."""
         return self.choice.overrides()
 
     def to_json(self) -> dict:
@@ -599,14 +602,10 @@ def _evaluate(cfg, device, choice: Choice, memory: int, L: int, gpus: int = 1, l
     if choice.tp * choice.pp * choice.cp == 1:
         b = estimate(job)
         return Candidate(choice, b, step_time(job, device, wired["link"]), b.total_bytes <= memory)
-    c = choice.on(cfg)
     try:
-        layout = ParallelPlan.build(c.parallel, gpus, job.model, family(job.model.arch),
-                                    batch_sequences=choice.micro_batch_size * choice.grad_accum_steps,
-                                    grad_accum_steps=choice.grad_accum_steps)
         # the first stage holds the most blocks and micro-batches in flight, the last the head: every other
         # stage is bounded by these two in memory and time
-        stages = [for_rank(job, layout, s) for s in sorted({0, layout.pp - 1})]
+        _, stages = rank_jobs(choice.on(cfg), device, gpus, plan, stages=lambda layout: sorted({0, layout.pp - 1}))
     except ValueError:  # a layout the runtime refuses (tp not dividing the heads, too few blocks)
         return None
     estimates = [estimate(j) for j in stages]

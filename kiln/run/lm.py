@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 from rich.console import Console
 
-from kiln.config import Config, apply_overrides, to_toml
+from kiln.config import Config, checked, to_toml
 from kiln.data import PreparedData, TokenLoader, prepare_data, val_batches
 from kiln.data.batches import to_device
 from kiln.parallel import ParallelPlan, device_for, init_world, launched_by_torchrun
@@ -91,7 +91,7 @@ def plan_memory(cfg: Config, device: torch.device, log=print) -> Config:
     log(f"plan: {best.choice.describe()} | predicted peak {fmt_bytes(best.total_bytes)} of "
         f"{fmt_bytes(plan.memory)} on {target.name}, {best.step_s:.3g} s/step ({plan.considered} configurations "
         f"considered, {len(plan.candidates)} fit)")
-    return apply_overrides(cfg, best.choice.overrides())
+    return checked(best.choice.on(cfg))
 
 
 def recorded_precision(pc, asked: str, device: torch.device):

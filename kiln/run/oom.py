@@ -17,7 +17,7 @@ from kiln.memory.estimate import COMPONENTS, estimate, fmt_bytes
 from kiln.memory.levers import resolved_model, runtime_job
 from kiln.memory.planner import search
 from kiln.perf.hardware import resolve_mode
-from kiln.train.loop import peak_memory_bytes
+from kiln.train.metrics import peak_memory_bytes
 
 OOM_EXIT = 3  # `kiln train`'s exit status when a step ran out of memory (2: bad input; 128+N: signal N)
 SNAPSHOT = "oom-snapshot.pickle"

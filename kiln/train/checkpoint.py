@@ -625,10 +625,6 @@ def _host_copy(tree):
     return copy(tree)
 
 
-def export_safetensors(model: torch.nn.Module, path: Path) -> None:
-    export_tensors(model.state_dict(), path)
-
-
 def export_tensors(state_dict: dict, path: Path) -> None:
     from safetensors.torch import save_file  # lazy: only checkpoints with checkpoint.safetensors import it
 

@@ -2,23 +2,26 @@
 
     trainer = Trainer(state, cfg, run_dir, console, evaluate=..., config_toml=...)
     trainer.advance(until)     train up to a step; returns why the run ended, or None
-    trainer.finish()           final checkpoint; closes the monitor, the logger and the loader
+    trainer.run()              advance to the end, save the final checkpoint, close: the TrainResult
+    trainer.close()            closes the monitor, the logger and the loader (run() does it)
+
+The loop composes the parts of a run, each given its own config section: the time budget and train.max_time
+(kiln.train.budget), the logged window and its throughput and MFU (kiln.train.metrics), the evaluations' gap and
+early stopping (kiln.train.gap), and when to save, the signal save included (kiln.train.saves).
 
 `kiln train` (a language model, kiln.run.lm) and `fit()` (any nn.Module, kiln.run.fit) both run this loop; a
 benchmark advances it in blocks that alternate with another loop's, so both see the same machine noise. Time
 spent outside `advance` is not counted in the logged throughput.
 
-`cfg` is read for its train, optim, schedule, log, numerics, faults and checkpoint sections only.
+The loop itself reads cfg.train, schedule, optim and log; every part is handed its own sections (numerics and
+faults to the numerics monitor, checkpoint to the checkpointer and the saves, parallel to the straggler watch). The
+whole cfg is kept only to be written as the run's config.toml and returned in the TrainResult.
 """
 from __future__ import annotations
 
 import contextlib
 import math
-import re
-import resource
-import shutil
 import signal
-import threading
 import time
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -30,23 +33,20 @@ from rich.console import Console
 from kiln.parallel import layout_event
 from kiln.parallel.stragglers import StragglerWatch
 from kiln.parallel.watchdog import collective_errors
-from kiln.models import moe_metrics
 from kiln.numerics.monitor import Handles, Numerics
 from kiln.numerics.outcome import LossWatch
 from kiln.perf.compile import compile_setting
-from kiln.perf.peak import utilisation
 from kiln.train.callbacks import Callbacks
-from kiln.train.checkpoint import Checkpointer, CheckpointWriteError
+from kiln.train.budget import TimeBudget, parse_duration
+from kiln.train.checkpoint import Checkpointer
+from kiln.train.gap import GapMonitor
 from kiln.train.logging import MetricsLogger
+from kiln.train.metrics import StepMetrics
+from kiln.train.saves import Saves
 from kiln.train.schedule import lr_factor
 from kiln.train.state import TrainState
 from kiln.train.step import StepResult, micro_batch_losses, train_step
 
-# train.max_steps=0: the step time is measured from step 3 (1-2 warm the allocator up) to step 10 at least, and up to
-# 30 while the warm-up lasts. Early steps still run slower than later ones (default job on a 2-core Xeon: 13,600
-# tok/s over steps 3-30, 17,000 after), so a run ends 10-20% under its budget rather than over it.
-CALIBRATION_STEPS, CALIBRATION_MAX = 10, 30
-STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1)
 KERNELS = ("torch", "triton", "auto")
 
 
@@ -94,17 +94,6 @@ class TrainConfig:
             raise ValueError(f"train.kernels={self.kernels!r} is unknown; use one of {KERNELS}")
 
 
-def parse_duration(text: str) -> float | None:
-    """'3h50m', '90s', '1.5h', '45m' -> seconds; '' -> None."""
-    if not text:
-        return None
-    parts = re.fullmatch(r"\s*(?:(\d+(?:\.\d+)?)h)?\s*(?:(\d+(?:\.\d+)?)m)?\s*(?:(\d+(?:\.\d+)?)s)?\s*", text)
-    if not parts or not any(parts.groups()):
-        raise ValueError(f"train.max_time={text!r}: write a duration such as 3h50m, 45m or 90s")
-    h, m, sec = (float(g) if g else 0.0 for g in parts.groups())
-    return 3600 * h + 60 * m + sec
-
-
 def accumulation_for(tc: TrainConfig, world_size: int) -> int:
     """grad_accum_steps per rank: from train.global_batch_size when it is set, else as configured."""
     if not tc.global_batch_size:
@@ -140,22 +129,10 @@ class TrainResult:
         return f"TrainResult({', '.join(shown)}, checkpoint={str(self.checkpoint) if self.checkpoint else None!r})"
 
 
-def peak_memory_bytes(device: torch.device) -> int:
-    if device.type == "cuda":
-        return torch.cuda.max_memory_allocated(device)
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
-
-
-def _synchronize(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
 class Trainer:
-    """The loop of one run. With train.max_steps=0 the run is sized by train.time_budget: steps 3..10 (up to 30)
-    are timed, max_steps is set so that the steps take the budget, printed, and saved in the run's config (so
-    `--train.max_steps=N` repeats the run bit for bit). Those first steps are inside the linear warm-up, whose lr
-    does not depend on the horizon yet."""
+    """The loop of one run. With train.max_steps=0 the run is sized by train.time_budget (kiln.train.budget); the
+    max_steps decided is printed and saved in the run's config, so `--train.max_steps=N` repeats the run bit for
+    bit."""
 
     def __init__(self, state: TrainState, cfg, run_dir: Path, console: Console | None = None, *,
                  evaluate: Callable[[torch.nn.Module], float] | None = None,
@@ -170,29 +147,17 @@ class Trainer:
         self.state, self.cfg, self.run_dir = state, cfg, Path(run_dir)
         self.con = console or Console(soft_wrap=True)
         self._evaluate_fn, self._config_toml = evaluate, config_toml
-        self.flops_per_unit, self.peak = flops_per_unit, peak_flops
-        self.hardware_flops_per_unit = hardware_flops_per_unit or flops_per_unit  # + recomputation (HFU)
         self.peak_lr = peak_lr or cfg.optim.lr  # optim.lr, or what optim.lr_scaling makes of it (scaled_lr)
-        self.checkpointer = Checkpointer(cfg.checkpoint, self.run_dir,
-                                         warn=lambda msg: self.con.print(msg, highlight=False))
+        self.checkpointer = Checkpointer(cfg.checkpoint, self.run_dir, warn=self._print)
         self.resumed_at: int | None = None  # the step a resume started from: later metrics records are stale
-        self.signal: int | None = None  # a stop signal received (SIGTERM, SIGINT, SIGUSR1): the run ends at a step
-        self._started = self._last_save = time.monotonic()
-        self._max_time = parse_duration(cfg.train.max_time)
-        self._first_save = True
-        tc, sched = cfg.train, cfg.schedule
-        self.budgeted = tc.max_steps == 0
-        self._first = state.step  # a budgeted run resumed before it was sized measures from where it resumed
-        # Until the run is sized its lr must not depend on its length: true of a constant schedule or an explicit
-        # horizon, and of any schedule during its linear warm-up.
-        horizon_free = bool(sched.total_steps) or sched.name == "constant"
-        self._sized_at = self._first + (CALIBRATION_MAX if horizon_free else
-                                        min(CALIBRATION_MAX, max(sched.warmup_steps - self._first, 0)))
-        if self.budgeted and self._sized_at < self._first + CALIBRATION_STEPS:
-            raise ValueError(f"train.max_steps=0 measures steps {self._first + 1}-{self._first + CALIBRATION_STEPS} "
-                             f"before it knows the run's length, so the {sched.name} schedule needs "
-                             f"schedule.warmup_steps ≥ {self._first + CALIBRATION_STEPS} (got {sched.warmup_steps}); "
-                             f"raise it, or set train.max_steps")
+        # The parts of the run, each given its own config section: the clock, the saves (and the stop signal), the
+        # logged window, the evaluations' comparisons.
+        self.budget = TimeBudget(cfg.train, cfg.schedule, first_step=state.step)
+        self.saves = Saves(cfg.checkpoint, self.checkpointer, warn=self._print)
+        self.unit = getattr(state.objective, "unit", "samples")
+        self.metrics = StepMetrics(self.unit, state.device, flops_per_unit=flops_per_unit, peak_flops=peak_flops,
+                                   hardware_flops_per_unit=hardware_flops_per_unit, optim=cfg.optim)
+        self.gap = GapMonitor(cfg.train)
         loader = state.loader
         self.numerics = Numerics(cfg.numerics, cfg.faults, Handles(
             model=state.model, losses=lambda model, batches: micro_batch_losses(model, batches, state.objective,
@@ -204,21 +169,20 @@ class Trainer:
             cfg.log.interval)
         state.numerics = self.numerics
         self.logger: MetricsLogger | None = None
-        # While a budgeted run is measured, any horizon past the warm-up gives the same lr.
-        self.horizon = sched.total_steps or tc.max_steps or 1 << 30
-        self._clock: dict[int, float] = {}  # budgeted run: step -> when it ended (the first one, two after it)
-        self.skipped_total = torch.zeros((), device=state.device)
-        self.window_start, self.window_steps, self.window_units, self.window_busy = time.perf_counter(), 0, 0, 0.0
         self.stop_reason: str | None = None  # set when the run has ended
         self.val_loss: float | None = None
-        self.unit = getattr(state.objective, "unit", "samples")
-        self._train_losses: list[float] = []  # logged since the last evaluation
-        self._gaps: list[tuple[float, float, float]] = []  # (gap, train loss, val loss) per evaluation
-        self._gap_warned = False
         self.losses = LossWatch()  # whether the logged losses ended finite (TrainResult.failure)
         self.callbacks, self.requested_stop, self.val_metrics = Callbacks(callbacks), None, None
         self.events: list[dict] = []  # kind "event" records written when the logger opens (a restart)
         self.stragglers = StragglerWatch(state.world, cfg.parallel, state.model) if hasattr(cfg, "parallel") else None
+
+    def _print(self, message: str) -> None:
+        self.con.print(message, highlight=False)
+
+    @property
+    def signal(self) -> int | None:
+        """The stop signal received (SIGTERM, SIGINT, SIGUSR1), if any: the run ends at a step boundary."""
+        return self.saves.signal
 
     def request_stop(self, reason: str) -> None:
         """End the run at the end of this step (a callback's way out); `reason` becomes the stop reason."""
@@ -270,40 +234,10 @@ class Trainer:
 
     def save_checkpoint(self) -> Path | None:
         text = self._config_toml(self.cfg) if self._config_toml is not None else ""
-        if self._first_save:
-            self._first_save = False
-            self._check_free_space()
-        try:
-            if self.state.world.sharded:
-                path = self.checkpointer.save_sharded(self.state.step, self.state, text)
-            else:
-                path = self.checkpointer.save(self.state.step, self.state.state_dict(), text, self.state.model)
-        except CheckpointWriteError as e:
-            if self.cfg.checkpoint.on_error != "warn":
-                raise
-            self.con.print(f"checkpoint: {e}; training on (checkpoint.on_error=warn)", highlight=False)
-            return None
-        self._last_save = time.monotonic()
-        self.callbacks.checkpoint(self, path)
+        path = self.saves.save(self.state, text, self.run_dir)
+        if path is not None:
+            self.callbacks.checkpoint(self, path)
         return path
-
-    def _check_free_space(self) -> None:
-        """Before the first save: warn when keep_last checkpoints of this size will not fit on the disk."""
-        if not self.state.world.main:
-            return
-        tensors = [*self.state.model.state_dict().values()]
-        tensors += [v for s in self.state.optimizer.state.values() if s  # ZeRO-1 keeps None for others' parameters
-                    for v in s.values() if isinstance(v, torch.Tensor)]
-        size = sum(t.numel() * t.element_size() for t in tensors)
-        size += sum(p.numel() * p.element_size() for p in self.state.model.parameters())  # model.safetensors
-        target = self.checkpointer.dir if self.checkpointer.dir.exists() else self.run_dir
-        target.mkdir(parents=True, exist_ok=True)
-        free = shutil.disk_usage(target).free
-        need = size * (self.cfg.checkpoint.keep_last + 1)  # the kept ones and the one being written
-        if free < need:
-            self.con.print(f"checkpoint: {self.cfg.checkpoint.keep_last} checkpoints of ~{size:,} bytes (and the "
-                           f"one being written) need {need:,} bytes, {free:,} are free on {target}; lower "
-                           f"checkpoint.keep_last or free space", highlight=False)
 
     # -- the loop -----------------------------------------------------------------------------------------
 
@@ -314,16 +248,16 @@ class Trainer:
     def advance(self, until: int) -> str | None:
         """Train up to step `until` (never past train.max_steps); returns why the run ended, or None."""
         self._start()
-        state, numerics, logger = self.state, self.numerics, self.logger
-        self.window_start, self.window_steps, self.window_units, self.window_busy = time.perf_counter(), 0, 0, 0.0
+        state, numerics, logger, metrics, budget = self.state, self.numerics, self.logger, self.metrics, self.budget
+        metrics.restart()
         while self.stop_reason is None and state.step < min(until, self.max_steps):
             cfg = self.cfg
             tc = cfg.train
-            if self.budgeted:
-                self._measure()
+            if budget.budgeted:
+                budget.measure(state.step, state.device)
             if self.stragglers is not None:
                 self.stragglers.step_began()
-            lr = self.peak_lr * lr_factor(cfg.schedule, state.step, self.horizon) * numerics.lr_factor(state.step)
+            lr = self.peak_lr * lr_factor(cfg.schedule, state.step, budget.horizon) * numerics.lr_factor(state.step)
             for group in state.optimizer.param_groups:
                 group["lr"] = lr
             batches = numerics.begin_step(state.step + 1, [state.loader.next() for _ in range(tc.grad_accum_steps)])
@@ -332,16 +266,13 @@ class Trainer:
             result = train_step(state.step_model, batches, state.objective, state.optimizer, state.precision,
                                 state.scaler, cfg.optim, state.masters, numerics.guard,
                                 state.world if state.world.sharded else None, state.adaptive_clip)
-            self.window_busy += time.perf_counter() - began  # CPU: the step's compute, which runs in the call
+            metrics.step_done(units, time.perf_counter() - began, result.skipped)
             if self.stragglers is not None:
                 self.stragglers.step_ended(began)
-            self.skipped_total += result.skipped
             state.step += 1
             state.tokens_seen += units
-            self.window_steps += 1
-            self.window_units += units
             logger.advance(state.step)
-            if self.budgeted and state.step == self._sized_at:
+            if budget.budgeted and state.step == budget.sized_at:
                 self._size_run()
             tc = self.cfg.train
             last = state.step == tc.max_steps
@@ -349,16 +280,14 @@ class Trainer:
             eval_due = (tc.eval_interval and state.step % tc.eval_interval == 0) or last
             # The step boundary: the only place a signal or the clock ends the run (the final save follows).
             stop_now, save_due = self._host_decisions(sync=log_due)
-            checkpoint_due = not last and not stop_now and (
-                (cfg.checkpoint.interval and state.step % cfg.checkpoint.interval == 0) or save_due)
+            checkpoint_due = self.saves.due(state.step, last, stop_now, save_due)
             verdict = None
             if log_due or eval_due or checkpoint_due:
                 # A sync point: numerics reads back the steps since the last one (spikes, NaN/Inf, loss scale)
                 # and, where needed, traces a non-finite step, rolls back to the last good state, or stops.
                 verdict = numerics.review(logger)
                 if verdict.rolled_back:
-                    self.window_start, self.window_steps, self.window_units = time.perf_counter(), 0, 0
-                    self.window_busy = 0.0
+                    metrics.restart()
                     continue
             record = self._log(result, lr) if log_due else {"step": state.step, "lr": lr}
             self.callbacks.step_end(self, record)
@@ -369,7 +298,7 @@ class Trainer:
                 self._run_evaluation(last)
             if checkpoint_due:
                 self.save_checkpoint()
-                self.window_start = time.perf_counter()
+                metrics.restart_clock()
             if stop_now and self.stop_reason is None:
                 self.stop_reason = stop_now
             if self.requested_stop and self.stop_reason is None:
@@ -378,121 +307,47 @@ class Trainer:
             self.stop_reason = "max_steps"
         return self.stop_reason
 
-    def _measure(self) -> None:
-        """Budgeted run, before a step: note when the first step and the two after it ended (device idle)."""
-        if self.state.step in (self._first, self._first + 2):
-            _synchronize(self.state.device)
-            self._clock[self.state.step] = time.perf_counter()
-
     def _size_run(self) -> None:
         """Budgeted run, at the end of its measured steps: fix max_steps from the measured step time."""
-        state, tc = self.state, self.cfg.train
-        _synchronize(state.device)
-        now = time.perf_counter()
-        step_time = (now - self._clock[self._first + 2]) / (state.step - self._first - 2)
-        left = tc.time_budget - (now - self._clock[self._first])
-        floor = max(state.step, self.cfg.schedule.warmup_steps)  # a shorter run would change the warm-up
-        steps = state.world.broadcast_object(max(floor, state.step + int(left / step_time)))  # rank 0 decides
-        self.cfg = replace(self.cfg, train=replace(tc, max_steps=steps))
-        self.budgeted = False
-        self.horizon = self.cfg.schedule.total_steps or steps
+        steps, message = self.budget.size(self.state)
+        self.cfg = replace(self.cfg, train=replace(self.cfg.train, max_steps=steps))
         self.logger.set_total(steps)
         self._write_config()
-        self.logger.print(f"max_steps {steps:,}: train.time_budget {tc.time_budget:g} s at {step_time:.3f} s/step "
-                          f"(steps {self._first + 3}-{state.step} on this {state.device.type}); "
-                          f"--train.max_steps={steps} repeats this run exactly", highlight=False)
+        self.logger.print(message, highlight=False)
 
     def _log(self, result: StepResult, lr: float) -> dict:
-        state = self.state
-        # The one host-device transfer per log interval.
-        threshold = result.clip_threshold if result.clip_threshold is not None else result.grad_norm.new_tensor(
-            self.cfg.optim.grad_clip if self.cfg.optim.clip_mode == "norm" else math.nan)
-        loss, grad_norm, skipped, scale, threshold = torch.stack([
-            result.loss.double(), result.grad_norm.double(), self.skipped_total.double(), state.scaler.scale.double(),
-            threshold.double()]).tolist()
-        self._train_losses.append(loss)  # the evaluation's gap compares against these
-        self.losses.observe(state.step, loss)
-        elapsed = time.perf_counter() - self.window_start
-        rate = self.window_units * state.world.dp_size / elapsed  # global: every data-parallel copy served as many
-        # per device: the global rate shared by the ranks; a measured peak the model beat is raised to its rate
-        mfu, hfu, peak = utilisation(self.flops_per_unit or 0.0, self.hardware_flops_per_unit or 0.0,
-                                     rate / state.world.size, self.peak)
-        record = {
-            "step": state.step, "loss": loss, "lr": lr, "grad_norm": grad_norm,
-            # the global-norm threshold in force (norm: optim.grad_clip; adaptive: this step's percentile)
-            "clip_threshold": threshold if math.isfinite(threshold) and threshold > 0 else None,
-            f"{self.unit}_per_s": rate, "step_time_s": elapsed / self.window_steps,
-            f"{self.unit}_seen": state.tokens_seen * state.world.dp_size,
-            "peak_mem_bytes": peak_memory_bytes(state.device),
-            "mfu": mfu if self.flops_per_unit else None, "hfu": hfu if self.flops_per_unit else None,
-            "mfu_peak_flops": peak if self.flops_per_unit else None,  # the peak this record's MFU divides by
-            "skipped_steps": int(skipped), "loss_scale": scale if state.scaler.enabled else None,
-            # ddp, zero1: seconds per step the gradient all-reduces were in flight (overlapping the backward)
-            "comm_s": state.world.comm.take() / self.window_steps if state.world.comm is not None else None,
-            "utilisation": self._utilisation(elapsed),
-            **moe_metrics(state.model),  # a mixture of experts: moe_aux_loss, moe_load_max, moe_load_min
-        }
+        """The train record of this log interval, logged; returns its known values (for the callbacks)."""
+        record = self.metrics.record(result, lr, self.state)
+        self.gap.observe(record["loss"])  # the evaluation's gap compares against these
+        self.losses.observe(self.state.step, record["loss"])
         self.logger.log(record, kind="train")
         if self.stragglers is not None:  # every rank's compute time per step, gathered: a slow rank is named
-            self.stragglers.observe(state.step, self.logger, self.con)
-        self.window_start, self.window_steps, self.window_units, self.window_busy = time.perf_counter(), 0, 0, 0.0
+            self.stragglers.observe(self.state.step, self.logger, self.con)
+        self.metrics.restart()
         return {k: v for k, v in record.items() if v is not None}
-
-    def _utilisation(self, elapsed: float) -> float | None:
-        """How busy the device was over the log interval: on CUDA NVML's busy share (torch.cuda.utilization,
-        when pynvml is installed); on a CPU the share of the interval spent inside the steps (forward, backward,
-        optimizer), the rest being data, logging and everything else between them."""
-        device = self.state.device
-        if device.type == "cuda":
-            try:
-                return torch.cuda.utilization(device) / 100
-            except Exception:  # no NVML here: better no number than the host's launch time, which is not busy time
-                return None
-        return min(1.0, self.window_busy / elapsed) if elapsed > 0 else None
 
     def _run_evaluation(self, last: bool) -> None:
         if self._evaluate_fn is None:
             return
-        state, tc = self.state, self.cfg.train
+        state = self.state
         self.val_loss = self._evaluate_fn(state.model)
         if isinstance(self.val_loss, dict):  # fit(metrics=...) or a data mixture: {"val_loss": ..., "val_<name>": ...}
             self.val_metrics = {k: v for k, v in self.val_loss.items() if k != "val_loss"}
             self.val_loss = self.val_loss["val_loss"]
         record = {"step": state.step, **(self.val_metrics or {}), "val_loss": self.val_loss}
-        if self._train_losses and all(math.isfinite(x) for x in self._train_losses):
-            record["train_loss"] = sum(self._train_losses) / len(self._train_losses)  # logged since the last eval
-            record["gap"] = self.val_loss - record["train_loss"]
-            self._watch_gap(record)
-        self._train_losses = []
+        warning = self.gap.compare(record)  # train_loss, gap
+        if warning is not None:
+            self._print(warning)
+            self.logger.log({"step": state.step, "event": "overfitting", "gap": record["gap"], "message": warning},
+                            kind="numerics")
         if self.unit == "tokens":
             record["val_ppl"] = math.exp(min(self.val_loss, 50))
         self.logger.log(record, kind="eval")
         self.callbacks.eval(self, record)
-        if self.val_loss < state.best_val - tc.early_stop_min_delta:
-            state.best_val, state.evals_since_best = self.val_loss, 0
-        else:
-            state.evals_since_best += 1
-        self.window_start = time.perf_counter()  # evaluation time is not training throughput
-        if tc.early_stop_patience and state.evals_since_best >= tc.early_stop_patience and not last:
-            self.stop_reason = f"early stop: no val improvement in {tc.early_stop_patience} evaluations"
-
-    def _watch_gap(self, record: dict) -> None:
-        """Warn once when the generalisation gap grew train.gap_patience evaluations in a row while the training
-        loss fell: the model is learning its training data rather than the task."""
-        k = self.cfg.train.gap_patience
-        self._gaps.append((record["gap"], record["train_loss"], record["val_loss"]))
-        if not k or self._gap_warned or len(self._gaps) <= k:
-            return
-        recent = self._gaps[-(k + 1):]
-        if all(b[0] > a[0] and b[1] < a[1] for a, b in zip(recent, recent[1:])):
-            self._gap_warned = True
-            rise = recent[-1][2] - recent[0][2]
-            message = (f"overfitting: the gap val − train grew {recent[0][0]:.3f} → {recent[-1][0]:.3f} over {k} "
-                       f"evaluations while train loss fell (val loss {rise:+.3f}); consider more data, dropout "
-                       f"(model.dropout), or early stopping (train.early_stop_patience)")
-            self.con.print(message, highlight=False)
-            self.logger.log({"step": self.state.step, "event": "overfitting", "gap": recent[-1][0],
-                             "message": message}, kind="numerics")
+        stop = self.gap.early_stop(state, self.val_loss, last)
+        self.metrics.restart_clock()  # evaluation time is not training throughput
+        if stop is not None:
+            self.stop_reason = stop
 
     def _host_decisions(self, sync: bool) -> tuple[str | None, bool]:
         """(why to stop after this step, whether to save by the wall clock), from what only the host knows: a stop
@@ -502,43 +357,24 @@ class Trainer:
         world = self.state.world
         if world.size > 1 and not sync:
             return None, False
-        now, every = time.monotonic(), self.cfg.checkpoint.every_minutes
-        flags = [float(self.signal or 0), float(self._max_time is not None and now - self._started >= self._max_time),
-                 float(bool(every) and now - self._last_save >= 60 * every)]
+        now = time.monotonic()
+        flags = [float(self.saves.signal or 0), float(self.budget.out_of_time(now)), float(self.saves.clock_due(now))]
         if world.size > 1:
             reduced = torch.tensor(flags, device=self.state.device)
             world.all_reduce(reduced, op=torch.distributed.ReduceOp.MAX)
             flags = reduced.tolist()
         signalled, out_of_time, save_due = flags
         if signalled:
-            self.signal = self.signal or int(signalled)
-            return f"signal {signal.Signals(self.signal).name}", False
+            self.saves.signal = self.saves.signal or int(signalled)
+            return f"signal {signal.Signals(self.saves.signal).name}", False
         if out_of_time:
             return f"max_time: train.max_time={self.cfg.train.max_time} reached", False
         return None, bool(save_due)
 
-    @contextlib.contextmanager
-    def _stop_signals(self):
-        """SIGTERM, SIGINT, SIGUSR1 (what schedulers send before a kill) end the run at the next step boundary
-        with a checkpoint; a second SIGINT stops at once."""
-        def handler(signum, frame):
-            if self.signal is not None and signum == signal.SIGINT:
-                raise KeyboardInterrupt
-            self.signal = signum
-        if threading.current_thread() is not threading.main_thread():
-            yield  # signals reach the main thread only; a loop run elsewhere keeps the handlers it has
-            return
-        previous = {s: signal.signal(s, handler) for s in STOP_SIGNALS}
-        try:
-            yield
-        finally:
-            for s, h in previous.items():
-                signal.signal(s, h)
-
     def run(self) -> TrainResult:
         """Train to the end (or a stop signal), save the final checkpoint, close everything."""
         try:
-            with self._stop_signals(), collective_errors(self.state.world, lambda: self.state.step):
+            with self.saves.stop_signals(), collective_errors(self.state.world, lambda: self.state.step):
                 stop_reason = self.advance(self.max_steps)
                 path = self.save_checkpoint()
                 self.checkpointer.wait()  # checkpoint.async_save: the last save is on disk before the run ends

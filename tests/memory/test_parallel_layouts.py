@@ -14,7 +14,7 @@ from kiln.cli.main import main
 from kiln.config import load_config
 from kiln.memory.devices import get_device
 from kiln.memory.estimate import Target, estimate, local_parameter_shapes, parameter_shapes, saved_tensors
-from kiln.memory.levers import for_rank, make_job, rank_jobs, resolved_model
+from kiln.memory.levers import for_rank, rank_jobs, resolved_model
 from kiln.memory.planner import INTERCONNECTS, bubble_fraction, model_parallel_comm, search, step_time
 from kiln.models import build_model, family
 from kiln.parallel import ParallelConfig, init_world

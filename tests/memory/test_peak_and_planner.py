@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from kiln.cli.main import main
-from kiln.config import apply_overrides, load_config
+from kiln.config import apply_overrides, checked, load_config
 from kiln.memory.devices import get_device
 from kiln.memory.estimate import COMPONENTS, estimate, parse_bytes, peak_allocated
 from kiln.memory.levers import job_for
@@ -61,6 +61,10 @@ def test_planner_best_fits_and_is_fastest():
     # the planner's own estimate of its choice agrees with estimating the overridden config from scratch
     again = estimate(job_for(apply_overrides(cfg, plan.best.overrides), get_device("H100")))
     assert again.total_bytes == plan.best.total_bytes
+    # the typed application (what --plan.memory trains) and the flags a user types give the same config
+    assert len({c.choice.chunked_loss for c in plan.candidates}) > 1 and len(plan.candidates) > 10
+    for c in plan.candidates:
+        assert checked(c.choice.on(cfg)) == apply_overrides(cfg, c.overrides), c.choice
     # a tighter budget forces a slower plan
     tight = search(cfg, get_device("H100"), parse_bytes("6GiB"))
     assert tight.best is not None and tight.best.step_s >= plan.best.step_s

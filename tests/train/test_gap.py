@@ -4,14 +4,14 @@ import json
 from types import SimpleNamespace
 
 import pytest
-from rich.console import Console
 
 from kiln.run.lm import train
-from kiln.train.loop import Trainer
+from kiln.train.gap import GapMonitor
 
 
 def test_every_evaluation_logs_the_gap_to_the_train_losses_since_the_last(small_config, tmp_path):
-    train(small_config(train={"max_steps": 9, "eval_interval": 3}, log={"interval": 1}), tmp_path / "run")
+    train(small_config(train={"max_steps": 9, "eval_interval": 3, "gap_patience": 1}, log={"interval": 1}),
+          tmp_path / "run")
     records = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     evals = [r for r in records if r["kind"] == "eval"]
     assert [r["step"] for r in evals] == [3, 6, 9]
@@ -19,17 +19,17 @@ def test_every_evaluation_logs_the_gap_to_the_train_losses_since_the_last(small_
         window = [r["loss"] for r in records if r["kind"] == "train" and e["step"] - 3 < r["step"] <= e["step"]]
         assert e["train_loss"] == pytest.approx(sum(window) / 3, rel=1e-12)
         assert e["gap"] == pytest.approx(e["val_loss"] - e["train_loss"], rel=1e-12)
-
-
-class _Log(list):
-    def log(self, record, kind):
-        self.append((kind, record))
+    # gap_patience=1: the warning is logged, once, at the first evaluation whose gap grew while train loss fell
+    grew = [b["step"] for a, b in zip(evals, evals[1:]) if b["gap"] > a["gap"] and b["train_loss"] < a["train_loss"]]
+    warned = [r for r in records if r["kind"] == "numerics" and r.get("event") == "overfitting"]
+    assert grew and [r["step"] for r in warned] == grew[:1]  # this run's gap grows at step 6 (3 → 6)
+    first = next(e for e in evals if e["step"] == grew[0])
+    assert warned[0]["gap"] == first["gap"] and "grew" in warned[0]["message"] and "over 1 evaluations" in \
+        warned[0]["message"]
 
 
 def _watcher(patience):
-    console = Console(record=True, width=300)
-    return SimpleNamespace(cfg=SimpleNamespace(train=SimpleNamespace(gap_patience=patience)), _gaps=[],
-                           _gap_warned=False, con=console, logger=_Log(), state=SimpleNamespace(step=0))
+    return GapMonitor(SimpleNamespace(gap_patience=patience, early_stop_patience=0, early_stop_min_delta=0.0))
 
 
 @pytest.mark.parametrize("curve, warned", [
@@ -40,18 +40,21 @@ def _watcher(patience):
 ])
 def test_the_overfitting_warning_fires_once_on_k_growths_in_a_row(curve, warned):
     w = _watcher(3)
+    warnings = {}
     for step, (train_loss, val_loss) in enumerate(curve + ([(1.2, 2.2), (1.0, 2.3)] if warned else []), 1):
-        w.state.step = step
-        Trainer._watch_gap(w, {"train_loss": train_loss, "val_loss": val_loss, "gap": val_loss - train_loss})
-    events = [r for kind, r in w.logger if kind == "numerics"]
-    assert len(events) == (1 if warned else 0)
+        w.observe(train_loss)
+        message = w.compare({"val_loss": val_loss})
+        if message is not None:
+            warnings[step] = message
+    assert list(warnings) == ([4] if warned else [])
     if warned:
-        assert events[0]["step"] == 4 and "train.early_stop_patience" in events[0]["message"]
-        assert "overfitting: the gap val − train grew 0.000 → 0.700 over 3 evaluations" in w.con.export_text()
+        assert "train.early_stop_patience" in warnings[4]
+        assert "overfitting: the gap val − train grew 0.000 → 0.700 over 3 evaluations" in warnings[4]
 
 
 def test_gap_patience_zero_never_warns():
     w = _watcher(0)
-    for step, (t, v) in enumerate([(2.0, 2.0), (1.5, 2.5), (1.0, 3.0), (0.5, 3.5), (0.1, 4.0)], 1):
-        Trainer._watch_gap(w, {"train_loss": t, "val_loss": v, "gap": v - t})
-    assert w.logger == []
+    for t, v in [(2.0, 2.0), (1.5, 2.5), (1.0, 3.0), (0.5, 3.5), (0.1, 4.0)]:
+        w.observe(t)
+        assert w.compare({"val_loss": v}) is None
+

@@ -10,7 +10,7 @@ from rich.console import Console
 
 from kiln.config import ConfigError, load_config
 from kiln.run.lm import train
-from kiln.train.loop import CALIBRATION_MAX, CALIBRATION_STEPS
+from kiln.train.budget import CALIBRATION_MAX, CALIBRATION_STEPS
 
 
 def _train(cfg, run_dir):

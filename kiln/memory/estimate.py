@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 
 from kiln.models.config import ModelConfig
 from kiln.models.registry import family
+from kiln.parallel.strategy import Strategy, strategy
 
 KiB, MiB, GiB = 1024, 1024**2, 1024**3
 _UNITS = {"": 1, "b": 1, "k": 1e3, "kb": 1e3, "m": 1e6, "mb": 1e6, "g": 1e9, "gb": 1e9, "t": 1e12, "tb": 1e12,
@@ -169,8 +170,13 @@ class Job:
     virtual_stages: int = 1  # model chunks per pipeline rank (interleaved_1f1b: 2)
 
     @property
+    def dp_strategy(self) -> Strategy:
+        """What `parallel` does to the model state of the `world` ranks (kiln.parallel.strategy)."""
+        return strategy(self.parallel)
+
+    @property
     def num(self) -> Numerics:
-        if self.parallel == "fsdp" and self.precision == "bf16":
+        if self.dp_strategy.shards_parameters and self.precision == "bf16":
             return FSDP_BF16
         return NUMERICS[self.precision]
 
@@ -319,9 +325,10 @@ def rank_state(job: "Job") -> dict[str, int]:
     n = sum(numels)
     state = {"parameters": n * num.param, "gradients": n * num.grad,
              "optimizer_states": optimizer_state_bytes(numels, job.optimizer, job.sgd_momentum)}
-    if W == 1 or job.parallel in ("none", "ddp"):
+    data = job.dp_strategy
+    if W == 1 or not data.shards_optimizer:
         return state
-    if job.parallel == "zero1":
+    if data.zero_optimizer:
         decayed = [i for i, (name, shape) in enumerate(shapes) if len(shape) >= 2 and "embed" not in name]
         rest = [i for i in range(len(shapes)) if i not in set(decayed)]
         sizes, mine = [0] * W, []
@@ -720,7 +727,7 @@ def block_flops(cfg: ModelConfig, B: int, T: int, causal_kernel: bool) -> tuple[
 def grad_shares(job: Job) -> dict:
     """Gradient elements one rank keeps per part of the model (block index, "embed", "pos_embed", "norm", "head"):
     everything under DDP and ZeRO-1; under FSDP2 each parameter's padded shard, ceil(dim0 / world) rows."""
-    fsdp, W = job.parallel == "fsdp" and job.world > 1, job.world
+    fsdp, W = job.dp_strategy.shards_parameters and job.world > 1, job.world
     out: dict = {"embed": 0, "pos_embed": 0, "norm": 0, "head": 0}
     for name, shape in local_parameter_shapes(job):
         key = int(name.split(".")[1]) if name.startswith("blocks.") else name.split(".")[0]
@@ -768,9 +775,10 @@ class CommBuffers:
 def _comm_buffers(job: Job, block_params: dict) -> CommBuffers:
     W, num = job.world, job.num
     element = num.gathered or num.param
-    if job.parallel == "none" or (W == 1 and (job.parallel != "fsdp" or element == num.param)):
+    data = job.dp_strategy
+    if not data.reduces or (W == 1 and (not data.shards_parameters or element == num.param)):
         return CommBuffers()
-    if job.parallel in ("ddp", "zero1"):
+    if data.ddp_reducer:
         return CommBuffers(persistent=sum(block_params.values()) * num.grad)
     blocks = range(job.model.n_layer)
     # The reduce-scatter input is fp32 (reduce_dtype), 4 bytes an element, beside one more fp32 copy of the block's

@@ -34,6 +34,7 @@ import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
 from kiln.parallel.layout import ParallelPlan
+from kiln.parallel.strategy import strategy as dp_strategy
 from kiln.parallel.tensor import apply_tensor_parallel, canonical, fused_rows
 
 # parallel.pp_schedule -> torch.distributed.pipelining's schedule class
@@ -96,7 +97,7 @@ class PipelineModel(nn.Module):
             raise ValueError(f"parallel.tp={plan.tp} × parallel.pp={plan.pp} with {plan.dp} data-parallel copies is "
                              f"not built (each stage's DTensor parameters would need FSDP2's replicate under the "
                              f"schedule): launch tp × pp = {plan.tp * plan.pp} processes, or drop tp or pp")
-        if strategy not in ("none", "ddp"):
+        if dp_strategy(strategy).shards_optimizer:
             raise ValueError(f"parallel.pp with parallel.strategy={strategy} is not built: use --parallel.strategy="
                              f"ddp for the data-parallel copies of each stage (none when there is one copy)")
         self.plan, self.coords = plan, plan.coords(rank)

@@ -313,25 +313,42 @@ def parallelize(model: nn.Module, cfg: ParallelConfig, world: World, device: tor
         world.comm = CommTimer()
         ddp.register_comm_hook(world.comm, _timed_allreduce)
         return ddp
-    from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard  # lazy: fsdp only
+    if not data.shards_parameters:  # ddp with tp: every rank of a dp group keeps whole (TP-split) parameters
+        from torch.distributed._composable.replicate_with_fsdp import replicate  # lazy: ddp × tp only
+
+        replicate(model, mesh=dp_mesh, **fsdp_options(cfg, param_dtype, replicated=True))
+        return model
+    shard_blocks(model, getattr(model, "blocks", ()), dp_mesh, fsdp_options(cfg, param_dtype))
+    return model
+
+
+def fsdp_options(cfg: ParallelConfig, param_dtype: torch.dtype | None = None, replicated: bool = False) -> dict:
+    """FSDP2's keyword arguments for the `parallel` section: bf16 autocast runs gather bf16 parameters and reduce
+    fp32 gradients (MixedPrecisionPolicy); replicated (FSDP2's replicate, ddp × tp) takes that policy only."""
+    from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy  # lazy: fsdp only
 
     kw = {}
     if param_dtype is not None:
         kw["mp_policy"] = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32)
-    if not data.shards_parameters:  # ddp with tp: every rank of a dp group keeps whole (TP-split) parameters
-        from torch.distributed._composable.replicate_with_fsdp import replicate  # lazy: ddp × tp only
-
-        replicate(model, mesh=dp_mesh, **kw)
-        return model
+    if replicated:
+        return kw
     kw["reshard_after_forward"] = cfg.reshard_after_forward
     if cfg.cpu_offload:
         kw["offload_policy"] = CPUOffloadPolicy()
-    if dp_mesh is not None:
-        kw["mesh"] = dp_mesh
-    for block in getattr(model, "blocks", ()):
+    return kw
+
+
+def shard_blocks(root: nn.Module, blocks, mesh, options: dict, keep_root: bool = False) -> None:
+    """fully_shard on every transformer block and then on the root (whatever parameters are left: embeddings,
+    norm, head), so each block's parameters are gathered just before it runs. mesh: the dp dim (None: every rank).
+    keep_root: the root's parameters stay gathered from its forward to the end of the backward (a pipeline stage,
+    whose head is applied by the loss, outside the forward)."""
+    from torch.distributed.fsdp import fully_shard  # lazy: fsdp only
+
+    kw = options | ({"mesh": mesh} if mesh is not None else {})
+    for block in blocks:
         fully_shard(block, **kw)
-    fully_shard(model, **kw)
-    return model
+    fully_shard(root, **(kw | ({"reshard_after_forward": False} if keep_root else {})))
 
 
 @contextlib.contextmanager

@@ -119,6 +119,10 @@ class ParallelPlan:
         if tp > 1 and data.refuses_tp:
             raise ValueError(f"parallel.strategy={data.name} {data.refuses_tp} with parallel.tp={tp}: use "
                              f"--parallel.strategy=fsdp or ddp")
+        if pp > 1 and data.zero_optimizer:
+            raise ValueError(f"parallel.pp with parallel.strategy={data.name} is not built (ZeroRedundancyOptimizer's "
+                             f"state would need one consolidated checkpoint per stage): use --parallel.strategy=fsdp "
+                             f"or ddp")
         if cfg.pp_schedule not in PP_SCHEDULES:
             raise ValueError(f"parallel.pp_schedule={cfg.pp_schedule!r} is unknown; use one of {PP_SCHEDULES}")
         virtual = 2 if cfg.pp_schedule == "interleaved_1f1b" and pp > 1 else 1

@@ -15,8 +15,13 @@ whichever rank holds block 3), so a checkpoint of any layout loads into any othe
 Tied embeddings (GPT-2: head weight = embedding weight): the first and the last stage each hold the weight; after
 the backward their gradients are summed over a group of those two ranks, so both copies take the same update.
 
-Data parallelism composes as DDP over the mesh's dp dim, one DDP per stage module (torch's PipelineStage syncs
-gradients on the last micro-batch only).
+Data parallelism composes over the mesh's dp dim, per stage module: DDP (parallel.strategy=ddp) or FSDP2
+(parallel.strategy=fsdp: fully_shard on each of the stage's blocks, then on the stage for its embeddings, norm and
+head, as torchtitan composes them). torch's PipelineStage reduces the gradients once, after the last micro-batch's
+backward (DDP's reducer readied by hand; FSDP2's reduce-scatter run by the schedule's post-backward). The loss
+runs outside the stage's forward (it applies the head, fused or chunked), so the last stage's head weight is the
+gathered one: the stage (FSDP2's root of its group) keeps its own parameters gathered from its forward to the end
+of the step's backward. ZeRO-1 is refused by ParallelPlan.build.
 
 Tensor parallelism composes inside each stage (tp × pp with one data-parallel copy): kiln.parallel.tensor splits the
 whole model over mesh["tp"] first, then it is split into stages; the stages pass plain tensors (the full hidden
@@ -33,8 +38,8 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
+from kiln.parallel import shard_blocks
 from kiln.parallel.layout import ParallelPlan
-from kiln.parallel.strategy import strategy as dp_strategy
 from kiln.parallel.tensor import apply_tensor_parallel, canonical, fused_rows
 
 # parallel.pp_schedule -> torch.distributed.pipelining's schedule class
@@ -87,8 +92,9 @@ class PipelineModel(nn.Module):
     """This rank's part of a Transformer: the parts of its stages under their full-model names (what the optimizer,
     state_dict and DCP see), the stage modules and the schedule that runs them."""
 
-    def __init__(self, model: nn.Module, plan: ParallelPlan, rank: int, device: torch.device, strategy: str = "none",
-                 mesh=None):
+    def __init__(self, model: nn.Module, plan: ParallelPlan, rank: int, device: torch.device, mesh=None,
+                 fsdp: dict | None = None):
+        """fsdp: fully_shard's options under parallel.strategy=fsdp (kiln.parallel.fsdp_options)."""
         super().__init__()
         if getattr(model, "moe", None):
             raise ValueError("parallel.pp with a mixture of experts is not built (its load-balancing loss spans the "
@@ -97,9 +103,6 @@ class PipelineModel(nn.Module):
             raise ValueError(f"parallel.tp={plan.tp} × parallel.pp={plan.pp} with {plan.dp} data-parallel copies is "
                              f"not built (each stage's DTensor parameters would need FSDP2's replicate under the "
                              f"schedule): launch tp × pp = {plan.tp * plan.pp} processes, or drop tp or pp")
-        if dp_strategy(strategy).shards_optimizer:
-            raise ValueError(f"parallel.pp with parallel.strategy={strategy} is not built: use --parallel.strategy="
-                             f"ddp for the data-parallel copies of each stage (none when there is one copy)")
         self.plan, self.coords = plan, plan.coords(rank)
         mesh = mesh if mesh is not None else plan.device_mesh(device.type)
         if plan.tp > 1:  # torchtitan's order: tensor parallel on the whole model, then the split into stages
@@ -123,7 +126,8 @@ class PipelineModel(nn.Module):
         self.tied = model.head is None
         self.tie_group = _tie_group(plan, rank) if self.tied else None
         self.dp = plan.dp
-        wrapped = [self._data_parallel(st, device, strategy) for st in self.stages]
+        self.dp_mesh = mesh["dp"]
+        wrapped = [self._data_parallel(st, device, fsdp or {}) for st in self.stages]
         self.device = device
         pipelining = _pipelining()
         self._stages = [pipelining.PipelineStage(w, s, n_stages, device, group=self.pp_group)
@@ -135,8 +139,11 @@ class PipelineModel(nn.Module):
         self._sums: list[torch.Tensor] = []  # the last stage's micro-batch losses (sum over tokens / count)
         self._step_args = None  # (count, scale_loss) of the step being run
 
-    def _data_parallel(self, stage: Stage, device, strategy: str) -> nn.Module:
+    def _data_parallel(self, stage: Stage, device, fsdp: dict) -> nn.Module:
         if self.plan.dp == 1:
+            return stage
+        if self.plan.dp_strategy.shards_parameters:  # the stage itself becomes the FSDP2 module (in place)
+            shard_blocks(stage, stage.blocks.values(), self.dp_mesh, fsdp, keep_root=True)
             return stage
         ids = [device.index] if device.type == "cuda" else None
         ddp = nn.parallel.DistributedDataParallel(stage, device_ids=ids, process_group=self.dp_group)

@@ -18,6 +18,9 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from kiln.memory.devices import get_device
+from kiln.memory.estimate import rank_state
+from kiln.memory.levers import rank_jobs
 from kiln.models import ModelConfig, build_model
 from kiln.models.registry import family
 from kiln.parallel import ParallelConfig
@@ -33,8 +36,7 @@ ATOL = 1e-5  # weights: AdamW divides by sqrt(v), so where a gradient is ~0 its 
 
 @pytest.fixture(scope="module")
 def single(tmp_path_factory, source, kiln_cache):
-    """The one-process references, and a one-process run of 3 steps (DCP, strategy ddp in a world of one) that the
-    launch resumes under pp."""
+    """The one-process references."""
     out = tmp_path_factory.mktemp("pp-single")
     for name, kw in (("gpt2", {}), ("llama", {"arch": "llama"}), ("gpt2_4", {"n_layer": 4})):
         pp_run(pp_config(source, **kw), out / name)
@@ -72,9 +74,11 @@ def assert_same_weights(got: Path, want: Path):
         torch.testing.assert_close(a[key], b[key], rtol=RTOL, atol=ATOL, msg=key)
 
 
-@pytest.mark.parametrize("arch", ["gpt2", "llama"])
-def test_pp2_dp2_1f1b_trains_as_one_process(pp_launched, single, arch):
-    run = pp_launched / f"pp2dp2_{arch}"
+@pytest.mark.parametrize("strategy, arch", [("ddp", "gpt2"), ("fsdp", "gpt2"), ("fsdp", "llama")])
+def test_pp2_dp2_1f1b_trains_as_one_process(pp_launched, single, strategy, arch):
+    """Each stage's data-parallel copies under DDP, or FSDP2 (the stage's blocks and then the stage sharded over dp;
+    GPT-2's tied embedding sharded on both ends and its two gradients summed shard by shard)."""
+    run = pp_launched / f"pp2dp2_{strategy}_{arch}"
     assert_same_curve(run, single / arch)
     assert_same_weights(run, single / arch)
     got, want = records(run, "eval")[-1]["val_loss"], records(single / arch, "eval")[-1]["val_loss"]
@@ -99,13 +103,18 @@ def test_interleaved_and_gpipe_on_four_blocks(pp_launched, single, run):
     assert_same_weights(pp_launched / run, single / "gpt2_4")
 
 
-def test_resharded_resume_continues_the_curve(pp_launched, single, source):
-    """One process (3 steps) → pp2 × dp2 (to 6), and pp2 × dp2 (3 steps) → one process (to 6): DCP by full names."""
+def test_resharded_resume_continues_the_curve(pp_launched, single, source, tmp_path):
+    """One process (3 steps) → pp2 × dp2 fsdp (to 6), and pp2 × dp2 fsdp (saved at step 3) → one process (to 6): DCP
+    by full names, from and into FSDP2's shards of each stage."""
     assert_same_curve(pp_launched / "from_one", single / "gpt2", resumed=True)
     assert_same_weights(pp_launched / "from_one", single / "gpt2")
-    pp_run(pp_config(source, strategy="ddp"), pp_launched / "to_one", resume=True)
-    assert_same_curve(pp_launched / "to_one", single / "gpt2", resumed=True)
-    assert_same_weights(pp_launched / "to_one", single / "gpt2")
+    run = tmp_path / "to_one"
+    shutil.copytree(pp_launched / "pp2dp2_fsdp_gpt2", run)
+    shutil.rmtree(run / "checkpoints" / "step_000006")
+    (run / "checkpoints" / "latest").write_text("step_000003\n")
+    pp_run(pp_config(source, strategy="ddp"), run, resume=True)
+    assert_same_curve(run, single / "gpt2", resumed=True)
+    assert_same_weights(run, single / "gpt2")
 
 
 def stage_bytes(arch: str, tp: int) -> tuple[list[int], int]:
@@ -130,6 +139,21 @@ def stage_bytes(arch: str, tp: int) -> tuple[list[int], int]:
             for s in owners:
                 stages[s] += 4 * p.numel()
     return stages, whole
+
+
+@pytest.mark.parametrize("arch", ["gpt2", "llama"])
+def test_fsdp_stage_bytes_are_the_estimators(pp_launched, arch):
+    """pp2 × dp2 under FSDP2: every rank's parameter bytes as held (the layout event) are what the estimator predicts
+    for its stage (kiln memory --ranks 4 --parallel.pp=2 --parallel.strategy=fsdp), and that is half of the stage's
+    bytes split by hand (each weight's rows over the 2 copies: every first dim here is even)."""
+    (event,) = [e for e in records(pp_launched / f"pp2dp2_fsdp_{arch}", "event") if e["event"] == "layout"]
+    cfg = pp_config("", arch=arch, pp=2, dp=2, strategy="fsdp")
+    cfg.model.vocab_size = 256  # the byte tokenizer's
+    plan, jobs = rank_jobs(cfg, get_device("H100"), 4)
+    predicted = [rank_state(jobs[plan.coords(r)["pp"]])["parameters"] for r in range(4)]
+    assert event["param_bytes_per_rank"] == predicted
+    (first, last), _ = stage_bytes(arch, tp=1)
+    assert predicted == [first // 2, first // 2, last // 2, last // 2]
 
 
 @pytest.mark.parametrize("arch", ["gpt2", "llama"])
@@ -179,17 +203,17 @@ def test_bad_layouts_are_one_line_errors():
         (ParallelConfig(pp=2, pp_microbatches=1), 2, {"batch_sequences": 4}, "needs at least 2 pipeline micro"),
         (ParallelConfig(pp=2), 3, {}, "3 processes do not divide into"),
         (ParallelConfig(pp=2, pp_schedule="zb"), 2, {}, "pp_schedule='zb' is unknown"),
+        (ParallelConfig(pp=2, strategy="zero1"), 4, {}, "parallel.pp with parallel.strategy=zero1 is not built"),
     ]
     for cfg, world, kw, message in cases:
         with pytest.raises(ValueError, match=message) as e:
             ParallelPlan.build(cfg, world, model, **kw)
         assert "\n" not in str(e.value)
     refused = [
-        (ParallelConfig(pp=2, strategy="fsdp"), 4, "parallel.pp with parallel.strategy=fsdp is not built: use"),
         (ParallelConfig(pp=2, tp=2, strategy="fsdp"), 8, "with 2 data-parallel copies is not built .*: launch tp × pp"),
     ]
     for cfg, world, message in refused:
         plan = ParallelPlan.build(cfg, world, model, batch_sequences=4)
         with pytest.raises(ValueError, match=message) as e:
-            PipelineModel(build_model(model, "cpu"), plan, 0, torch.device("cpu"), cfg.strategy)
+            PipelineModel(build_model(model, "cpu"), plan, 0, torch.device("cpu"))
         assert "\n" not in str(e.value)

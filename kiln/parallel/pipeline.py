@@ -6,7 +6,9 @@ ScheduleInterleaved1F1B). No send/recv of our own: the schedule moves activation
     loss = pipe.train_step(x, y, count, scale_loss, autocast)   the schedule's forward and backward of one step
     total, count = pipe.evaluate_batch(x, y, autocast)  forward only (the schedule's eval path)
     pipe.grad_norm(params)                            the global gradient norm over every stage
-    pipe.full_state_dict()                            every stage's weights gathered on rank 0 (export)
+    pipe.full_state_dict()                            every stage's weights gathered on rank 0 (export, sampling)
+    pipe.whole_model()                                a plain Transformer on each copy's first pipeline rank (the
+                                                      NaN trace's replay, which hooks the model in one piece)
 
 Stage s holds blocks plan.stage_layers(n_layer)[s]; the first also the embeddings (and the position table), the
 last the final norm, the head and the loss. The parts keep their full-model names (blocks.3.attn.qkv.weight on
@@ -38,6 +40,7 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
+from kiln.models import build_model
 from kiln.parallel import shard_blocks
 from kiln.parallel.layout import ParallelPlan
 from kiln.parallel.tensor import apply_tensor_parallel, canonical, fused_rows
@@ -155,8 +158,8 @@ class PipelineModel(nn.Module):
 
     def forward(self, *args, **kwargs):
         raise ValueError("a pipeline-parallel model runs through its schedule (PipelineModel.train_step, "
-                         "evaluate_batch), not in one piece; this use of the model (the NaN trace's replay, "
-                         "sampling) is not built under parallel.pp: turn it off (--numerics.trace=false) or run pp=1")
+                         "evaluate_batch), not in one piece: gather it first (PipelineModel.whole_model, or "
+                         "full_state_dict into a model built on one rank)")
 
     @property
     def duplicate(self) -> nn.Parameter | None:
@@ -258,9 +261,10 @@ class PipelineModel(nn.Module):
 
     # -- export --------------------------------------------------------------------------------------------------
 
-    def full_state_dict(self) -> dict[str, torch.Tensor]:
+    def full_state_dict(self, every_copy: bool = False) -> dict[str, torch.Tensor]:
         """The whole model's weights (host copies) on global rank 0, gathered from the pipeline ranks of its
-        data-parallel copy; {} on every other rank."""
+        data-parallel copy; {} on every other rank. every_copy: on the first pipeline rank of every copy (and tp
+        coordinate) instead. A collective: every rank calls it."""
         mine = {k: _local(v.full_tensor() if isinstance(v, DTensor) else v).detach().cpu()
                 for k, v in self.state_dict().items()}  # TP: each weight gathered from its tp ranks
         for name, parts in fused_rows(self).items():  # ... and its fused rows back in the model's order
@@ -268,12 +272,24 @@ class PipelineModel(nn.Module):
         ranks = dist.get_process_group_ranks(self.pp_group)
         out = [None] * len(ranks) if dist.get_rank() == ranks[0] else None
         dist.gather_object(mine, out, dst=ranks[0], group=self.pp_group)
-        if dist.get_rank() != 0:
+        if dist.get_rank() != (ranks[0] if every_copy else 0):
             return {}
         full = {}
         for part in out:
             full.update(part)
         return full
+
+    def whole_model(self) -> nn.Module | None:
+        """A plain copy of the whole model (kiln's Transformer, in the weights' dtype, on this device) on the first
+        pipeline rank of each data-parallel copy (full_state_dict's every_copy), None on the others: where the step
+        can be replayed in one piece with hooks on every module (kiln.numerics.trace). A collective: every rank
+        calls it."""
+        weights = self.full_state_dict(every_copy=True)
+        if not weights:
+            return None
+        model = build_model(self.cfg, self.device)
+        model.load_state_dict(weights)
+        return model.to(next(iter(weights.values())).dtype)
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:

@@ -25,9 +25,10 @@ from kiln.models import ModelConfig, build_model
 from kiln.models.registry import family
 from kiln.parallel import ParallelConfig
 from kiln.parallel.layout import ParallelPlan
+from kiln.numerics.trace import REPORT_FILE
 from kiln.parallel.pipeline import PipelineModel
 from tests.parallel.conftest import torchrun
-from tests.parallel.pp_scenarios import latest, pp_config, pp_run
+from tests.parallel.pp_scenarios import NAN_AT, SAMPLE, latest, pp_config, pp_run
 
 ROOT = Path(__file__).resolve().parents[2]
 RTOL = 1e-5
@@ -36,10 +37,11 @@ ATOL = 1e-5  # weights: AdamW divides by sqrt(v), so where a gradient is ~0 its 
 
 @pytest.fixture(scope="module")
 def single(tmp_path_factory, source, kiln_cache):
-    """The one-process references."""
+    """The one-process references (GPT-2's sampled after training), and the NaN trace of one process."""
     out = tmp_path_factory.mktemp("pp-single")
     for name, kw in (("gpt2", {}), ("llama", {"arch": "llama"}), ("gpt2_4", {"n_layer": 4})):
-        pp_run(pp_config(source, **kw), out / name)
+        pp_run(pp_config(source, **kw), out / name, sample=SAMPLE if name == "gpt2" else 0)
+    pp_run(pp_config(source, steps=2, nan_forward=NAN_AT), out / "nan_trace")
     return out
 
 
@@ -115,6 +117,29 @@ def test_resharded_resume_continues_the_curve(pp_launched, single, source, tmp_p
     pp_run(pp_config(source, strategy="ddp"), run, resume=True)
     assert_same_curve(run, single / "gpt2", resumed=True)
     assert_same_weights(run, single / "gpt2")
+
+
+def test_a_pp_run_samples_as_one_process(pp_launched, single):
+    """The sample at the end of a run under pp2 × dp2 fsdp: every stage's weights gathered to rank 0, which samples
+    alone; the same text as one process's (the same weights within 1e-6, the same seed)."""
+    got = (pp_launched / "pp2dp2_fsdp_gpt2" / "sample.txt").read_text()
+    assert got == (single / "gpt2" / "sample.txt").read_text()
+    assert got.startswith(pp_config("").train.sample_prompt) and len(got) > len(pp_config("").train.sample_prompt)
+
+
+def test_the_nan_trace_finds_a_stage_s_nan_as_one_process_does(pp_launched, single):
+    """A NaN planted in block 1's MLP output (held by stage 1, on rank 2) at step 2 under pp2 × dp2: the step is
+    replayed in one piece on a copy gathered to rank 0, whose report names the module, op and phase one process's
+    trace names."""
+    got = json.loads((pp_launched / "nan_trace" / REPORT_FILE).read_text())
+    want = json.loads((single / "nan_trace" / REPORT_FILE).read_text())
+    assert got["reproduced"] and want["reproduced"]
+    assert (got["module"], got["phase"], got["step"]) == (NAN_AT.split("@")[0], "forward", 2)
+    for key in ("module", "op", "phase", "step", "micro_batch", "nonfinite_parameters"):
+        assert got[key] == want[key], key
+    assert got["rank"] == 0
+    (event,) = [r for r in records(pp_launched / "nan_trace", "numerics") if r.get("event") == "nonfinite_trace"]
+    assert event["module"] == got["module"]
 
 
 def stage_bytes(arch: str, tp: int) -> tuple[list[int], int]:

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import math
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from kiln.models.config import ModelConfig
 from kiln.models.registry import family
@@ -211,6 +211,13 @@ class Job:
         per_round = m // max(1, m // self.pp)
         chunks = min((v - 1) * per_round + 2 * (self.pp - 1 - self.stage) + 1, m * v)
         return chunks / v
+
+    def in_flight_later(self) -> float:
+        """... while a later micro-batch's backward runs (the gradients then exist): the k-th backward (k ≥ 1) has
+        at most m - k micro-batches forwarded and not yet backwarded, so at most m - 1. Measured on 2 gloo ranks
+        (pp2, m = 2, tests/memory/test_rank_peak.py): the first stage holds one micro-batch's bf16 weight copies
+        at its peak, not two."""
+        return min(self.in_flight(), max(1, self.grad_accum - 1))
 
     @property
     def backend(self) -> str:
@@ -953,12 +960,15 @@ def estimate(job: Job) -> Breakdown:
     loss_fwd, loss_bwd = _loss_transients(cfg, N, num, job.chunked_loss) if job.last_stage else (0, 0)
     if job.vocab_parallel:
         loss_fwd, loss_bwd = loss_fwd // tp, loss_bwd // tp
-    # a pipeline rank holds other micro-batches' saved tensors while one walks through (Job.in_flight)
-    others = job.in_flight() - 1
-    pipeline = {}
-    if others:
-        parts = [_split(part) for part in [embed, head, *blocks]]
-        pipeline = {k: int(others * sum(part[k] for part in parts)) for k in ("activations", "logits", "weight_casts")}
+    # a pipeline rank holds other micro-batches' saved tensors while one walks through (Job.in_flight): the most
+    # before its first backward, fewer once gradients exist (Job.in_flight_later)
+    split = [_split(part) for part in [embed, head, *blocks]]
+
+    def in_flight(n: float) -> dict:
+        others = n - 1
+        return {k: int(others * sum(part[k] for part in split)) for k in ("activations", "logits", "weight_casts")
+                } if others else {}
+    pipeline, pipeline_later = in_flight(job.in_flight()), in_flight(job.in_flight_later())
     host_opt = job.optimizer_offload != "none"
     parts = _Step(
         job=job, state=state, step_gradients=step_gradients, embed=embed, head=head,
@@ -976,8 +986,9 @@ def estimate(job: Job) -> Breakdown:
         else 0,
         offloaded=offloaded, pipeline=pipeline)
 
-    steady = _simulate(parts, first_step=False, accumulating=job.grad_accum > 1)
-    first = _simulate(parts, first_step=True, accumulating=job.grad_accum > 1)
+    later = replace(parts, pipeline=pipeline_later) if job.grad_accum > 1 else parts
+    steady = _simulate(later, first_step=False, accumulating=job.grad_accum > 1)
+    first = _simulate(later, first_step=True, accumulating=job.grad_accum > 1)
     if job.grad_accum > 1:  # the first micro-batch of a step has no gradients yet; its peak can differ
         steady = _simulate(parts, first_step=False, accumulating=False)[:-1] + steady
         first = _simulate(parts, first_step=True, accumulating=False)[:-1] + first

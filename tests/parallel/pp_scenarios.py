@@ -4,6 +4,7 @@ from pathlib import Path
 
 from rich.console import Console
 
+from kiln.config import load_config
 from kiln.run.lm import build_lm
 from kiln.train.checkpoint import Checkpointer
 from tests.parallel.scenarios import lm_config
@@ -11,6 +12,15 @@ from tests.parallel.scenarios import lm_config
 IGNORE = -100
 SAMPLE = 24  # tokens sampled after a run
 NAN_AT = "blocks.1.mlp@2"  # faults.nan_forward of the NaN-trace runs
+# a rank's whole-step peak under pp2 × dp2 fsdp (1F1B, 2 micro-batches of 1 sequence), measured by the launch; the
+# shape is tests/memory/test_rank_peak.py's (3 blocks: 2 on stage 0, 1 on stage 1)
+PEAKS = {"fsdp fp32": ["--precision.mode=fp32"], "fsdp bf16": ["--precision.mode=bf16"]}
+
+
+def peak_config(name: str):
+    from tests.memory.test_rank_peak import SHAPE  # lazy: a test module (its fixtures) only where the peaks are
+
+    return load_config(None, SHAPE + ["--parallel.pp=2", "--parallel.strategy=fsdp"] + PEAKS[name])
 
 
 class MaskedLoader:

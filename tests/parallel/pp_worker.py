@@ -6,7 +6,10 @@ import os
 import sys
 from pathlib import Path
 
-from tests.parallel.pp_scenarios import NAN_AT, SAMPLE, pp_config, pp_run
+import torch
+
+from kiln.run.measure import measure_rank_peaks
+from tests.parallel.pp_scenarios import NAN_AT, PEAKS, SAMPLE, peak_config, pp_config, pp_run
 
 out, source = Path(sys.argv[1]), sys.argv[2]
 rank = int(os.environ["RANK"])
@@ -34,4 +37,7 @@ state = pp_run(pp_config(source, pp=2, tp=2, sequence_parallel=True, interval=3)
 judged = state.numerics.guard.history[0, :6].tolist()  # the losses this rank's spike guard judged, step by step
 (out / f"judged_rank{rank}.json").write_text(json.dumps(judged))
 pp_run(pp_config(source, arch="llama", pp=2, tp=2), out / "tp2pp2_llama", resume=True)
+# every rank's whole-step peak under pp2 × dp2 fsdp (its CPU allocator, from before the model is built)
+peaks = {name: measure_rank_peaks(peak_config(name), torch.device("cpu"), steps=4) for name in PEAKS}
+(out / f"peaks_rank{rank}.json").write_text(json.dumps(peaks))
 sys.stdout.flush()

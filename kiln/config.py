@@ -19,6 +19,7 @@ from pathlib import Path
 
 from kiln.data import DataConfig
 from kiln.parallel import ParallelConfig
+from kiln.parallel.strategy import strategy
 from kiln.memory.levers import MemoryConfig
 from kiln.memory.offload import parse_blocks
 from kiln.memory.planner import PlanConfig
@@ -238,21 +239,11 @@ def _cross_checks(cfg: Config) -> None:
         raise ConfigError("faults.* hook the eager model's modules, which torch.compile bypasses; set "
                           "--train.compile=false to inject faults")
     parse_blocks(cfg.memory.offload_blocks, model.n_layer)
-    strategy = cfg.parallel.strategy
-    if strategy == "fsdp" and cfg.optim.offload != "none":
-        raise ConfigError("optim.offload moves kiln's optimizer to the host, which FSDP2 cannot shard; use FSDP2's "
-                          "own offload: --parallel.cpu_offload=true --optim.offload=none")
-    if strategy == "fsdp" and cfg.precision.mode == "bf16-master":
-        raise ConfigError("precision.mode=bf16-master keeps kiln's fp32 masters beside bf16 weights; under FSDP2 use "
-                          "--precision.mode=bf16 (FSDP2's mixed precision: fp32 sharded parameters, bf16 compute, "
-                          "fp32 gradient reduction)")
-    if strategy == "fsdp" and cfg.optim.name == "adamw8bit":
-        raise ConfigError("optim.name=adamw8bit quantizes whole tensors in blocks; FSDP2's sharded parameters are not "
-                          "supported by it: use --parallel.strategy=ddp, or adamw with fsdp")
-    if strategy == "zero1" and (cfg.optim.offload != "none" or cfg.optim.name == "adamw8bit"):
-        raise ConfigError("parallel.strategy=zero1 shards kiln's foreach Adam/SGD state across ranks; it does not "
-                          "combine with optim.offload or adamw8bit: use --parallel.strategy=ddp for those")
-    if strategy != "none" and cfg.plan.memory:
+    data = strategy(cfg.parallel.strategy)
+    refused = data.refusal(optim_offload=cfg.optim.offload, precision=cfg.precision.mode, optimizer=cfg.optim.name)
+    if refused:
+        raise ConfigError(refused)
+    if data.reduces and cfg.plan.memory:
         raise ConfigError("plan.memory plans one device; with parallel.strategy set, choose the levers yourself "
                           "(kiln plan predicts one rank of DDP only so far)")
     if cfg.plan.memory and cfg.plan.global_batch_tokens % cfg.data.seq_len:

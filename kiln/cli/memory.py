@@ -85,7 +85,7 @@ def run(args, overrides) -> int:
             out["snapshot"] = measured.snapshot
     title = (f"{cfg.model.preset} ({job.model.arch}), {job.precision}, micro-batch {job.micro_batch}×{job.seq_len}"
              f", recompute {cfg.memory.recompute}, {device.name}"
-             + (f", {job.parallel} × {job.world} (per rank)" if job.parallel != "none" and job.world > 1 else "")
+             + (f", {job.parallel} × {job.world} (per rank)" if job.dp_strategy.reduces and job.world > 1 else "")
              + (f", {_layout(plan)}" if plan.model_parallel or plan.cp > 1 else "")
              + (f", stage {worst} of {plan.pp}" if plan.pp > 1 else ""))
     files = []
@@ -105,7 +105,7 @@ def run(args, overrides) -> int:
     print(title)
     if note:
         print(f"note: {note}")
-    if job.parallel != "none" and job.world > 1:
+    if job.dp_strategy.reduces and job.world > 1:
         print(f"note: one rank's whole-step peak under {job.parallel} (model state, saved tensors, DDP's buckets, "
               f"FSDP2's gathered parameters) is measured on CPU gloo within 5% (tests/memory/test_rank_peak.py); "
               f"on GPUs the collectives' buffers are modelled from torch's documentation")

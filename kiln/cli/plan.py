@@ -14,6 +14,7 @@ from kiln.memory.estimate import GiB, fmt_bytes, parse_bytes, peak_allocated
 from kiln.memory import calibrate as calibration
 from kiln.memory.levers import job_for, precision_for
 from kiln.memory.planner import fit_time_model, search, time_constants
+from kiln.parallel.strategy import strategy
 from kiln.perf.hardware import native_bf16
 from kiln.train.optim import scaled_lr
 from kiln.run.measure import measure_step
@@ -115,7 +116,7 @@ def run(args, overrides) -> int:
         print(f"note: #1 uses context parallelism (parallel.cp), modelled only; recommended is the fastest "
               f"without it")
     flags = " ".join(f"--{k}={v}" for k, v in best.overrides.items()
-                     if v not in ("", None) and (k, v) != ("parallel.strategy", "none"))
+                     if v not in ("", None) and not (k == "parallel.strategy" and not strategy(v).reduces))
     nodes = -(-args.gpus // args.gpus_per_node)
     per_node = args.gpus // nodes
     launch = ("kiln train" if args.gpus == 1 else f"torchrun --nproc_per_node={per_node} -m kiln train" if nodes == 1

@@ -19,10 +19,11 @@ from __future__ import annotations
 
 import math
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from kiln.models.config import ModelConfig
 from kiln.models.registry import family
+from kiln.parallel.strategy import Strategy, strategy
 
 KiB, MiB, GiB = 1024, 1024**2, 1024**3
 _UNITS = {"": 1, "b": 1, "k": 1e3, "kb": 1e3, "m": 1e6, "mb": 1e6, "g": 1e9, "gb": 1e9, "t": 1e12, "tb": 1e12,
@@ -169,8 +170,13 @@ class Job:
     virtual_stages: int = 1  # model chunks per pipeline rank (interleaved_1f1b: 2)
 
     @property
+    def dp_strategy(self) -> Strategy:
+        """What `parallel` does to the model state of the `world` ranks (kiln.parallel.strategy)."""
+        return strategy(self.parallel)
+
+    @property
     def num(self) -> Numerics:
-        if self.parallel == "fsdp" and self.precision == "bf16":
+        if self.dp_strategy.shards_parameters and self.precision == "bf16":
             return FSDP_BF16
         return NUMERICS[self.precision]
 
@@ -205,6 +211,13 @@ class Job:
         per_round = m // max(1, m // self.pp)
         chunks = min((v - 1) * per_round + 2 * (self.pp - 1 - self.stage) + 1, m * v)
         return chunks / v
+
+    def in_flight_later(self) -> float:
+        """... while a later micro-batch's backward runs (the gradients then exist): the k-th backward (k ≥ 1) has
+        at most m - k micro-batches forwarded and not yet backwarded, so at most m - 1. Measured on 2 gloo ranks
+        (pp2, m = 2, tests/memory/test_rank_peak.py): the first stage holds one micro-batch's bf16 weight copies
+        at its peak, not two."""
+        return min(self.in_flight(), max(1, self.grad_accum - 1))
 
     @property
     def backend(self) -> str:
@@ -319,9 +332,10 @@ def rank_state(job: "Job") -> dict[str, int]:
     n = sum(numels)
     state = {"parameters": n * num.param, "gradients": n * num.grad,
              "optimizer_states": optimizer_state_bytes(numels, job.optimizer, job.sgd_momentum)}
-    if W == 1 or job.parallel in ("none", "ddp"):
+    data = job.dp_strategy
+    if W == 1 or not data.shards_optimizer:
         return state
-    if job.parallel == "zero1":
+    if data.zero_optimizer:
         decayed = [i for i, (name, shape) in enumerate(shapes) if len(shape) >= 2 and "embed" not in name]
         rest = [i for i in range(len(shapes)) if i not in set(decayed)]
         sizes, mine = [0] * W, []
@@ -719,14 +733,27 @@ def block_flops(cfg: ModelConfig, B: int, T: int, causal_kernel: bool) -> tuple[
 
 def grad_shares(job: Job) -> dict:
     """Gradient elements one rank keeps per part of the model (block index, "embed", "pos_embed", "norm", "head"):
-    everything under DDP and ZeRO-1; under FSDP2 each parameter's padded shard, ceil(dim0 / world) rows."""
-    fsdp, W = job.parallel == "fsdp" and job.world > 1, job.world
+    everything under DDP and ZeRO-1; under FSDP2 each parameter's padded shard, ceil(dim0 / world) rows; under
+    pipeline parallelism with FSDP2 everything while the step runs (unsharded_gradients)."""
+    fsdp, W = unsharded_gradients(job) is None and job.dp_strategy.shards_parameters and job.world > 1, job.world
     out: dict = {"embed": 0, "pos_embed": 0, "norm": 0, "head": 0}
     for name, shape in local_parameter_shapes(job):
         key = int(name.split(".")[1]) if name.startswith("blocks.") else name.split(".")[0]
         rows = math.ceil(shape[0] / W) if fsdp else shape[0]
         out[key] = out.get(key, 0) + rows * math.prod(shape[1:])
     return out
+
+
+def unsharded_gradients(job: Job) -> int | None:
+    """Gradient bytes a pipeline rank under FSDP2 holds while its step runs: its stage's whole gradients, accumulated
+    unsharded in fp32 until the last backward (CommBuffers); None for every other layout. Under bf16 gathering
+    (MixedPrecisionPolicy) 2 bytes a parameter more, as measured on 2 gloo stages × 2 copies (tests/parallel/
+    test_pipeline.py: without them stage 0 is 10% and stage 1 13% under): the bf16 gradients FSDP2 upcasts into
+    its fp32 accumulators are not all released before the step's end (not traced further)."""
+    if job.pp == 1 or job.world == 1 or not job.dp_strategy.shards_parameters:
+        return None
+    n = sum(math.prod(shape) for _, shape in local_parameter_shapes(job))
+    return n * (job.num.grad + (job.num.gathered or 0))
 
 
 @dataclass
@@ -743,6 +770,10 @@ class CommBuffers:
                 On CPU, gloo stages each all-gather's output through a copy of its size (_allgather_base_) and
                 clones each reduce-scatter's input (_reduce_scatter_base_): one more block's bytes while they run
                 (measured, tests/memory/test_rank_peak.py); NCCL writes in place.
+                Under pipeline parallelism torch's PipelineStage turns FSDP2's per-block reduction off until the
+                step's last backward (set_requires_gradient_sync, set_reshard_after_backward: False): every
+                block's gradients accumulate unsharded, and a block stays gathered from its first backward to the
+                step's end (a later forward reshards it again after running it); no reduce-scatter per block.
     """
 
     persistent: int = 0  # held all step
@@ -751,26 +782,30 @@ class CommBuffers:
     gathered: dict = field(default_factory=dict)  # block index -> its all-gathered parameter bytes (fsdp)
     reduce_scatter: dict = field(default_factory=dict)  # block index -> the reduce-scatter input of its backward
     keep_gathered: bool = False  # reshard_after_forward=false: gathered blocks stay until their backward
+    pipelined: bool = False  # pp: gathered blocks stay after their backward, until the step's reduction
 
     def forward(self, i: int) -> range:
         """Blocks whose gathered parameters are alive while block i's forward runs."""
         if not self.gathered:
             return range(0)
-        upto = min(i + 2, len(self.gathered))  # the block and the next one's prefetch
+        upto = len(self.gathered) if self.pipelined else min(i + 2, len(self.gathered))  # ... and the next one
         return range(upto) if self.keep_gathered else range(i, upto)
 
     def backward(self, i: int) -> range:
         if not self.gathered:
             return range(0)
+        if self.pipelined:
+            return range(len(self.gathered))
         return range(i + 1) if self.keep_gathered else range(max(i - 1, 0), i + 1)
 
 
 def _comm_buffers(job: Job, block_params: dict) -> CommBuffers:
     W, num = job.world, job.num
     element = num.gathered or num.param
-    if job.parallel == "none" or (W == 1 and (job.parallel != "fsdp" or element == num.param)):
+    data = job.dp_strategy
+    if not data.reduces or (W == 1 and (not data.shards_parameters or element == num.param)):
         return CommBuffers()
-    if job.parallel in ("ddp", "zero1"):
+    if data.ddp_reducer:
         return CommBuffers(persistent=sum(block_params.values()) * num.grad)
     blocks = range(job.model.n_layer)
     # The reduce-scatter input is fp32 (reduce_dtype), 4 bytes an element, beside one more fp32 copy of the block's
@@ -778,11 +813,15 @@ def _comm_buffers(job: Job, block_params: dict) -> CommBuffers:
     # released first), or on CPU gloo's clone of the input (measured: 8 bytes an element in every case)
     rs = 8
     gathered = {i: block_params[i] * element for i in blocks}
-    staging = (max(gathered.values()), 0) if job.target.kind == "cpu" and gathered else (0, 0)
+    pipelined = job.pp > 1
+    # gloo's staging copy of a block's all-gather: in the forward's prefetch, and under pp also when a later
+    # micro-batch's backward gathers a block its forward resharded, the gradients already there
+    staging = (max(gathered.values()),) * (1 + pipelined) + (0,) * (1 - pipelined) \
+        if job.target.kind == "cpu" and gathered else (0, 0)
     return CommBuffers(persistent=sum(v for k, v in block_params.items() if not isinstance(k, int)) * element,
-                       gathered=gathered, reduce_scatter={i: block_params[i] * rs for i in blocks},
+                       gathered=gathered, reduce_scatter={} if pipelined else {i: block_params[i] * rs for i in blocks},
                        keep_gathered=not job.reshard_after_forward, staging_forward=staging[0],
-                       staging_backward=staging[1])
+                       staging_backward=staging[1], pipelined=pipelined)
 
 
 @dataclass
@@ -808,6 +847,7 @@ class _Step:
     step_tmp: int  # the optimizer step's transient bytes
     offloaded: set
     pipeline: dict = field(default_factory=dict)  # other micro-batches' saved bytes held meanwhile (pp), by component
+    unsharded_gradients: int | None = None  # pp × FSDP2: the gradients while the step runs (unsharded_gradients)
 
 
 def _model_state(job: Job, numels: list[tuple[str, int]]) -> tuple[dict[str, int], int, dict[str, int]]:
@@ -841,8 +881,13 @@ def _simulate(p: _Step, first_step: bool, accumulating: bool) -> list[tuple[str,
     job, num, cfg = p.job, p.job.num, p.job.model
     N, L = job.tokens, cfg.n_layer
     events = []
+    whole = p.unsharded_gradients
+    grads = (p.state["gradients"] if whole is None else whole) if accumulating else 0
+    # a pipeline whose every forward runs before its first backward (GPipe; 1F1B with m ≤ pp - stage): no
+    # gradients yet while any forward runs, and no forward reshards a block between two of its backwards
+    forwards_first = job.pp > 1 and job.in_flight() >= job.grad_accum
     state = dict(p.state, optimizer_states=0 if first_step else p.state["optimizer_states"],
-                 gradients=p.state["gradients"] if accumulating else 0)
+                 gradients=0 if forwards_first else grads)
     live = {"activations": 0, "logits": 0, "weight_casts": 0, **p.pipeline}
     cache = 0
 
@@ -871,6 +916,7 @@ def _simulate(p: _Step, first_step: bool, accumulating: bool) -> list[tuple[str,
     add(p.head)
     snap("forward: loss", temporaries=p.loss_fwd, extra_casts=cache)
     snap("forward: end", extra_casts=cache)
+    state["gradients"] = grads
     cache = 0  # autocast exits before backward
     snap("backward: loss", temporaries=p.loss_bwd)
     add(p.head, sign=-1)
@@ -887,6 +933,10 @@ def _simulate(p: _Step, first_step: bool, accumulating: bool) -> list[tuple[str,
         work = (stop - first) * per_block_work
         for i in reversed(range(first, stop)):
             casts = p.casts if (num.autocast and policy != "none") else 0
+            if p.comm.pipelined and p.comm.staging_backward and not (accumulating and forwards_first):
+                # the block gathered again (a forward resharded it), through gloo's copy
+                snap(f"backward: block {i} all-gather", temporaries=work, gathered=p.comm.backward(i),
+                     staging=p.comm.staging_backward)
             snap(f"backward: block {i}", temporaries=work + p.grad_tmp, extra_casts=casts, gathered=p.comm.backward(i))
             if p.comm.reduce_scatter:  # after the block's backward: its gradients reduce-scattered
                 snap(f"backward: block {i} reduce-scatter", temporaries=work + p.comm.reduce_scatter[i],
@@ -903,6 +953,8 @@ def _simulate(p: _Step, first_step: bool, accumulating: bool) -> list[tuple[str,
     # optimizer step (after the last micro-batch): bf16-master moves gradients to fp32 masters first
     if num.master and job.optimizer_offload == "none":
         state["gradients"] = p.step_gradients
+    if whole is not None:  # reduce-scattered into the shards the optimizer steps
+        state["gradients"] = p.state["gradients"]
     state["optimizer_states"] = p.state["optimizer_states"]
     snap("optimizer step", temporaries=p.step_tmp)
     return events
@@ -945,12 +997,15 @@ def estimate(job: Job) -> Breakdown:
     loss_fwd, loss_bwd = _loss_transients(cfg, N, num, job.chunked_loss) if job.last_stage else (0, 0)
     if job.vocab_parallel:
         loss_fwd, loss_bwd = loss_fwd // tp, loss_bwd // tp
-    # a pipeline rank holds other micro-batches' saved tensors while one walks through (Job.in_flight)
-    others = job.in_flight() - 1
-    pipeline = {}
-    if others:
-        parts = [_split(part) for part in [embed, head, *blocks]]
-        pipeline = {k: int(others * sum(part[k] for part in parts)) for k in ("activations", "logits", "weight_casts")}
+    # a pipeline rank holds other micro-batches' saved tensors while one walks through (Job.in_flight): the most
+    # before its first backward, fewer once gradients exist (Job.in_flight_later)
+    split = [_split(part) for part in [embed, head, *blocks]]
+
+    def in_flight(n: float) -> dict:
+        others = n - 1
+        return {k: int(others * sum(part[k] for part in split)) for k in ("activations", "logits", "weight_casts")
+                } if others else {}
+    pipeline, pipeline_later = in_flight(job.in_flight()), in_flight(job.in_flight_later())
     host_opt = job.optimizer_offload != "none"
     parts = _Step(
         job=job, state=state, step_gradients=step_gradients, embed=embed, head=head,
@@ -966,10 +1021,11 @@ def estimate(job: Job) -> Breakdown:
         if cfg.tie_embeddings and job.first_stage and job.last_stage else 0,
         step_tmp=min(max(n for _, n in numels), ADAM8BIT_CHUNK) * 16 if job.optimizer == "adamw8bit" and not host_opt
         else 0,
-        offloaded=offloaded, pipeline=pipeline)
+        offloaded=offloaded, pipeline=pipeline, unsharded_gradients=unsharded_gradients(job))
 
-    steady = _simulate(parts, first_step=False, accumulating=job.grad_accum > 1)
-    first = _simulate(parts, first_step=True, accumulating=job.grad_accum > 1)
+    later = replace(parts, pipeline=pipeline_later) if job.grad_accum > 1 else parts
+    steady = _simulate(later, first_step=False, accumulating=job.grad_accum > 1)
+    first = _simulate(later, first_step=True, accumulating=job.grad_accum > 1)
     if job.grad_accum > 1:  # the first micro-batch of a step has no gradients yet; its peak can differ
         steady = _simulate(parts, first_step=False, accumulating=False)[:-1] + steady
         first = _simulate(parts, first_step=True, accumulating=False)[:-1] + first

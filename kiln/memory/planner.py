@@ -25,6 +25,7 @@ from kiln.memory.estimate import (Breakdown, Job, block_matmul_numel, estimate, 
 from kiln.memory.levers import job_for, rank_jobs
 from kiln.memory.recompute import solve_budget
 from kiln.models.registry import family
+from kiln.parallel.strategy import STRATEGIES, strategy
 
 MATMUL_EFFICIENCY = 0.6  # share of peak FLOP/s large matmuls reach (GPU: 55-70% is typical for bf16 GEMMs)
 BANDWIDTH_EFFICIENCY = 0.75  # share of peak bandwidth elementwise kernels and copies reach
@@ -67,7 +68,8 @@ def communication(job: Job, link: float, compute_s: float) -> dict[str, float]:
     (N-1)/N. What overlaps with compute (DDP's bucketed all-reduce with the last backward, FSDP2's prefetched
     all-gathers with the whole step) is hidden up to the compute it overlaps; `exposed` is what remains."""
     N = job.world
-    if job.parallel == "none" or N == 1:
+    data = job.dp_strategy
+    if not data.reduces or N == 1:
         return {"bytes": 0.0, "seconds": 0.0, "exposed": 0.0}
     f = (N - 1) / N
     n_params = _local_params(job)
@@ -75,10 +77,10 @@ def communication(job: Job, link: float, compute_s: float) -> dict[str, float]:
     P, G = n_params * (job.num.gathered or job.num.param), n_params * 4
     bw = link * COMM_EFFICIENCY
     backward = compute_s / job.grad_accum * 2 / 3  # the last micro-batch's backward: ~2/3 of its FLOPs
-    if job.parallel in ("ddp", "zero1"):
+    if data.ddp_reducer:
         moved = 2 * f * G
         exposed = max(0.0, moved / bw - backward)
-        if job.parallel == "zero1":  # each rank broadcasts its updated shard after the step: nothing to hide behind
+        if data.zero_optimizer:  # each rank broadcasts its updated shard after the step: nothing to hide behind
             moved += f * P
             exposed += f * P / bw
         return {"bytes": moved, "seconds": moved / bw, "exposed": exposed}
@@ -250,9 +252,9 @@ def step_time(job: Job, device, link: float | None = None, tp_link: float | None
     else:
         masters = n_params * 12 if num.master else 0
         optimizer = n_params * per_param / (bw * be) + masters / (bw * be)
-    if job.world > 1 and job.parallel == "zero1":
+    if job.world > 1 and job.dp_strategy.zero_optimizer:
         optimizer /= job.world  # each rank updates its shard
-    elif job.world > 1 and job.parallel == "fsdp":
+    elif job.world > 1 and job.dp_strategy.shards_parameters:
         optimizer, clip = optimizer / job.world, clip / job.world
     comm = communication(job, link or INTERCONNECTS["nvlink4"], compute)
     total = compute + clip + optimizer + comm["exposed"]
@@ -331,7 +333,7 @@ class Choice:
 
     def describe(self) -> str:
         parts = [self.precision, f"mb {self.micro_batch_size}×{self.grad_accum_steps}", f"recompute {self.recompute}"]
-        if self.parallel != "none":
+        if strategy(self.parallel).reduces:
             parts.insert(0, self.parallel)
         if self.tp * self.pp * self.cp > 1:
             parts.insert(0, self.layout(self.tp * self.pp * self.cp).replace("dp", ""))
@@ -433,15 +435,17 @@ def _divisors(n: int) -> list[int]:
 
 
 def _valid(choice: Choice) -> bool:
-    """Combinations kiln.config refuses under data parallelism."""
-    if choice.parallel == "fsdp":
-        return choice.optim_offload == "none" and choice.precision != "bf16-master" and choice.optimizer != "adamw8bit"
-    if choice.parallel == "zero1":
-        return choice.optim_offload == "none" and choice.optimizer != "adamw8bit"
-    return True
+    """Combinations kiln.config refuses under data parallelism (the strategy's own rule)."""
+    return strategy(choice.parallel).refusal(optim_offload=choice.optim_offload, precision=choice.precision,
+                                             optimizer=choice.optimizer) is None
 
 
 GPUS_PER_NODE = 8  # tensor parallelism stays inside a node (its collectives run on every block)
+# The strategies searched, in kiln.parallel.strategy's order: with data-parallel copies every one that reduces
+# gradients, and for a model-parallel layout (a smaller search, docs/parallel.md) those that shard the optimizer state
+DATA_PARALLEL = tuple(name for name, s in STRATEGIES.items() if s.reduces)
+SHARDING = tuple(name for name, s in STRATEGIES.items() if s.shards_optimizer)
+NO_DATA_PARALLEL = next(name for name, s in STRATEGIES.items() if not s.reduces)
 
 
 def layouts(cfg, gpus: int, global_sequences: int, gpus_per_node: int = GPUS_PER_NODE, context: bool = True
@@ -499,13 +503,13 @@ def search(cfg, device, memory: int | None = None, global_batch_tokens: int = 0,
         if G % dp:
             continue
         per_rank = G // dp
-        strategies = ("ddp", "zero1", "fsdp") if dp * cp > 1 else ("none",)
+        strategies = DATA_PARALLEL if dp * cp > 1 else (NO_DATA_PARALLEL,)
         if tp * pp * cp == 1 and not quick:  # data parallel only: every lever
             choices += [
                 c for c in (
                     Choice(precision, mb, per_rank // mb, policy, offload_blocks=offload, optimizer=optimizer,
-                           optim_offload=opt_off, chunked_loss=chunk, parallel=strategy)
-                    for strategy, precision, mb, policy, optimizer, opt_off in itertools.product(
+                           optim_offload=opt_off, chunked_loss=chunk, parallel=name)
+                    for name, precision, mb, policy, optimizer, opt_off in itertools.product(
                         strategies, _precisions(device), _divisors(per_rank), ("none", "selective", "every_k",
                                                                                 "full", "budget"), optimizers,
                         opt_offloads)
@@ -542,7 +546,7 @@ def _search_layout(cfg, device, memory, L, gpus, links, gpus_per_node, tp, pp, c
     T = cfg.data.seq_len
     found, tried = [], 0
     schedules = ("1f1b", "interleaved_1f1b") if pp > 1 else ("1f1b",)
-    for strategy in (strategies if dp * cp == 1 else ("zero1", "fsdp")):
+    for name in (strategies if dp * cp == 1 else SHARDING):
         for precision in _precisions(device)[:precisions]:
             for schedule in schedules:
                 for mb in _divisors(per_rank):
@@ -552,7 +556,7 @@ def _search_layout(cfg, device, memory, L, gpus, links, gpus_per_node, tp, pp, c
                     fitted, refused = False, False
                     for policy, chunk in itertools.product(("none", "selective", "full"),
                                                            (0, chunk_for(vocab, mb * T // cp))):
-                        c = Choice(precision, mb, m, policy, chunked_loss=chunk, parallel=strategy, tp=tp, pp=pp,
+                        c = Choice(precision, mb, m, policy, chunked_loss=chunk, parallel=name, tp=tp, pp=pp,
                                    cp=cp, sequence_parallel=tp > 1, pp_schedule=schedule,
                                    pp_microbatches=m if pp > 1 else 0)
                         if not _valid(c):

@@ -266,17 +266,21 @@ class Numerics:
     def _trace(self, step: int, r: list, logger) -> None:
         self.traced = True  # one report per run: the first incident is the informative one
         h = self.h
-        armed = self.faults.step if self.faults is not None else None
-        if self.faults is not None:
-            self.faults.step = step
+        model, faults = self._replay_model()
+        armed = faults.step if faults is not None else None
+        if faults is not None:
+            faults.step = step
         try:
             # Every rank replays its own micro-batches (a non-finite step is non-finite on all of them: the loss
             # and the gradients are reduced); the first rank whose replay finds the origin is the report.
-            report = trace_nonfinite(h.model, self._batches[step], h.losses, h.scaler, step,
-                                     {"loss": r[LOSS], "grad_norm": r[GRAD_NORM]}, None)
+            report = {"reproduced": False} if model is None else trace_nonfinite(
+                model, self._batches[step], h.losses, h.scaler, step, {"loss": r[LOSS], "grad_norm": r[GRAD_NORM]},
+                None)
         finally:
-            if self.faults is not None:
-                self.faults.step = armed
+            if faults is not None:
+                faults.step = armed
+            if faults is not None and faults is not self.faults:
+                faults.close()
         if h.world.size > 1:
             reports = h.world.gather_objects(report)
             rank = next((i for i, rep in enumerate(reports) if rep.get("reproduced")), 0)
@@ -287,6 +291,22 @@ class Numerics:
                     "phase": report["phase"], "report": str(self.run_dir / "nonfinite_report.json")}, kind="numerics")
         logger.print(f"numerics: {describe(report)}\n  report: {self.run_dir / 'nonfinite_report.json'}",
                      highlight=False)
+
+    def _replay_model(self):
+        """The model a step is replayed on, and the faults armed on it. A pipeline's stages cannot be hooked in one
+        piece: its weights are gathered into a whole copy on each data-parallel copy's first pipeline rank (None on
+        the others, which report nothing), and the configured faults are planted on that copy again, where the
+        copy's own rank had them."""
+        h = self.h
+        whole = getattr(h.model, "whole_model", None)  # kiln.parallel.pipeline.PipelineModel
+        if whole is None:
+            return h.model, self.faults
+        model = whole()  # a collective: every rank gets here, since every rank judged the step the same
+        if model is None or self.faults is None:
+            return model, None
+        cfg, plan = self.faults.cfg, h.world.plan
+        ours = cfg.rank >= 0 and plan.coords(cfg.rank)["dp"] == plan.coords(h.world.rank)["dp"]
+        return model, FaultInjector(cfg, model, h.vocab_size, cfg.rank if ours else h.world.rank)
 
     def _take_snapshot(self) -> None:
         # The spike history belongs to the state: after a rollback, steps are judged against the statistics of

@@ -33,9 +33,9 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
 from kiln.parallel.layout import ParallelPlan
+from kiln.parallel.strategy import Strategy, strategy
 from kiln.parallel.tensor import apply_tensor_parallel
 
-STRATEGIES = ("none", "ddp", "zero1", "fsdp")
 BACKENDS = ("auto", "nccl", "gloo")
 TORCHRUN_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
 
@@ -44,7 +44,8 @@ TORCHRUN_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"
 class ParallelConfig:
     """The `parallel` section: data parallelism across the processes torchrun starts."""
 
-    strategy: str = "none"  # none | ddp | zero1 (DDP + sharded optimizer state) | fsdp (FSDP2 fully_shard)
+    strategy: str = "none"  # none | ddp | zero1 (DDP + sharded optimizer state) | fsdp (FSDP2 fully_shard): the
+    # rows of kiln.parallel.strategy.STRATEGIES
     reshard_after_forward: bool = True  # fsdp: free gathered parameters after forward (ZeRO-3) or keep (ZeRO-2)
     cpu_offload: bool = False  # fsdp: parameters, gradients and optimizer state on the host (CPUOffloadPolicy)
     backend: str = "auto"  # auto (nccl on CUDA, gloo on CPU) | nccl | gloo
@@ -59,11 +60,10 @@ class ParallelConfig:
     cp: int = 1  # context parallel: modelled by `kiln memory` and `kiln plan` only; training refuses cp > 1
 
     def validate(self):
-        if self.strategy not in STRATEGIES:
-            raise ValueError(f"parallel.strategy={self.strategy!r} is unknown; use one of {STRATEGIES}")
+        data = strategy(self.strategy)
         if self.backend not in BACKENDS:
             raise ValueError(f"parallel.backend={self.backend!r} is unknown; use one of {BACKENDS}")
-        if self.cpu_offload and self.strategy != "fsdp":
+        if self.cpu_offload and not data.shards_parameters:
             raise ValueError("parallel.cpu_offload is FSDP2's CPU offload: it needs --parallel.strategy=fsdp")
         if not self.timeout > 0:
             raise ValueError(f"parallel.timeout must be a number of seconds > 0, got {self.timeout}")
@@ -115,15 +115,21 @@ class World:
         return self.rank == 0
 
     @property
+    def dp_strategy(self) -> Strategy:
+        """What parallel.strategy does over the data-parallel ranks (kiln.parallel.strategy)."""
+        return strategy(self.strategy)
+
+    @property
     def sharded(self) -> bool:
         """Collectives and a sharded checkpoint: data parallelism (gradients averaged over the dp ranks), or the
         model split over ranks (tp, pp)."""
-        return self.strategy != "none" or (self.plan is not None and self.plan.model_parallel)
+        return self.dp_strategy.reduces or (self.plan is not None and self.plan.model_parallel)
 
     @property
     def splits_weights(self) -> bool:
         """No rank holds the whole model: FSDP shards it, tensor or pipeline parallelism splits it."""
-        return self.size > 1 and (self.strategy == "fsdp" or (self.plan is not None and self.plan.model_parallel))
+        return self.size > 1 and (self.dp_strategy.shards_parameters or
+                                  (self.plan is not None and self.plan.model_parallel))
 
     @property
     def dp_size(self) -> int:
@@ -223,7 +229,7 @@ def init_world(cfg: ParallelConfig, device_type: str) -> World:
         if cfg.tp * cfg.pp > 1:
             raise ValueError(f"parallel.tp={cfg.tp} × parallel.pp={cfg.pp} splits the model over {cfg.tp * cfg.pp} "
                              f"processes: launch with torchrun --nproc_per_node={cfg.tp * cfg.pp} (or a multiple)")
-        if cfg.strategy == "none":
+        if not strategy(cfg.strategy).reduces:
             return World()
         # A world of one: the same code path without torchrun (tests, resuming a parallel run on one device).
         if not dist.is_initialized():
@@ -235,7 +241,7 @@ def init_world(cfg: ParallelConfig, device_type: str) -> World:
     if missing:
         raise ValueError(f"the distributed environment lacks {', '.join(missing)}; launch with torchrun "
                          f"(torchrun --standalone --nproc_per_node=N -m kiln train ...), which sets them")
-    if cfg.strategy == "none" and size > cfg.tp * cfg.pp:
+    if not strategy(cfg.strategy).reduces and size > cfg.tp * cfg.pp:
         raise ValueError(f"torchrun started {size} processes but parallel.strategy=none would train {size} "
                          f"independent copies; set --parallel.strategy=ddp, zero1 or fsdp")
     plan = ParallelPlan.build(cfg, size)
@@ -296,35 +302,53 @@ def parallelize(model: nn.Module, cfg: ParallelConfig, world: World, device: tor
     tp = plan is not None and plan.tp > 1
     if tp:
         apply_tensor_parallel(model, world.mesh["tp"], plan.sequence_parallel)
-    if cfg.strategy == "none":
+    data = strategy(cfg.strategy)
+    if not data.reduces:
         return model
     dp_mesh = world.mesh["dp"] if world.mesh is not None else None
-    if cfg.strategy in ("ddp", "zero1") and not tp:
+    if data.ddp_reducer and not tp:
         ids = [device.index] if device.type == "cuda" else None
         group = dp_mesh.get_group() if dp_mesh is not None and plan.dp < world.size else None
         ddp = nn.parallel.DistributedDataParallel(model, device_ids=ids, process_group=group)
         world.comm = CommTimer()
         ddp.register_comm_hook(world.comm, _timed_allreduce)
         return ddp
-    from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard  # lazy: fsdp only
+    if not data.shards_parameters:  # ddp with tp: every rank of a dp group keeps whole (TP-split) parameters
+        from torch.distributed._composable.replicate_with_fsdp import replicate  # lazy: ddp × tp only
+
+        replicate(model, mesh=dp_mesh, **fsdp_options(cfg, param_dtype, replicated=True))
+        return model
+    shard_blocks(model, getattr(model, "blocks", ()), dp_mesh, fsdp_options(cfg, param_dtype))
+    return model
+
+
+def fsdp_options(cfg: ParallelConfig, param_dtype: torch.dtype | None = None, replicated: bool = False) -> dict:
+    """FSDP2's keyword arguments for the `parallel` section: bf16 autocast runs gather bf16 parameters and reduce
+    fp32 gradients (MixedPrecisionPolicy); replicated (FSDP2's replicate, ddp × tp) takes that policy only."""
+    from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy  # lazy: fsdp only
 
     kw = {}
     if param_dtype is not None:
         kw["mp_policy"] = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32)
-    if cfg.strategy == "ddp":  # with tp: every rank of a dp group keeps whole (TP-split) parameters
-        from torch.distributed._composable.replicate_with_fsdp import replicate  # lazy: ddp × tp only
-
-        replicate(model, mesh=dp_mesh, **kw)
-        return model
+    if replicated:
+        return kw
     kw["reshard_after_forward"] = cfg.reshard_after_forward
     if cfg.cpu_offload:
         kw["offload_policy"] = CPUOffloadPolicy()
-    if dp_mesh is not None:
-        kw["mesh"] = dp_mesh
-    for block in getattr(model, "blocks", ()):
+    return kw
+
+
+def shard_blocks(root: nn.Module, blocks, mesh, options: dict, keep_root: bool = False) -> None:
+    """fully_shard on every transformer block and then on the root (whatever parameters are left: embeddings,
+    norm, head), so each block's parameters are gathered just before it runs. mesh: the dp dim (None: every rank).
+    keep_root: the root's parameters stay gathered from its forward to the end of the backward (a pipeline stage,
+    whose head is applied by the loss, outside the forward)."""
+    from torch.distributed.fsdp import fully_shard  # lazy: fsdp only
+
+    kw = options | ({"mesh": mesh} if mesh is not None else {})
+    for block in blocks:
         fully_shard(block, **kw)
-    fully_shard(model, **kw)
-    return model
+    fully_shard(root, **(kw | ({"reshard_after_forward": False} if keep_root else {})))
 
 
 @contextlib.contextmanager

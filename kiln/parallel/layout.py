@@ -20,6 +20,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from kiln.models.config import ModelConfig
+from kiln.parallel.strategy import Strategy, strategy
 
 PP_SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b")
 MESH_DIMS = ("pp", "dp", "tp")  # outermost to innermost
@@ -44,6 +45,11 @@ class ParallelPlan:
     @property
     def mesh_shape(self) -> dict[str, int]:
         return {"pp": self.pp, "dp": self.dp, "tp": self.tp}
+
+    @property
+    def dp_strategy(self) -> Strategy:
+        """What parallel.strategy does over the dp dim (kiln.parallel.strategy)."""
+        return strategy(self.strategy)
 
     @property
     def model_parallel(self) -> bool:
@@ -99,19 +105,24 @@ class ParallelPlan:
                              f"copy: launch a multiple of {tp * pp * cp} processes (torchrun --nproc_per_node) or "
                              f"change tp/pp" + ("/cp" if cp > 1 else ""))
         dp = world_size // (tp * pp * cp)
-        if dp > 1 and cfg.strategy == "none":
+        data = strategy(cfg.strategy)
+        if dp > 1 and not data.reduces:
             raise ValueError(f"{world_size} processes with tp={tp} × pp={pp} leave {dp} data-parallel copies, but "
                              f"parallel.strategy=none would train them independently: set "
                              f"--parallel.strategy=ddp, zero1 or fsdp")
-        if cp > 1 and cfg.strategy == "none":
+        if cp > 1 and not data.reduces:
             raise ValueError(f"parallel.cp={cp} ranks hold the same weights and must reduce their gradients: set "
                              f"--parallel.strategy=fsdp (or ddp, zero1); the state is sharded over dp × cp ranks")
         if cfg.sequence_parallel and tp == 1:
             raise ValueError("parallel.sequence_parallel splits the sequence among tensor-parallel ranks: it needs "
                              "--parallel.tp > 1")
-        if tp > 1 and cfg.strategy == "zero1":
-            raise ValueError(f"parallel.strategy=zero1 (ZeroRedundancyOptimizer) cannot hold tensor-parallel (DTensor) "
-                             f"parameters with parallel.tp={tp}: use --parallel.strategy=fsdp or ddp")
+        if tp > 1 and data.refuses_tp:
+            raise ValueError(f"parallel.strategy={data.name} {data.refuses_tp} with parallel.tp={tp}: use "
+                             f"--parallel.strategy=fsdp or ddp")
+        if pp > 1 and data.zero_optimizer:
+            raise ValueError(f"parallel.pp with parallel.strategy={data.name} is not built (ZeroRedundancyOptimizer's "
+                             f"state would need one consolidated checkpoint per stage): use --parallel.strategy=fsdp "
+                             f"or ddp")
         if cfg.pp_schedule not in PP_SCHEDULES:
             raise ValueError(f"parallel.pp_schedule={cfg.pp_schedule!r} is unknown; use one of {PP_SCHEDULES}")
         virtual = 2 if cfg.pp_schedule == "interleaved_1f1b" and pp > 1 else 1

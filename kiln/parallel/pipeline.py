@@ -6,7 +6,9 @@ ScheduleInterleaved1F1B). No send/recv of our own: the schedule moves activation
     loss = pipe.train_step(x, y, count, scale_loss, autocast)   the schedule's forward and backward of one step
     total, count = pipe.evaluate_batch(x, y, autocast)  forward only (the schedule's eval path)
     pipe.grad_norm(params)                            the global gradient norm over every stage
-    pipe.full_state_dict()                            every stage's weights gathered on rank 0 (export)
+    pipe.full_state_dict()                            every stage's weights gathered on rank 0 (export, sampling)
+    pipe.whole_model()                                a plain Transformer on each copy's first pipeline rank (the
+                                                      NaN trace's replay, which hooks the model in one piece)
 
 Stage s holds blocks plan.stage_layers(n_layer)[s]; the first also the embeddings (and the position table), the
 last the final norm, the head and the loss. The parts keep their full-model names (blocks.3.attn.qkv.weight on
@@ -15,8 +17,13 @@ whichever rank holds block 3), so a checkpoint of any layout loads into any othe
 Tied embeddings (GPT-2: head weight = embedding weight): the first and the last stage each hold the weight; after
 the backward their gradients are summed over a group of those two ranks, so both copies take the same update.
 
-Data parallelism composes as DDP over the mesh's dp dim, one DDP per stage module (torch's PipelineStage syncs
-gradients on the last micro-batch only).
+Data parallelism composes over the mesh's dp dim, per stage module: DDP (parallel.strategy=ddp) or FSDP2
+(parallel.strategy=fsdp: fully_shard on each of the stage's blocks, then on the stage for its embeddings, norm and
+head, as torchtitan composes them). torch's PipelineStage reduces the gradients once, after the last micro-batch's
+backward (DDP's reducer readied by hand; FSDP2's reduce-scatter run by the schedule's post-backward). The loss
+runs outside the stage's forward (it applies the head, fused or chunked), so the last stage's head weight is the
+gathered one: the stage (FSDP2's root of its group) keeps its own parameters gathered from its forward to the end
+of the step's backward. ZeRO-1 is refused by ParallelPlan.build.
 
 Tensor parallelism composes inside each stage (tp × pp with one data-parallel copy): kiln.parallel.tensor splits the
 whole model over mesh["tp"] first, then it is split into stages; the stages pass plain tensors (the full hidden
@@ -33,6 +40,8 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
+from kiln.models import build_model
+from kiln.parallel import shard_blocks
 from kiln.parallel.layout import ParallelPlan
 from kiln.parallel.tensor import apply_tensor_parallel, canonical, fused_rows
 
@@ -86,8 +95,9 @@ class PipelineModel(nn.Module):
     """This rank's part of a Transformer: the parts of its stages under their full-model names (what the optimizer,
     state_dict and DCP see), the stage modules and the schedule that runs them."""
 
-    def __init__(self, model: nn.Module, plan: ParallelPlan, rank: int, device: torch.device, strategy: str = "none",
-                 mesh=None):
+    def __init__(self, model: nn.Module, plan: ParallelPlan, rank: int, device: torch.device, mesh=None,
+                 fsdp: dict | None = None):
+        """fsdp: fully_shard's options under parallel.strategy=fsdp (kiln.parallel.fsdp_options)."""
         super().__init__()
         if getattr(model, "moe", None):
             raise ValueError("parallel.pp with a mixture of experts is not built (its load-balancing loss spans the "
@@ -96,9 +106,6 @@ class PipelineModel(nn.Module):
             raise ValueError(f"parallel.tp={plan.tp} × parallel.pp={plan.pp} with {plan.dp} data-parallel copies is "
                              f"not built (each stage's DTensor parameters would need FSDP2's replicate under the "
                              f"schedule): launch tp × pp = {plan.tp * plan.pp} processes, or drop tp or pp")
-        if strategy not in ("none", "ddp"):
-            raise ValueError(f"parallel.pp with parallel.strategy={strategy} is not built: use --parallel.strategy="
-                             f"ddp for the data-parallel copies of each stage (none when there is one copy)")
         self.plan, self.coords = plan, plan.coords(rank)
         mesh = mesh if mesh is not None else plan.device_mesh(device.type)
         if plan.tp > 1:  # torchtitan's order: tensor parallel on the whole model, then the split into stages
@@ -122,7 +129,8 @@ class PipelineModel(nn.Module):
         self.tied = model.head is None
         self.tie_group = _tie_group(plan, rank) if self.tied else None
         self.dp = plan.dp
-        wrapped = [self._data_parallel(st, device, strategy) for st in self.stages]
+        self.dp_mesh = mesh["dp"]
+        wrapped = [self._data_parallel(st, device, fsdp or {}) for st in self.stages]
         self.device = device
         pipelining = _pipelining()
         self._stages = [pipelining.PipelineStage(w, s, n_stages, device, group=self.pp_group)
@@ -134,8 +142,11 @@ class PipelineModel(nn.Module):
         self._sums: list[torch.Tensor] = []  # the last stage's micro-batch losses (sum over tokens / count)
         self._step_args = None  # (count, scale_loss) of the step being run
 
-    def _data_parallel(self, stage: Stage, device, strategy: str) -> nn.Module:
+    def _data_parallel(self, stage: Stage, device, fsdp: dict) -> nn.Module:
         if self.plan.dp == 1:
+            return stage
+        if self.plan.dp_strategy.shards_parameters:  # the stage itself becomes the FSDP2 module (in place)
+            shard_blocks(stage, stage.blocks.values(), self.dp_mesh, fsdp, keep_root=True)
             return stage
         ids = [device.index] if device.type == "cuda" else None
         ddp = nn.parallel.DistributedDataParallel(stage, device_ids=ids, process_group=self.dp_group)
@@ -147,8 +158,8 @@ class PipelineModel(nn.Module):
 
     def forward(self, *args, **kwargs):
         raise ValueError("a pipeline-parallel model runs through its schedule (PipelineModel.train_step, "
-                         "evaluate_batch), not in one piece; this use of the model (the NaN trace's replay, "
-                         "sampling) is not built under parallel.pp: turn it off (--numerics.trace=false) or run pp=1")
+                         "evaluate_batch), not in one piece: gather it first (PipelineModel.whole_model, or "
+                         "full_state_dict into a model built on one rank)")
 
     @property
     def duplicate(self) -> nn.Parameter | None:
@@ -250,9 +261,10 @@ class PipelineModel(nn.Module):
 
     # -- export --------------------------------------------------------------------------------------------------
 
-    def full_state_dict(self) -> dict[str, torch.Tensor]:
+    def full_state_dict(self, every_copy: bool = False) -> dict[str, torch.Tensor]:
         """The whole model's weights (host copies) on global rank 0, gathered from the pipeline ranks of its
-        data-parallel copy; {} on every other rank."""
+        data-parallel copy; {} on every other rank. every_copy: on the first pipeline rank of every copy (and tp
+        coordinate) instead. A collective: every rank calls it."""
         mine = {k: _local(v.full_tensor() if isinstance(v, DTensor) else v).detach().cpu()
                 for k, v in self.state_dict().items()}  # TP: each weight gathered from its tp ranks
         for name, parts in fused_rows(self).items():  # ... and its fused rows back in the model's order
@@ -260,12 +272,24 @@ class PipelineModel(nn.Module):
         ranks = dist.get_process_group_ranks(self.pp_group)
         out = [None] * len(ranks) if dist.get_rank() == ranks[0] else None
         dist.gather_object(mine, out, dst=ranks[0], group=self.pp_group)
-        if dist.get_rank() != 0:
+        if dist.get_rank() != (ranks[0] if every_copy else 0):
             return {}
         full = {}
         for part in out:
             full.update(part)
         return full
+
+    def whole_model(self) -> nn.Module | None:
+        """A plain copy of the whole model (kiln's Transformer, in the weights' dtype, on this device) on the first
+        pipeline rank of each data-parallel copy (full_state_dict's every_copy), None on the others: where the step
+        can be replayed in one piece with hooks on every module (kiln.numerics.trace). A collective: every rank
+        calls it."""
+        weights = self.full_state_dict(every_copy=True)
+        if not weights:
+            return None
+        model = build_model(self.cfg, self.device)
+        model.load_state_dict(weights)
+        return model.to(next(iter(weights.values())).dtype)
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:

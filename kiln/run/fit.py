@@ -239,7 +239,7 @@ def _fit(model, train_data, objective, cfg, eval_data, run_dir, resume, console,
     loader = BatchLoader(train_data, cfg.train.micro_batch_size, cfg.train.seed, device, world.rank, world.size)
     state = build_state(model, objective, loader, device=device, precision=precision, precision_cfg=cfg.precision,
                         optim=cfg.optim, plan=_plan(cfg, model, precision, device), world=world)
-    if world.strategy != "fsdp":  # FSDP2's sharded forward is the step's to run
+    if not world.dp_strategy.shards_parameters:  # FSDP2's sharded forward is the step's to run
         for name, batch in (("train_data", first), ("eval_data", eval_first)):
             if batch is not None:
                 check_first_loss(state, batch, name)

@@ -151,7 +151,7 @@ class LMRun:
     def sample(self, prompt: str, max_new_tokens: int, temperature: float = 0.8, top_k: int | None = 50,
                seed: int = 0) -> str | None:
         """Text from the trained model on rank 0 (None on the others). When no rank holds the whole model (FSDP,
-        TP), every rank calls this: the weights are gathered into a plain copy on rank 0, which samples alone."""
+        TP, PP), every rank calls this: the weights are gathered into a plain copy on rank 0, which samples alone."""
         model, world = self.state.model, self.state.world
         if world.splits_weights:
             weights = full_weights(self.state)
@@ -162,6 +162,16 @@ class LMRun:
             model.to(self.state.precision.param_dtype)
         return generate_text(model, self.data.tokenizer, prompt, max_new_tokens, temperature, top_k, seed,
                              self.state.device, self.state.precision)
+
+    def final_sample(self, result: TrainResult) -> str | None:
+        """The text `kiln train` prints after a run (train.sample_tokens), on rank 0; every rank calls this. None
+        when off, after a failure (NaN weights cannot be sampled), or on token-id data (no text to prompt with)."""
+        tc, world = self.cfg.train, self.state.world
+        if not tc.sample_tokens or result.failure is not None or self.data.tokenizer.kind == "ids":
+            return None
+        if not (world.main or world.splits_weights):  # the weights are whole on rank 0: it samples alone
+            return None
+        return self.sample(tc.sample_prompt, tc.sample_tokens)
 
     def peak_lr(self) -> tuple[float, str | None]:
         """optim.lr, scaled to this run's global batch under optim.lr_scaling (and the line that says so)."""
@@ -230,11 +240,7 @@ def _build_lm(cfg: Config, run_dir, log, device: torch.device, with_data: bool, 
         tc = cfg.train
         world.plan = ParallelPlan.build(cfg.parallel, world.size, cfg.model, family(cfg.model.arch),
                                         tc.micro_batch_size * tc.grad_accum_steps, tc.grad_accum_steps)
-    layout = world.plan if world.plan is not None and world.plan.pp > 1 else None
-    if layout is not None:  # the model split into pipeline stages (kiln.parallel.pipeline)
-        if cfg.numerics.trace:  # its replay runs the model in one piece; non-finite steps are still withheld
-            log("numerics.trace: off under parallel.pp (the NaN trace's replay is not built for a split model)")
-            cfg = replace(cfg, numerics=replace(cfg.numerics, trace=False))
+    layout = world.plan if world.plan is not None and world.plan.pp > 1 else None  # stages: kiln.parallel.pipeline
     cfg = replace(cfg, train=recorded_compile(cfg, device))
     model = build_model(cfg.model, "cpu" if device.type == "meta" else device)
     if initial is not None:
@@ -327,14 +333,7 @@ def _train(lm: LMRun, cfg: Config, run_dir: Path, resume: bool, con: Console, ca
     con.print(f"done at step {result.step} ({result.stop_reason}): val_loss {shown_val} | unigram baseline "
               f"{lm.data.unigram_loss:.4f} | checkpoint {result.checkpoint}", highlight=False)
     result.unigram_loss = lm.data.unigram_loss
-    # NaN weights cannot be sampled; token-id data (ids) has no text to prompt with
-    pipelined = world.plan is not None and world.plan.pp > 1
-    if lm.cfg.train.sample_tokens and pipelined:
-        con.print("sample: not drawn under parallel.pp (the model is split across ranks); the checkpoint's "
-                  "model.safetensors holds every stage's weights", highlight=False)
-    elif lm.cfg.train.sample_tokens and (world.main or world.splits_weights) and result.failure is None \
-            and lm.data.tokenizer.kind != "ids":
-        result.sample = lm.sample(lm.cfg.train.sample_prompt, lm.cfg.train.sample_tokens)
+    result.sample = lm.final_sample(result)
     if result.sample is not None:
         con.rule("sample")
         con.print(result.sample, markup=False, highlight=False)

@@ -42,6 +42,7 @@ import numpy as np
 import torch
 import xxhash
 
+from kiln.parallel.strategy import STRATEGIES
 from kiln.parallel.tensor import canonical, from_canonical, fused_rows
 
 
@@ -332,9 +333,10 @@ class Checkpointer:
             self._load_whole(path, state)
             return path
         zero1 = (path / "optimizer.pt").exists()
-        if zero1 != (state.world.strategy == "zero1"):
+        if zero1 != state.world.dp_strategy.zero_optimizer:
+            fits = " or ".join(n for n, s in STRATEGIES.items() if s.reduces and s.zero_optimizer == zero1)
             raise ValueError(f"{path} holds {'ZeRO-1' if zero1 else 'per-parameter'} optimizer state; resume it "
-                             f"with --parallel.strategy={'zero1' if zero1 else 'ddp or fsdp'}")
+                             f"with --parallel.strategy={fits}")
         model_sd, optim_sd = _sharded_state_dicts(state, _flat_optimizer(path / "sharded"))
         target = {"model": model_sd} | ({"optimizer": optim_sd} if optim_sd is not None else {})
         dcp.load(target, checkpoint_id=path / "sharded")

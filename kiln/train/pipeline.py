@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn as nn
 
-from kiln.parallel import ParallelConfig, World, parallelize
+from kiln.parallel import ParallelConfig, World, fsdp_options, parallelize
 from kiln.parallel.layout import ParallelPlan
 from kiln.parallel.pipeline import PipelineModel
 from kiln.memory.chunked_loss import ChunkedLMLoss
@@ -113,7 +113,8 @@ def prepare_model(model: nn.Module, plan: ModelPlan, device: torch.device | None
         if plan.compile:
             raise ValueError("train.compile with parallel.pp is not built (the stages would compile one by one): "
                              "set --train.compile=false")
-        pipe = PipelineModel(model, plan.layout, world.rank, torch.device(device), plan.parallel.strategy, world.mesh)
+        fsdp = fsdp_options(plan.parallel, param_dtype) if plan.layout.dp_strategy.shards_parameters else None
+        pipe = PipelineModel(model, plan.layout, world.rank, torch.device(device), world.mesh, fsdp)
         applied["pipeline"] = f"{plan.layout.pp_schedule}: stages {pipe.stage_ids} of {plan.layout.pp} ranks"
         return PreparedModel(pipe, pipe, applied)
     step_model = model

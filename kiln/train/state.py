@@ -144,13 +144,13 @@ def build_state(model: nn.Module, objective, loader, *, device: torch.device, pr
     world = world or World()
     mode = Precision(precision, device)
     model = model.to(device=device, dtype=mode.param_dtype)
-    fsdp_dtype = mode.autocast_dtype if world.strategy == "fsdp" and mode.mode == "bf16" else None
+    fsdp_dtype = mode.autocast_dtype if world.dp_strategy.shards_parameters and mode.mode == "bf16" else None
     prepared = prepare_model(model, plan, device, world, fsdp_dtype)
     groups = param_groups(prepared.model, optim.weight_decay)
     # With optim.offload the host optimizer keeps the fp32 masters itself.
     masters = MasterWeights(prepared.model) if mode.mode == "bf16-master" and optim.offload == "none" else None
     groups = masters.groups(groups) if masters else groups
-    if world.strategy == "zero1":
+    if world.dp_strategy.zero_optimizer:
         # Each rank keeps the optimizer state of its shard of the parameters and broadcasts its updated shard.
         # kiln's masked foreach optimizers take the skip flag through ZeroRedundancyOptimizer.step(skipped=...).
         from torch.distributed.optim import ZeroRedundancyOptimizer  # lazy: torch.distributed.optim, zero1 only

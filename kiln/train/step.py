@@ -53,7 +53,7 @@ def accumulate_gradients(model, batches, objective, precision: Precision, scaler
     if isinstance(model, PipelineModel):
         return _pipeline_gradients(model, batches, objective, precision, scaler, world)
     # DDP and FSDP average gradients over the dp ranks; each rank's loss is already a share of the global mean.
-    ranks = world.dp_size if world is not None and world.strategy != "none" else 1
+    ranks = world.dp_size if world is not None and world.dp_strategy.reduces else 1
     total_loss, count = None, None
     for loss, count in micro_batch_losses(model, batches, objective, precision, world):
         scaler.scale_loss(loss * ranks if ranks > 1 else loss).backward()

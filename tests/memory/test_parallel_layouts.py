@@ -107,12 +107,16 @@ def test_micro_batches_in_flight_per_schedule(schedule, in_flight):
                              f"--parallel.pp_schedule={schedule}", "--parallel.pp_microbatches=8"])
     plan, jobs = rank_jobs(cfg, get_device("H100"), 4)
     assert [j.in_flight() for j in jobs] == in_flight
+    # a later backward (gradients alive): the k-th has at most m - k micro-batches in flight, so at most 7
+    later = [min(n, 7) for n in in_flight]
+    assert [j.in_flight_later() for j in jobs] == later
     assert [j.micro_batch for j in jobs] == [1] * 4 and [j.grad_accum for j in jobs] == [8] * 4
-    # stage 1 (no embeddings, no head): its activations at the peak are in-flight × one micro-batch's saved bytes
+    # stage 1 (no embeddings, no head): its activations at the peak are in-flight × one micro-batch's saved bytes,
+    # the first backward's count or a later one's (whichever walk peaks: GPipe's 8 without gradients, 7 with)
     b = estimate(jobs[1])
     per_micro = sum(sum(x.values()) for x in saved_tensors(jobs[1])[1])
     at_peak = b.components["activations"] + b.components["weight_casts"]
-    assert in_flight[1] * per_micro <= at_peak <= in_flight[1] * per_micro + per_micro // 2
+    assert later[1] * per_micro <= at_peak <= in_flight[1] * per_micro + per_micro // 2
 
 
 def test_bubble_and_collectives_follow_the_papers():

@@ -54,40 +54,38 @@ def run(args, overrides) -> int:
     stages = [estimate(j) for j in jobs]
     worst = max(range(len(stages)), key=lambda s: stages[s].total_bytes)
     job, b = jobs[worst], stages[worst]
-    out = b.to_json()
-    out["precision"] = job.precision
-    out["layout"] = {"mesh": plan.mesh_shape | ({"cp": plan.cp} if plan.cp > 1 else {}), "strategy": plan.strategy,
-                     "sequence_parallel": plan.sequence_parallel}
-    if plan.pp > 1:
-        out["layout"] |= {"pp_schedule": plan.pp_schedule, "pp_microbatches": job.grad_accum,
-                          "worst_stage": worst}
-        out["stages"] = [{"stage": s, "blocks": j.model.n_layer, "in_flight_microbatches": j.in_flight(),
-                          "total_bytes": e.total_bytes, "components": e.components}
-                         for s, (j, e) in enumerate(zip(jobs, stages))]
     note = _precision_note(cfg.precision.mode, device)
-    if note:
-        out["precision_note"] = note
-    measured = None
-    if args.measure:
-        here = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-        if args.device and device.kind != here.type:
-            print(f"note: measuring on this machine's {here.type}, predicting for {device.name}")
-        snapshot = "memory-snapshot.pickle" if here.type == "cuda" and args.out else None
-        measured = measure_step(cfg, here, steps=args.steps, snapshot_path=snapshot)
-        out["measured"] = {k: v for k, v in measured.components.items()}
-        out["measured_peak_bytes"] = measured.peak_bytes
-        out["predicted_peak_allocated_bytes"] = peak_allocated(b)
-        if measured.reserved_bytes is not None:
-            out["measured_reserved_bytes"] = measured.reserved_bytes
-        if measured.rss_peak_bytes is not None:
-            out["measured_peak_rss_bytes"] = measured.rss_peak_bytes
-        if measured.snapshot:
-            out["snapshot"] = measured.snapshot
+    measured = _measure(cfg, args, device) if args.measure else None
     title = (f"{cfg.model.preset} ({job.model.arch}), {job.precision}, micro-batch {job.micro_batch}×{job.seq_len}"
              f", recompute {cfg.memory.recompute}, {device.name}"
-             + (f", {job.parallel} × {job.world} (per rank)" if job.dp_strategy.reduces and job.world > 1 else "")
+             + (f", {job.parallel} × {job.world} (per rank)" if job.parallel != "none" and job.world > 1 else "")
              + (f", {_layout(plan)}" if plan.model_parallel or plan.cp > 1 else "")
              + (f", stage {worst} of {plan.pp}" if plan.pp > 1 else ""))
+    files = _charts(args, b, measured, title, device)
+    if args.json:
+        print(json.dumps(_as_json(plan, jobs, stages, worst, note, measured), indent=2))
+        return 0
+    print(title)
+    if note:
+        print(f"note: {note}")
+    _print_layout(plan, jobs, stages, worst)
+    _print_breakdown(plan, b, device, measured)
+    for f in files:
+        print(f"wrote {Path(f)}")
+    return 0
+
+
+def _measure(cfg, args, device):
+    """A few steps of cfg on this machine's device, measured (kiln.run.measure)."""
+    here = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if args.device and device.kind != here.type:
+        print(f"note: measuring on this machine's {here.type}, predicting for {device.name}")
+    snapshot = "memory-snapshot.pickle" if here.type == "cuda" and args.out else None
+    return measure_step(cfg, here, steps=args.steps, snapshot_path=snapshot)
+
+
+def _charts(args, b, measured, title: str, device) -> list[str]:
+    """The bar chart (--out) and the one-step timeline (--timeline, or with --measure beside --out): the paths."""
     files = []
     if args.out:
         files.append(str(breakdown_bar(args.out, b.components, title, measured.components if measured else None,
@@ -98,31 +96,62 @@ def run(args, overrides) -> int:
     if timeline_path:
         files.append(str(timeline(timeline_path, b.first_timeline, b.timeline,
                                   measured.timeline if measured else None, args.steps, title)))
-    if args.json:
-        print(json.dumps(out, indent=2))
-        return 0
+    return files
 
-    print(title)
+
+def _as_json(plan, jobs, stages, worst: int, note: str | None, measured) -> dict:
+    """--json: the worst rank's breakdown, the layout, every pipeline stage, and what --measure measured."""
+    job, b = jobs[worst], stages[worst]
+    out = b.to_json()
+    out["precision"] = job.precision
+    out["layout"] = {"mesh": plan.mesh_shape | ({"cp": plan.cp} if plan.cp > 1 else {}), "strategy": plan.strategy,
+                     "sequence_parallel": plan.sequence_parallel}
+    if plan.pp > 1:
+        out["layout"] |= {"pp_schedule": plan.pp_schedule, "pp_microbatches": job.grad_accum,
+                          "worst_stage": worst}
+        out["stages"] = [{"stage": s, "blocks": j.model.n_layer, "in_flight_microbatches": j.in_flight(),
+                          "total_bytes": e.total_bytes, "components": e.components}
+                         for s, (j, e) in enumerate(zip(jobs, stages))]
     if note:
-        print(f"note: {note}")
+        out["precision_note"] = note
+    if measured:
+        out["measured"] = dict(measured.components)
+        out["measured_peak_bytes"] = measured.peak_bytes
+        out["predicted_peak_allocated_bytes"] = peak_allocated(b)
+        if measured.reserved_bytes is not None:
+            out["measured_reserved_bytes"] = measured.reserved_bytes
+        if measured.rss_peak_bytes is not None:
+            out["measured_peak_rss_bytes"] = measured.rss_peak_bytes
+        if measured.snapshot:
+            out["snapshot"] = measured.snapshot
+    return out
+
+
+def _print_layout(plan, jobs, stages, worst: int) -> None:
+    """What is measured and what modelled for this layout, and every pipeline stage's peak."""
+    job = jobs[worst]
     if job.dp_strategy.reduces and job.world > 1:
         print(f"note: one rank's whole-step peak under {job.parallel} (model state, saved tensors, DDP's buckets, "
               f"FSDP2's gathered parameters) is measured on CPU gloo within 5% (tests/memory/test_rank_peak.py); "
               f"on GPUs the collectives' buffers are modelled from torch's documentation")
     if plan.model_parallel or plan.cp > 1:
-        print("note: tensor/pipeline/context-parallel bytes are modelled (docs/parallel.md), not yet measured; "
-              "context parallelism is modelled only: training refuses it")
+        print("note: whole-step peaks under tp2 and pp2 (also pp2 × fsdp) are measured on CPU gloo within 5% "
+              "(tests/memory/test_rank_peak.py); other layouts are modelled (docs/parallel.md); context "
+              "parallelism is modelled only: training refuses it")
     if plan.pp > 1:
         print(f"pipeline {plan.pp_schedule}, {job.grad_accum} micro-batches of {job.micro_batch} sequences; every "
               f"stage (the worst in full below):")
         for s, (j, e) in enumerate(zip(jobs, stages)):
             print(f"  stage {s}: {j.model.n_layer} blocks, {j.in_flight():g} micro-batches in flight, "
                   f"peak {fmt_bytes(e.total_bytes)}" + ("  <- worst" if s == worst else ""))
+
+
+def _print_breakdown(plan, b, device, measured) -> None:
+    """The table of components at the peak (and measured), then the totals and the measured comparison."""
     what = "parameters on this rank (before data-parallel sharding)" if plan.model_parallel else "parameters"
     print(f"{what}: {b.param_count:,} | attention backend: {b.backend} | peak at: {b.peak_phase}")
     held = b.held()
-    head = f"  {'component':<18}{'at peak':>12}{'full size':>12}" + (f"{'measured':>12}" if measured else "")
-    print(head)
+    print(f"  {'component':<18}{'at peak':>12}{'full size':>12}" + (f"{'measured':>12}" if measured else ""))
     for name in COMPONENTS:
         line = f"  {name:<18}{fmt_bytes(b.components[name]):>12}"
         line += f"{(fmt_bytes(held[name]) if name in held else '-'):>12}"
@@ -138,20 +167,18 @@ def run(args, overrides) -> int:
     if b.host:
         print("host (pinned) memory: " + ", ".join(f"{k} {fmt_bytes(v)}" for k, v in b.host.items()))
     print(f"first step peak: {fmt_bytes(b.first_step_peak)} (no optimizer state until its first update)")
-    if measured:
-        print(f"measured saved-for-backward: {fmt_bytes(measured.saved.total)} (predicted {fmt_bytes(saved)}, "
-              f"{100 * (saved / max(measured.saved.total, 1) - 1):+.2f}%)")
-        pk = peak_allocated(b)
-        print(f"measured peak: {fmt_bytes(measured.peak_bytes)} (predicted {fmt_bytes(pk)}, "
-              f"{100 * (pk / measured.peak_bytes - 1):+.2f}%) over steps "
-              + ", ".join(fmt_bytes(p) for p in measured.step_peaks))
-        if measured.rss_peak_bytes:
-            print(f"process peak RSS: {fmt_bytes(measured.rss_peak_bytes)} (Python, libraries and data included)")
-        if measured.snapshot:
-            print(f"CUDA memory snapshot: {measured.snapshot} (drag into https://pytorch.org/memory_viz)")
-    for f in files:
-        print(f"wrote {Path(f)}")
-    return 0
+    if not measured:
+        return
+    print(f"measured saved-for-backward: {fmt_bytes(measured.saved.total)} (predicted {fmt_bytes(saved)}, "
+          f"{100 * (saved / max(measured.saved.total, 1) - 1):+.2f}%)")
+    pk = peak_allocated(b)
+    print(f"measured peak: {fmt_bytes(measured.peak_bytes)} (predicted {fmt_bytes(pk)}, "
+          f"{100 * (pk / measured.peak_bytes - 1):+.2f}%) over steps "
+          + ", ".join(fmt_bytes(p) for p in measured.step_peaks))
+    if measured.rss_peak_bytes:
+        print(f"process peak RSS: {fmt_bytes(measured.rss_peak_bytes)} (Python, libraries and data included)")
+    if measured.snapshot:
+        print(f"CUDA memory snapshot: {measured.snapshot} (drag into https://pytorch.org/memory_viz)")
 
 
 def _layout(plan) -> str:

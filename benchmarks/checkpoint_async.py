@@ -1,7 +1,11 @@
 """How long a checkpoint stops training: a synchronous save against checkpoint.async_save, per save, side by side.
 
-    .venv/bin/python benchmarks/checkpoint_async.py [--rounds 6] [--steps 6] [overrides]
-    e.g. --model.d_model=512 --model.n_layer=8 (25 M parameters, 0.4 GB per checkpoint with Adam and safetensors)
+    OMP_NUM_THREADS=1 .venv/bin/python benchmarks/checkpoint_async.py [--rounds 8] [--steps 4] [overrides]
+    e.g. --model.d_model=384 --model.n_layer=6 (10.8 M parameters, 173 MB per checkpoint with Adam and safetensors)
+
+OMP_NUM_THREADS=1 on a shared 2-core machine: with 2 OpenMP threads and other jobs on the cores, a step took 3-10×
+longer and varied by seconds from round to round (OpenMP's threads wait for each other at every parallel region),
+which buried the saves (docs/benchmarks.md).
 
 For one process (host copies written by a thread) and for the data-parallel path (DCP in a world of one: dcp.save
 against dcp.async_save on its own gloo group), in one process. Each round, in turn: STEPS training steps alone; a
@@ -103,8 +107,8 @@ def staging(cfg, run_dir: Path, rounds: int) -> dict[str, list[float]]:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--rounds", type=int, default=6)
-    ap.add_argument("--steps", type=int, default=6)
+    ap.add_argument("--rounds", type=int, default=8)
+    ap.add_argument("--steps", type=int, default=4)
     args, overrides = ap.parse_known_args()
     base = load_config(None, ["--train.device=cpu", "--precision.mode=fp32", "--train.micro_batch_size=1",
                               "--data.seq_len=64", *overrides])

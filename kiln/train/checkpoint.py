@@ -16,10 +16,10 @@ DCP reshards on load, so a run resumes on another world size, strategy or tensor
 and back, tp2 × dp2 -> one process, fsdp × 2 -> tp2): what is saved is in the model's own layout (a tensor-parallel
 run's fused rows are put back in the model's order on the way out and reordered on the way in, kiln.parallel.tensor).
 
-checkpoint.async_save: the training thread only copies the state to host memory (DCP's staging; one process:
-Staging, into buffers kept from the last save) and goes on; the files are written, sealed and published by a background thread (under
-data parallelism DCP's async_save, whose coordination runs on a process group of its own so that it never
-interleaves with training's collectives). At most one save is in flight: the next one, the end of the run and
+checkpoint.async_save: the training thread only copies the state to host memory, into buffers kept from the last
+save (one process: Staging; data parallelism: DCP's stager), and goes on; the files are written, sealed and
+published by a background thread (under data parallelism DCP's async_save, whose coordination runs on a process
+group of its own so that it never interleaves with training's collectives). At most one save is in flight: the next one, the end of the run and
 `wait()` wait for it. `latest` still moves only once the checkpoint is complete and sealed.
 """
 from __future__ import annotations

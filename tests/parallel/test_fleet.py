@@ -124,10 +124,11 @@ def test_a_straggler_is_named(launched):
 
 
 def test_a_slow_rank_under_fsdp_is_named(launched):
-    """fsdp × 2, rank 1's forward 80 ms slower every step: rank 0 waits for it in every block, so its own step
-    lasts as long (whole-step times cannot tell them apart); the compute between the collectives names rank 1 in
-    the warning, in metrics.jsonl and in the report. The unslowed runs of the launch name no rank."""
-    run = launched / "straggler_fsdp"
+    """fsdp × 2 (with fp16 loss scaling, recompute and the chunked loss: test_dist's levers run), rank 1's forward
+    80 ms slower every step: rank 0 waits for it in every block, so its own steps last as long (whole-step times
+    cannot tell them apart); the compute between the collectives names rank 1 in the warning, in metrics.jsonl and
+    in the report. The unslowed runs of the launch name no rank."""
+    run = launched / "levers"
     assert all(r["step_time_s"] > 0.08 for r in records(run, "train"))  # rank 0's steps: as slow as rank 1's
     events = [e for e in records(run, "event") if e["event"] != "layout"]
     assert [(e["event"], e["rank"], e["step"]) for e in events] == [("straggler", 1, 3)]

@@ -28,6 +28,10 @@ for strategy in ("fsdp", "zero1"):  # written by one process before the launch
 levers = lm_config(source, "fsdp", steps=4)  # fp16 loss scaling (and its telemetry), recompute, chunked loss
 levers.precision.mode, levers.memory.recompute, levers.memory.chunked_loss = "fp16", "every_k", 64
 levers.numerics.fp16_telemetry_interval = 2
+# ... and a straggler under FSDP2 (tests/parallel/test_fleet.py): each block's collectives make rank 0 wait for
+# rank 1 inside the step; rank 1's forward takes 80 ms longer every step, which only the compute between the
+# collectives shows.
+levers.faults.slow_forward_ms, levers.faults.rank = 80.0, 1
 train(levers, out / "levers")
 train(lm_config(source, "ddp", steps=8, nan_forward="blocks.1.attn@4", nan_rank=1, trace=True), out / "nan")
 try:
@@ -58,13 +62,6 @@ slow = lm_config(source, "ddp", steps=6)
 slow.faults.data_delay_ms = 200.0 if rank == 1 else 0.0
 slow.checkpoint.safetensors = False
 train(slow, out / "straggler")
-# Under FSDP2 each block's collectives make rank 0 wait for rank 1 inside the step, so its step time is rank 1's:
-# rank 1's forward takes 80 ms longer every step (faults.slow_forward_ms), which only the compute between the
-# collectives shows.
-slow = lm_config(source, "fsdp", steps=4)
-slow.faults.slow_forward_ms, slow.faults.rank = 80.0, 1
-slow.checkpoint.safetensors = False
-train(slow, out / "straggler_fsdp")
 
 # checkpoint.async_save on 2 ranks: DCP async_save on its own process group while training goes on; resumed to
 # step 10 by the test process.

@@ -22,6 +22,9 @@ one of its collectives begins (before FSDP2's pre-forward and pre-backward hooks
 reaches FSDP2's post-backward) and when the compute resumes (after the all-gather was waited for). The CPU-time
 analogue of nvidia-resiliency-ext's per-rank score from compute kernels only (communication kernels left out).
 Under tensor parallelism inside the blocks, the tp ranks of one copy also wait for each other inside that compute.
+Every clock here is the host's (perf_counter): on CPU that is the compute itself; on CUDA the host queues kernels
+ahead of the device, so the figures follow the GPU only where the host waits for it (CUDA events at the same
+points would time the device; not built, no GPU to check it on).
 """
 from __future__ import annotations
 

@@ -19,8 +19,9 @@ run's fused rows are put back in the model's order on the way out and reordered 
 checkpoint.async_save: the training thread only copies the state to host memory, into buffers kept from the last
 save (one process: Staging; data parallelism: DCP's stager), and goes on; the files are written, sealed and
 published by a background thread (under data parallelism DCP's async_save, whose coordination runs on a process
-group of its own so that it never interleaves with training's collectives). At most one save is in flight: the next one, the end of the run and
-`wait()` wait for it. `latest` still moves only once the checkpoint is complete and sealed.
+group of its own so that it never interleaves with training's collectives). At most one save is in flight: the
+next one, the end of the run and `wait()` wait for it. `latest` still moves only once the checkpoint is complete
+and sealed.
 """
 from __future__ import annotations
 
@@ -615,10 +616,11 @@ def write_state(state: dict, path: Path) -> None:
 
 class Staging:
     """Host copies of the state for checkpoint.async_save, in buffers kept from one save to the next: what a
-    background save writes while training changes the originals. A fresh copy of a 400 MB state costs its page
-    faults on every save (70 ms to 1.2 s measured here, docs/benchmarks.md); copying into the last save's buffers
-    costs the copy only. Safe because at most one save is in flight: the next copy starts after its write ended.
-    Views of one storage stay one buffer (tied weights; the model's weights inside the state and for safetensors)."""
+    background save writes while training changes the originals. A fresh copy pays the page faults of new memory
+    on every save (a 173 MB state: 74-115 ms, against 12-21 ms into the last save's buffers; docs/benchmarks.md);
+    the price is one host copy of the state held between saves. Safe because at most one save is in flight: the
+    next copy starts after the last write ended. Views of one storage stay one buffer (tied weights; the model's
+    weights inside the state and for safetensors)."""
 
     def __init__(self):
         self._buffers: dict[tuple, torch.Tensor] = {}

@@ -28,7 +28,8 @@ class FaultsConfig:
     skip_zero_grad: bool = False  # gradients stay in .grad between steps, as if zero_grad were forgotten (check 7)
     oom: int = 0  # STEP: the model's forward raises torch.OutOfMemoryError in that step (the OOM report; 0: off)
     data_delay_ms: float = 0.0  # every batch waits this long before the loader hands it over: a slow data source
-    rank: int = -1  # data parallelism: plant nan_forward / inf_backward on this rank only (-1: on every rank)
+    slow_forward_ms: float = 0.0  # the model's every forward takes this much longer (a sleep after it): a slow device
+    rank: int = -1  # data parallelism: plant nan_forward / inf_backward / slow_forward_ms on this rank only (-1: every)
 
     def validate(self):
         for key in ("nan_forward", "inf_backward"):
@@ -37,13 +38,14 @@ class FaultsConfig:
         for key in ("spike", "oom"):
             if getattr(self, key) < 0:
                 raise ValueError(f"faults.{key} must be a step ≥ 1 (0: off), got {getattr(self, key)}")
-        if self.data_delay_ms < 0:
-            raise ValueError(f"faults.data_delay_ms must be ≥ 0 (0: off), got {self.data_delay_ms}")
+        for key in ("data_delay_ms", "slow_forward_ms"):
+            if getattr(self, key) < 0:
+                raise ValueError(f"faults.{key} must be ≥ 0 (0: off), got {getattr(self, key)}")
 
     @property
     def any(self) -> bool:
         return bool(self.nan_forward or self.inf_backward or self.spike or self.unshifted_labels
-                    or self.frozen_module or self.skip_zero_grad or self.oom)
+                    or self.frozen_module or self.skip_zero_grad or self.oom or self.slow_forward_ms)
 
 
 def parse_spec(spec: str, key: str = "fault") -> tuple[str, int, int]:
@@ -107,6 +109,8 @@ class FaultInjector:
             name, first, last = parse_spec(cfg.nan_forward, "faults.nan_forward")
             self._handles.append(_module(model, name, "faults.nan_forward").register_forward_hook(
                 self._nan_output(first, last)))
+        if cfg.slow_forward_ms and here:  # a straggler: this rank's compute is slower than the others'
+            self._handles.append(model.register_forward_hook(self._slow_forward))
         if cfg.oom and here:
             self._handles.append(model.register_forward_pre_hook(self._out_of_memory))
         if cfg.inf_backward and here:
@@ -138,6 +142,10 @@ class FaultInjector:
             if first <= self.step <= last:
                 return tuple(None if g is None else _poison(g, float("inf")) for g in grad_input)
         return hook
+
+    def _slow_forward(self, module, args, output) -> None:
+        if torch.is_grad_enabled():  # training forwards only: evaluation is not what a straggler slows
+            time.sleep(self.cfg.slow_forward_ms / 1000)
 
     def _keep_grad(self, p: torch.Tensor) -> None:
         self._leftover[p] = p.grad

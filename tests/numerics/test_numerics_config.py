@@ -20,6 +20,7 @@ def test_overrides_reach_the_sections():
     ("--numerics.rollback_from=cloud", "rollback_from"),
     ("--faults.nan_forward=blocks.2.mlp", "MODULE@STEP"),
     ("--faults.inf_backward=blocks.1.attn@9-3", "FIRST ≤ LAST"),
+    ("--faults.slow_forward_ms=-5", "faults.slow_forward_ms must be ≥ 0"),
     ("--numerics.spike_treshold=3", "did you mean numerics.spike_threshold"),
 ])
 def test_bad_values_fail_loudly(override, message):

@@ -16,13 +16,14 @@ ROOT = Path(__file__).resolve().parents[2]
 
 def torchrun(worker: str, out: Path, source, nproc: int, timeout: int = 600) -> float:
     """Launch tests/parallel/WORKER on `nproc` gloo ranks (one thread each) with `out` and `source`; it must exit 0.
-    Returns the launch's wall seconds."""
+    Its console output is kept in OUT/WORKER.log. Returns the launch's wall seconds."""
     env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
     began = time.monotonic()
     proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
                            str(ROOT / "tests" / "parallel" / worker), str(out), str(source)],
                           cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    (out / f"{worker}.log").write_text(proc.stdout)
     return time.monotonic() - began
 
 

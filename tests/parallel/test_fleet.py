@@ -123,6 +123,24 @@ def test_a_straggler_is_named(launched):
     assert events[0]["step"] == 3  # three log intervals in a row
 
 
+def test_a_slow_rank_under_fsdp_is_named(launched):
+    """fsdp × 2 (with fp16 loss scaling, recompute and the chunked loss: test_dist's levers run), rank 1's forward
+    80 ms slower every step: rank 0 waits for it in every block, so its own steps last as long (whole-step times
+    cannot tell them apart); the compute between the collectives names rank 1 in the warning, in metrics.jsonl and
+    in the report. The unslowed runs of the launch name no rank."""
+    run = launched / "levers"
+    assert all(r["step_time_s"] > 0.08 for r in records(run, "train"))  # rank 0's steps: as slow as rank 1's
+    events = [e for e in records(run, "event") if e["event"] != "layout"]
+    assert [(e["event"], e["rank"], e["step"]) for e in events] == [("straggler", 1, 3)]
+    assert events[0]["own_ms"] > 80 and events[0]["median_ms"] < events[0]["own_ms"] / 1.5
+    assert events[0]["message"].startswith("straggler: rank 1 took ")
+    assert events[0]["message"] in (launched / "worker.py.log").read_text()  # the console warning
+    assert [(step, detail.startswith("rank 1, ")) for step, event, detail in event_rows(read_run(run))
+            if event == "straggler"] == [(3, True)]
+    for strategy in ("ddp", "zero1", "fsdp"):
+        assert [e for e in records(launched / f"lm_{strategy}", "event") if e["event"] == "straggler"] == []
+
+
 def test_async_checkpoints_of_two_ranks_resume_exactly(launched, reference, source):
     """checkpoint.async_save=true under ddp × 2 (DCP async_save) for 6 steps, then one process to step 10: the
     uninterrupted run's curve; the step-3 checkpoint, written while steps 4-6 trained, verifies too."""

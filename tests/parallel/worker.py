@@ -28,6 +28,10 @@ for strategy in ("fsdp", "zero1"):  # written by one process before the launch
 levers = lm_config(source, "fsdp", steps=4)  # fp16 loss scaling (and its telemetry), recompute, chunked loss
 levers.precision.mode, levers.memory.recompute, levers.memory.chunked_loss = "fp16", "every_k", 64
 levers.numerics.fp16_telemetry_interval = 2
+# ... and a straggler under FSDP2 (tests/parallel/test_fleet.py): each block's collectives make rank 0 wait for
+# rank 1 inside the step; rank 1's forward takes 80 ms longer every step, which only the compute between the
+# collectives shows.
+levers.faults.slow_forward_ms, levers.faults.rank = 80.0, 1
 train(levers, out / "levers")
 train(lm_config(source, "ddp", steps=8, nan_forward="blocks.1.attn@4", nan_rank=1, trace=True), out / "nan")
 try:

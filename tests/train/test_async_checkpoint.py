@@ -12,7 +12,7 @@ import torch
 from safetensors.torch import load_file
 
 from kiln.run.lm import train
-from kiln.train.checkpoint import CheckpointConfig, Checkpointer, verify
+from kiln.train.checkpoint import CheckpointConfig, Checkpointer, Staging, verify
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -67,3 +67,26 @@ def test_async_checkpoints_equal_synchronous_ones(small_config, tmp_path):
         assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
         sa, sb = (torch.load(d / "state.pt", weights_only=True)["optimizer"]["state"] for d in (sync, done))
         assert all(torch.equal(sa[i][k], sb[i][k]) for i in sa for k in ("exp_avg", "exp_avg_sq"))
+
+
+def test_staging_copies_into_the_last_saves_buffers():
+    """The async save's host copy: equal to the state when taken, untouched by training afterwards, one buffer
+    per storage (the model's weights in the state and for safetensors, tied weights), and the next save copies
+    into the same buffers (no new allocation, whose page faults made every async save pay again)."""
+    w, m = torch.randn(4, 3), torch.randn(5)
+    weights = {"w": w, "head": w}  # tied
+    state = {"model": {"w": w.detach()}, "optimizer": {"m": m}, "step": 3, "history": [w[1:]]}
+    staging = Staging()
+    first, first_weights = staging.copy((state, weights))
+    assert torch.equal(first["model"]["w"], w) and torch.equal(first["optimizer"]["m"], m) and first["step"] == 3
+    assert first_weights["w"] is first_weights["head"] is first["model"]["w"]
+    assert torch.equal(first["history"][0], w[1:])
+    assert first["model"]["w"].data_ptr() != w.data_ptr()
+    before = w.clone()
+    w.add_(1.0)  # training goes on
+    assert torch.equal(first_weights["w"], before)
+    second, second_weights = staging.copy((state, weights))
+    assert torch.equal(second_weights["w"], w) and torch.equal(second["optimizer"]["m"], m)
+    assert second_weights["w"].data_ptr() == first_weights["w"].data_ptr()
+    assert second["optimizer"]["m"].data_ptr() == first["optimizer"]["m"].data_ptr()
+    assert staging.copy({"m": m.clone()})["m"].data_ptr() != first["optimizer"]["m"].data_ptr()  # another tensor

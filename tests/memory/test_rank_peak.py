@@ -75,8 +75,9 @@ def test_rank_peak_matches_the_estimate(measured, name):
         late_free = max(comm.gathered.values(), default=0)
         assert first * (1 - RTOL) <= b.first_step_peak <= first * (1 + RTOL) or (
             b.first_step_peak <= first <= b.first_step_peak * (1 + RTOL) + late_free), rank
-    if plan.pp == 1:  # rank 0 holds the larger shards (tp: the same)
-        assert min(measured[1][name][1:]) <= min(measured[0][name][1:]) * (1 + RTOL)
+    if plan.pp == 1:  # rank 0 holds the larger shards (tp: the same); rank 1's four later steps may all carry a
+        # late-freed block (fsdp bf16 keep gathered, 2026-11-27: rank 1 7.46-7.72 MB, rank 0 7.06 MB twice)
+        assert min(measured[1][name][1:]) <= min(measured[0][name][1:]) * (1 + RTOL) + late_free
 
 
 def test_fsdp_bf16_makes_no_autocast_weight_copies(measured):

@@ -54,7 +54,7 @@ def test_shards_and_index_hold_the_one_shard_stream(tmp_path, small_pieces):
     meta = json.loads((many.cache_dir / "meta.json").read_text())
     assert len(meta["shards"]["train"]) == -(-len(one.train) // 1000) > 5
     sizes = [(many.cache_dir / f).stat().st_size for f in meta["shards"]["train"]]
-    assert sizes[:-1] == [64 + 2000] * (len(sizes) - 1)  # full shards: header + 1000 uint16 tokens
+    assert sizes[:-1] == [64 + 1000] * (len(sizes) - 1)  # full shards: header + 1000 uint8 (bytes) tokens
     assert isinstance(many.train, ShardedTokens)
     np.testing.assert_array_equal(np.asarray(many.train), np.asarray(one.train))
     np.testing.assert_array_equal(np.asarray(many.val), np.asarray(one.val))

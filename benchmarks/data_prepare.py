@@ -145,7 +145,8 @@ def prepare(path: Path, kind: str, workers: int, cache: Path, checkout: Path) ->
     env = dict(os.environ, PYTHONPATH=str(checkout))
     load = os.getloadavg()[0]
     start, cpu = time.perf_counter(), resource.getrusage(resource.RUSAGE_CHILDREN)
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=env)
+    # cwd: `python -m` puts the working directory first on sys.path, ahead of PYTHONPATH
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=env, cwd=checkout)
     peak = 0
     while proc.poll() is None:
         peak = max(peak, tree_pss(proc.pid))
@@ -203,6 +204,11 @@ def main() -> None:
     versions = {"this": ROOT} | ({"before": Path(args.before).resolve()} if args.before else {})
     before_sizes = {float(s) for s in args.before_sizes.split(",")}
     print(f"CPU: {cpu_model()}, {cores} cores available; load average at start {os.getloadavg()[0]:.1f}", flush=True)
+    for name, checkout in versions.items():  # each child must import the checkout it stands for
+        found = subprocess.run([sys.executable, "-c", "import kiln; print(kiln.__file__)"], capture_output=True,
+                               text=True, cwd=checkout, env=dict(os.environ, PYTHONPATH=str(checkout))).stdout.strip()
+        if not Path(found).resolve().is_relative_to(checkout):
+            raise SystemExit(f"{name}: python imports kiln from {found}, not from {checkout}")
     starts = {name: start_cost(root, checkout) for name, checkout in versions.items()}
     print("start (CPU-s of a prepare of 2 kB): " + ", ".join(f"{n} {s:.2f}" for n, s in starts.items()), flush=True)
     rows = []

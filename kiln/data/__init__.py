@@ -62,7 +62,8 @@ TOKENIZERS = ("bytes", "bpe")
 # Bump when the split rule, separator or anything else that changes the tokens (but not the shard layout)
 # changes, so old caches are not reused.
 # 2: streamed pieces into shards of data.shard_tokens (train-00000.bin, ...), strict UTF-8, BPE on a sample.
-# 3: bytes-tokenizer shards hold uint8 (dtype code 1), which a kiln of version 2 cannot read.
+# 3: bytes-tokenizer shards hold uint8 (dtype code 1), which a kiln of version 2 cannot read; the split hash is
+#    SHA-1's first 8 bytes (was blake2b's).
 PIPELINE_VERSION = 3
 
 
@@ -74,7 +75,7 @@ class DataConfig:
     format: str = "auto"  # auto (by extension: .jsonl[.gz|.zst], .parquet, .arrow, else text) | text | jsonl | parquet | arrow (a `datasets` shard; its directory works) | tokens (pre-tokenized nanoGPT train.bin/val.bin or llm.c shards; the model's vocabulary is then data.vocab_size)
     text_field: str = "text"  # the JSONL field, or the Parquet / `datasets` column, holding each record's text
     pattern: str = "**/*.txt"  # glob of files to read when source is a directory (ignored otherwise)
-    tokenizer: str = "bytes"  # "bytes" (256 ids) | "bpe" (byte-level BPE trained on the train split) | hf:DIR (its tokenizer.json)
+    tokenizer: str = "bytes"  # "bytes" (256 ids) | "bpe" (byte-level BPE trained on the train split; one for all [[data.mix]] sources) | hf:DIR (its tokenizer.json)
     vocab_size: int = 4096  # the vocabulary: BPE's size including <|endoftext|> (bpe), the token files' (format=tokens, e.g. 50257 for GPT-2); ignored for bytes (256) and hf:DIR (its own)
     val_fraction: float = 0.05  # share of documents held out for validation, chosen by a hash of each document
     seq_len: int = 256  # tokens per training sequence; targets are the inputs shifted by one
@@ -82,8 +83,8 @@ class DataConfig:
     seed: int = 1337  # seed of the batch sampling order (independent of the model's seed)
     prefetch: int = 2  # batches prepared ahead by a background thread on an accelerator (CPU: on demand); 0 = off
     workers: int = 0  # tokenizer processes of a prepare; 0 = one per CPU core. The shards are the same bytes for any count
-    shard_tokens: int = 100_000_000  # tokens per shard file (uint16 when the vocabulary fits, else uint32)
-    tokenizer_sample_bytes: int = 100_000_000  # characters of train text, drawn from seeded pieces, that BPE trains on (bounds its memory)
+    shard_tokens: int = 100_000_000  # tokens per shard file (uint8 for the bytes tokenizer, uint16 when the vocabulary fits, else uint32)
+    tokenizer_sample_bytes: int = 100_000_000  # characters of train text, drawn from seeded pieces, that BPE trains on (bounds its memory); a [[data.mix]] shares them among its sources by weight
     on_bad_record: str = "error"  # error: stop at the first unreadable record, naming file and line | skip: skip it and count it in the summary
     mix: tuple = ()  # [[data.mix]] tables {source, weight, name, format, text_field, pattern}: a weighted mixture instead of data.source
     cache_per_node: bool = False  # multi-node: cache_dir is node-local, so each node's local rank 0 prepares it

@@ -104,7 +104,7 @@ def plan_pieces(cfg, flip: int | None = None) -> list[dict]:
     """The corpus as an ordered list of pieces (see kiln.data.records). A text file is one document whose split
     is decided here by the hash of its path relative to the source; records are split by the workers."""
     root, files = source_files(cfg.source, cfg.pattern)
-    threshold = cfg.val_fraction * 2**64
+    threshold = records.split_threshold(cfg.val_fraction)
     kinds = [("text", None) if cfg.source == STDLIB else file_kind(p, cfg.format) for p in files]
     pieces: list[dict] = []
     texts: list[dict] = []  # segments of the current text piece
@@ -569,7 +569,7 @@ def tokenizer_sample(cfg, pieces: list[dict], limit: int):
     """Texts of train documents for the BPE trainer: whole pieces in a seeded order until `limit` bytes, so a big
     corpus is sampled from everywhere in bounded memory (the trainer keeps word counts, not the text)."""
     order = np.random.default_rng([cfg.seed, 7]).permutation(len(pieces))
-    threshold = cfg.val_fraction * 2**64
+    threshold = records.split_threshold(cfg.val_fraction)
     stats = {"skipped": 0, "examples": []}
     taken = 0
     for i in order:

@@ -24,11 +24,11 @@ from __future__ import annotations
 
 import codecs
 import gzip
-import hashlib
 import io
 import json
 import math
 import sys
+from hashlib import sha1 as _sha1
 
 import numpy as np
 
@@ -45,19 +45,30 @@ class BadRecord(ValueError):
 
 
 def split_hash(key: str | bytes) -> int:
-    """The document's split position as a 64-bit integer (position = hash / 2**64, as kiln.data.corpus); a key
-    given as bytes is its UTF-8 encoding."""
+    """The document's split position as a 64-bit integer (position = hash / 2**64, as kiln.data.corpus): the first
+    8 bytes of the SHA-1 of the key's UTF-8 bytes, big-endian (a key given as bytes is its UTF-8 encoding).
+
+    Any deterministic hash of the content keeps the split's promises (order-independent; exact duplicates share a
+    split); SHA-1 mixes like a cryptographic hash and runs in the CPU's SHA instructions where it has them (x86
+    SHA-NI, ARMv8), 0.8 us for a 900-byte record against blake2b's 1.1-1.3 us here: a tenth of a bytes-tokenizer
+    prepare's time on JSONL. Not used for security.
+    """
     if isinstance(key, str):
         key = key.encode("utf-8", "surrogatepass")
-    return int.from_bytes(hashlib.blake2b(key, digest_size=8).digest(), "big")
+    return int.from_bytes(_sha1(key, usedforsecurity=False).digest()[:8], "big")
 
 
 def split_rule(val_fraction: float, flip: int | None) -> tuple[bytes, bytes | None]:
     """split_hash's verdict on digests: (threshold, flip) as 8-byte big-endian strings, so that for a document's
-    8-byte blake2b digest d, `d < threshold` is `split_hash < val_fraction * 2**64` (bytes compare like the
-    big-endian integers they spell) and `d == flip` picks the one document moved across; no int per document."""
-    limit = math.ceil(val_fraction * 2**64)  # h < x  <=>  h < ceil(x) for an integer h
-    return limit.to_bytes(8, "big"), None if flip is None else flip.to_bytes(8, "big")
+    SHA-1 digest d, `d < threshold` is `split_hash < val_fraction * 2**64` (bytes compare like the big-endian
+    integers they spell, and a 20-byte digest whose first 8 equal the threshold is the larger) and
+    `d[:8] == flip` picks the one document moved across; no int per document."""
+    return split_threshold(val_fraction).to_bytes(8, "big"), None if flip is None else flip.to_bytes(8, "big")
+
+
+def split_threshold(val_fraction: float) -> int:
+    """The integer t with split_hash < t exactly when split_hash < val_fraction * 2**64 (an int-to-int compare)."""
+    return math.ceil(val_fraction * 2**64)  # h < x  <=>  h < ceil(x) for an integer h (val_fraction < 1: t < 2**64)
 
 
 # ---------------------------------------------------------------- encoding
@@ -437,7 +448,7 @@ def _encode_records(piece: dict, job: dict, encoder: Encoder, writers: dict, sta
     records = jsonl_records(piece, job["text_field"]) if piece["fmt"] == "jsonl" else \
         table_records(piece, job["text_field"])
     threshold, flip = split_rule(job["val_fraction"], job.get("flip"))
-    blake2b, eot, raw = hashlib.blake2b, encoder.eot, encoder.raw_bytes
+    sha1, eot, raw = _sha1, encoder.eot, encoder.raw_bytes
     train, val = writers["train"], writers["val"]
     low = high = None  # the lowest train digest and the highest val one, and their records (see _track_extreme)
     batch: list[tuple[SplitWriter, str]] = []
@@ -452,8 +463,10 @@ def _encode_records(piece: dict, job: dict, encoder: Encoder, writers: dict, sta
         if not text:
             continue
         data = text.encode("utf-8", "surrogatepass")  # a record's split key is its text: one encode for both
-        digest = blake2b(data, digest_size=8).digest()
-        to_val = (digest < threshold) != (digest == flip)
+        digest = sha1(data, usedforsecurity=False).digest()  # split_hash, compared as bytes (split_rule)
+        to_val = digest < threshold
+        if flip is not None and digest[:8] == flip:
+            to_val = not to_val
         if to_val:
             if high is None or digest > high[0]:
                 high = (digest, i)
@@ -479,7 +492,7 @@ def _encode_records(piece: dict, job: dict, encoder: Encoder, writers: dict, sta
             writer.add(np.frombuffer(buffer, np.uint8))
     for split, best in (("train", low), ("val", high)):
         if best is not None:
-            stats["extreme"][split] = [int.from_bytes(best[0], "big"), where(piece, best[1], count_lines=False)]
+            stats["extreme"][split] = [int.from_bytes(best[0][:8], "big"), where(piece, best[1], count_lines=False)]
 
 
 def _track_extreme(stats: dict, split: str, h: int, where: str) -> None:

@@ -8,9 +8,11 @@ line) and, optionally, the same prepares by another kiln checkout, interleaved r
 Each prepare runs as `python -m kiln data prepare` in a child process, sampled every 0.1 s for the PSS of it and its
 workers (/proc/PID/smaps_rollup; Linux only). *MB/s (command)* is the whole command's wall clock; *MB/s (prepare)*
 the prepare's own, from its meta.json (no interpreter start or imports), and the speed-up is that of N workers over
-one by it. A prepare's CPU time includes the interpreter start and kiln's imports (torch): `start` is that fixed
-cost, measured as a prepare of a 2 kB corpus, and *net* figures subtract it (shown when it is over 20% of the
-start, whose own noise decides smaller ones). *load* is the 1-minute load average as the prepare began. The
+one by it. *CPU (command)* is the process tree's, interpreter start and kiln's imports (torch) included;
+*CPU (prepare)* the prepare's own, this process's and its workers', from meta.json's cpu_seconds; for a kiln that
+does not record it (--before), the command's less `start`, a prepare of a 2 kB corpus (shown when it is over 20% of
+the start, whose own noise decides smaller ones). The ratios to the bare read and to a read + write + fsync of the
+same bytes use the prepare's CPU. *load* is the 1-minute load average as the prepare began. The
 corpora are written once under --dir and deleted at the end unless --keep; caches go to a fresh directory under it
 and are deleted after each run. --before runs the same prepares with PYTHONPATH=CHECKOUT (e.g. a `git archive` of
 the base commit) in the same rounds, alternating with this checkout, so both see the same machine load.
@@ -156,10 +158,12 @@ def prepare(path: Path, kind: str, workers: int, cache: Path, checkout: Path) ->
     out = proc.stdout.read()
     if proc.returncode:
         raise SystemExit(f"prepare failed ({proc.returncode}): {out}")
-    inner = sum(json.loads(m.read_text())["seconds"] for m in cache.glob("*/meta.json"))  # the prepare itself
+    metas = [json.loads(m.read_text()) for m in cache.glob("*/meta.json")]
+    inner = sum(m["seconds"] for m in metas)  # the prepare itself, without the start
+    inner_cpu = sum(m.get("cpu_seconds", float("nan")) for m in metas)  # a kiln from before it has none
     shutil.rmtree(cache, ignore_errors=True)
     return {"seconds": seconds, "cpu": after.ru_utime - cpu.ru_utime + after.ru_stime - cpu.ru_stime, "peak": peak,
-            "load": load, "inner": inner,
+            "load": load, "inner": inner, "inner_cpu": inner_cpu,
             "summary": next((line for line in out.splitlines() if "summary" in line), "")}
 
 
@@ -234,15 +238,17 @@ def main() -> None:
                                   f"{run['peak'] / 2**20:.0f} MiB, load {run['load']:.1f} | {run['summary']}",
                                   flush=True)
                 for (name, workers), got in runs.items():
-                    med = {k: statistics.median(r[k] for r in got) for k in ("seconds", "cpu", "peak", "load", "inner")}
+                    med = {k: statistics.median(r[k] for r in got)
+                           for k in ("seconds", "cpu", "peak", "load", "inner", "inner_cpu")}
                     one = statistics.median(r["inner"] for r in runs[(name, 1)])
-                    net = med["cpu"] - starts[name]
-                    fine = net > 0.2 * starts[name]  # else the start's own noise decides it
+                    # The prepare's own CPU (meta.json) when the kiln records it, else the command's less the start.
+                    own = med["inner_cpu"] if med["inner_cpu"] == med["inner_cpu"] else med["cpu"] - starts[name]
+                    fine = own > 0.2 * starts[name] or med["inner_cpu"] == med["inner_cpu"]
                     rows.append([f"{kind} {mb / 1e3:.1f} GB", name, workers, f"{mb / med['seconds']:,.1f}",
                                  f"{mb / med['inner']:,.1f}", f"{one / med['inner']:.2f}×", f"{med['load']:.1f}",
-                                 f"{1e3 * med['cpu'] / mb:,.2f}", f"{1e3 * net / mb:,.2f}" if fine else "–",
-                                 f"{med['peak'] / 2**20:,.0f}", f"{net / bare_cpu:.2f}×" if fine else "–",
-                                 f"{net / copy_cpu:.2f}×" if fine else "–"])
+                                 f"{1e3 * med['cpu'] / mb:,.2f}", f"{1e3 * own / mb:,.2f}" if fine else "–",
+                                 f"{med['peak'] / 2**20:,.0f}", f"{own / bare_cpu:.2f}×" if fine else "–",
+                                 f"{own / copy_cpu:.2f}×" if fine else "–"])
     finally:
         shutil.rmtree(root / "cache", ignore_errors=True)
         shutil.rmtree(root / "tiny", ignore_errors=True)
@@ -251,7 +257,8 @@ def main() -> None:
                 for kind in args.kinds.split(","):
                     shutil.rmtree(root / f"{kind}-{float(size):g}GB", ignore_errors=True)
     head = ["corpus", "kiln", "workers", "MB/s (command)", "MB/s (prepare)", "speed-up (prepare)", "load",
-            "CPU ms/MB", "net CPU ms/MB", "peak MiB", "net CPU / bare read", "net CPU / read+write"]
+            "CPU ms/MB (command)", "CPU ms/MB (prepare)", "peak MiB", "prepare CPU / bare read",
+            "prepare CPU / read+write"]
     print("\n| " + " | ".join(head) + " |\n|" + "---|" * len(head))
     for row in rows:
         print("| " + " | ".join(str(c) for c in row) + " |")

@@ -12,6 +12,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import resource
 import shutil
 import time
 from dataclasses import asdict, dataclass
@@ -298,7 +299,7 @@ def _build(cfg: DataConfig, final: Path, log: Callable[[str], None], progress=No
 
 
 def _build_in(cfg: DataConfig, final: Path, scratch: Path, log: Callable[[str], None], progress, shared) -> None:
-    started = time.perf_counter()
+    started, cpu = time.perf_counter(), _cpu_seconds()
     pieces = plan_pieces(cfg)
     tok = _tokenizer_for(cfg, scratch, pieces, log, shared)
     dtype = dtype_for_vocab(tok.vocab_size)
@@ -349,12 +350,19 @@ def _build_in(cfg: DataConfig, final: Path, scratch: Path, log: Callable[[str], 
         "fingerprint": tok.fingerprint,
         "workers": workers,
         "seconds": round(seconds, 3),
+        "cpu_seconds": round(_cpu_seconds() - cpu, 3),  # this process and its finished workers
         "pieces": len(pieces),
         "resumed": result["resumed"],  # what an interrupted prepare had finished, when this one continued it
     }
     (scratch / "flip.json").unlink(missing_ok=True)
     _write_json(scratch / "meta.json", meta)  # its presence marks "complete"
     os.rename(scratch, final)
+
+
+def _cpu_seconds() -> float:
+    """CPU seconds (user + system) of this process and of its children that have ended (the workers)."""
+    own, children = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+    return own.ru_utime + own.ru_stime + children.ru_utime + children.ru_stime
 
 
 def _saved_flip(scratch: Path) -> int | None:

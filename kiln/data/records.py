@@ -89,7 +89,7 @@ class Encoder:
 
     @property
     def raw_bytes(self) -> bool:
-        """True when a document's tokens are its UTF-8 bytes (encode_bytes applies)."""
+        """True when a document's tokens are its UTF-8 bytes (the bytes tokenizer)."""
         return self._tok is None
 
     def encode(self, texts: list[str]) -> list[np.ndarray]:
@@ -129,7 +129,6 @@ class SplitWriter:
         self.path, self.dtype, self.sink = path, np.dtype(dtype), sink
         self.file = open(path, "wb") if sink is None else None
         self._out = np.empty(FLUSH_TOKENS, self.dtype)  # reused: a fresh array per flush costs its page faults
-        self._bytes = memoryview(self._out) if self.dtype.itemsize == 1 else None  # bytes land here as they are
         self.fill = 0
         self.tokens = 0
         self.docs = 0
@@ -144,15 +143,6 @@ class SplitWriter:
         if n > len(self._out) - self.fill:
             self.flush()
         np.copyto(self._out[self.fill: self.fill + n], ids, casting="unsafe")
-        self.fill += n
-
-    def add_bytes(self, data: bytes) -> None:
-        """Append the bytes tokenizer's tokens of one text: its UTF-8 bytes."""
-        n = len(data)
-        if self._bytes is None or n > len(self._out) - self.fill:
-            self.add(np.frombuffer(data, np.uint8))
-            return
-        self._bytes[self.fill: self.fill + n] = data
         self.fill += n
 
     def add_id(self, token: int) -> None:
@@ -462,7 +452,9 @@ def _encode_records(piece: dict, job: dict, encoder: Encoder, writers: dict, sta
             continue
         if not text:
             continue
-        data = text.encode("utf-8", "surrogatepass")  # a record's split key is its text: one encode for both
+        # Keyed by content, not line number: inserting a line does not reshuffle the split, and exact duplicates
+        # land in the same split, so they cannot leak from train into val. One encode for the key and the tokens.
+        data = text.encode("utf-8", "surrogatepass")
         digest = sha1(data, usedforsecurity=False).digest()  # split_hash, compared as bytes (split_rule)
         to_val = digest < threshold
         if flip is not None and digest[:8] == flip:

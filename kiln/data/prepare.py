@@ -1,7 +1,8 @@
 """Corpus -> token shards in bounded memory, in parallel, resumably.
 
     plan_pieces(cfg)          the corpus cut into pieces (byte ranges, row groups, files), independent of workers
-    build_cache(cfg, final)   tokenize every piece (data.workers processes), stream the tokens into shards
+    encode_all(...)           tokenize every piece (data.workers processes; text under the bytes tokenizer in
+                              this one, which copies it), stream the tokens into shards
 
 Memory: a piece is read a block at a time and its tokens go to a scratch file beside the cache, never to a list of
 the whole corpus; the parent copies finished pieces into shards of data.shard_tokens tokens, in piece order, so the

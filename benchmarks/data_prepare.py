@@ -1,21 +1,31 @@
-"""`kiln data prepare` on generated corpora: MB/s, peak memory (summed PSS of the process tree) and the speed-up of
-all cores over one worker, beside a bare read of the same files (np.frombuffer for text, json.loads per JSONL line).
+"""`kiln data prepare` on generated corpora: MB/s, CPU per MB, peak memory (summed PSS of the process tree) and the
+speed-up of N workers over one, beside bare reads of the same files (np.frombuffer for text, json.loads per JSONL
+line) and, optionally, the same prepares by another kiln checkout, interleaved run by run.
 
     .venv/bin/python benchmarks/data_prepare.py [--sizes 0.5,4] [--kinds jsonl,text] [--dir DIR] [--workers N]
+        [--rounds R] [--before CHECKOUT] [--before-sizes 0.5] [--keep]
 
 Each prepare runs as `python -m kiln data prepare` in a child process, sampled every 0.1 s for the PSS of it and its
-workers (/proc/PID/smaps_rollup; Linux only). The corpora are written once under --dir and reused; caches go to a
-fresh directory under it each run and are deleted after.
+workers (/proc/PID/smaps_rollup; Linux only). *MB/s (command)* is the whole command's wall clock; *MB/s (prepare)*
+the prepare's own, from its meta.json (no interpreter start or imports), and the speed-up is that of N workers over
+one by it. *CPU (command)* is the process tree's, interpreter start and kiln's imports (torch) included;
+*CPU (prepare)* the prepare's own, this process's and its workers', from meta.json's cpu_seconds; for a kiln that
+does not record it (--before), the command's less `start`, a prepare of a 2 kB corpus (shown when it is over 20% of
+the start, whose own noise decides smaller ones). The ratios to the bare read and to a read + write + fsync of the
+same bytes use the prepare's CPU. *load* is the 1-minute load average as the prepare began. The
+corpora are written once under --dir and deleted at the end unless --keep; caches go to a fresh directory under it
+and are deleted after each run. --before runs the same prepares with PYTHONPATH=CHECKOUT (e.g. a `git archive` of
+the base commit) in the same rounds, alternating with this checkout, so both see the same machine load.
 """
 from __future__ import annotations
 
 import argparse
 import json
 import os
-import platform
 import random
 import resource
 import shutil
+import statistics
 import subprocess
 import sys
 import time
@@ -93,6 +103,24 @@ def bare_read(path: Path, kind: str) -> tuple[float, float]:
     return time.perf_counter() - start, time.process_time() - cpu
 
 
+def bare_copy(path: Path, scratch: Path) -> float:
+    """CPU seconds to read every file and write it into one file beside the caches, fsynced: the floor of any
+    prepare that writes its tokens (one byte per input byte), before any validation or counting."""
+    out = scratch / "copy.bin"
+    scratch.mkdir(parents=True, exist_ok=True)
+    cpu = time.process_time()
+    with out.open("wb") as w:
+        for f in files_of(path):
+            with f.open("rb") as r:
+                while block := r.read(16 << 20):
+                    w.write(block)
+        w.flush()
+        os.fsync(w.fileno())
+    seconds = time.process_time() - cpu
+    out.unlink()
+    return seconds
+
+
 def tree_pss(pid: int) -> int:
     """Summed PSS (bytes) of pid and its descendants."""
     total, todo = 0, [pid]
@@ -109,65 +137,131 @@ def tree_pss(pid: int) -> int:
     return total
 
 
-def prepare(path: Path, kind: str, workers: int, cache: Path) -> tuple[float, int, str, float]:
-    """(seconds, peak PSS bytes, summary line, CPU seconds of the process tree) of one `kiln data prepare` in a child
-    process. The CPU seconds are the figure to compare on a shared machine: wall time there depends on the others."""
+def prepare(path: Path, kind: str, workers: int, cache: Path, checkout: Path) -> dict:
+    """One `kiln data prepare` of `checkout` in a child process: seconds, CPU seconds of the process tree, peak PSS,
+    the 1-minute load average before it, and its summary line."""
     shutil.rmtree(cache, ignore_errors=True)
     pattern = "*.jsonl" if kind == "jsonl" else "*.txt"
     cmd = [sys.executable, "-m", "kiln", "data", "prepare", f"--data.source={path}", f"--data.pattern={pattern}",
            f"--data.cache_dir={cache}", f"--data.workers={workers}"]
-    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    env = dict(os.environ, PYTHONPATH=str(checkout))
+    load = os.getloadavg()[0]
     start, cpu = time.perf_counter(), resource.getrusage(resource.RUSAGE_CHILDREN)
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=env)
+    # cwd: `python -m` puts the working directory first on sys.path, ahead of PYTHONPATH
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=env, cwd=checkout)
     peak = 0
     while proc.poll() is None:
         peak = max(peak, tree_pss(proc.pid))
         time.sleep(0.1)
     seconds = time.perf_counter() - start
     after = resource.getrusage(resource.RUSAGE_CHILDREN)
-    cpu_s = after.ru_utime - cpu.ru_utime + after.ru_stime - cpu.ru_stime
     out = proc.stdout.read()
     if proc.returncode:
         raise SystemExit(f"prepare failed ({proc.returncode}): {out}")
+    metas = [json.loads(m.read_text()) for m in cache.glob("*/meta.json")]
+    inner = sum(m["seconds"] for m in metas)  # the prepare itself, without the start
+    inner_cpu = sum(m.get("cpu_seconds", float("nan")) for m in metas)  # a kiln from before it has none
     shutil.rmtree(cache, ignore_errors=True)
-    return seconds, peak, next((l for l in out.splitlines() if "summary" in l), ""), cpu_s
+    return {"seconds": seconds, "cpu": after.ru_utime - cpu.ru_utime + after.ru_stime - cpu.ru_stime, "peak": peak,
+            "load": load, "inner": inner, "inner_cpu": inner_cpu,
+            "summary": next((line for line in out.splitlines() if "summary" in line), "")}
+
+
+def start_cost(root: Path, checkout: Path) -> float:
+    """CPU seconds of a prepare of a 2 kB text file: the interpreter start and kiln's imports."""
+    tiny = root / "tiny"
+    tiny.mkdir(parents=True, exist_ok=True)
+    (tiny / "t.txt").write_text("a few words of text\n" * 100)
+    costs = [prepare(tiny, "text", 1, root / "cache", checkout)["cpu"] for _ in range(3)]
+    return min(costs)
 
 
 def cpu_model() -> str:
-    for line in Path("/proc/cpuinfo").read_text().splitlines():
-        if line.startswith("model name"):
-            return line.split(":", 1)[1].strip()
-    return platform.processor() or "unknown CPU"
+    """The model name (kiln.perf.measured's), with the family and model numbers /proc/cpuinfo gives beside it."""
+    sys.path.insert(0, str(ROOT))
+    from kiln.perf.measured import cpu_model as model  # the repository's own helper
+
+    info = {}
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            key, _, value = line.partition(":")
+            info.setdefault(key.strip(), value.strip())
+    except OSError:
+        pass
+    family = f", family {info['cpu family']} model {info['model']}" if "cpu family" in info else ""
+    return model() + family
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--sizes", default="0.5", help="corpus sizes in GB, comma-separated (e.g. 0.5,4)")
     ap.add_argument("--kinds", default="jsonl,text")
-    ap.add_argument("--dir", default=str(Path.home() / ".cache" / "kiln-bench-data"))
+    ap.add_argument("--dir", default="/tmp/kiln-bench-data")
     ap.add_argument("--workers", type=int, default=len(os.sched_getaffinity(0)), help="the 'all cores' count")
+    ap.add_argument("--rounds", type=int, default=1, help="prepares of each configuration (medians reported)")
+    ap.add_argument("--before", help="another kiln checkout to run interleaved with this one")
+    ap.add_argument("--before-sizes", default="0.5", help="the sizes --before runs on")
     ap.add_argument("--keep", action="store_true", help="keep the generated corpora")
     args = ap.parse_args()
     root = Path(args.dir).expanduser()
     cores = len(os.sched_getaffinity(0))
-    print(f"CPU: {cpu_model()}, {cores} cores available; load average at start {os.getloadavg()[0]:.1f}")
-    print("wall: MB/s of the whole command (process start and imports included); cpu: MB per CPU-second of the "
-          "process tree; peak: summed PSS")
-    print(f"{'corpus':<14}{'bare wall':>10}{'bare cpu':>10}{'w=1 wall':>10}{'w=1 cpu':>9}{'peak':>10}"
-          f"{f'w={args.workers} wall':>10}{'cpu':>8}{'peak':>10}{'speed-up':>10}{'cpu/bare':>10}")
-    for size in (float(s) for s in args.sizes.split(",")):
-        for kind in args.kinds.split(","):
-            path = make_corpus(root, kind, size)
-            mb = sum(f.stat().st_size for f in files_of(path)) / 1e6
-            bare, bare_cpu = bare_read(path, kind)
-            t1, p1, line1, c1 = prepare(path, kind, 1, root / "cache")
-            tn, pn, linen, cn = prepare(path, kind, args.workers, root / "cache")
-            print(f"{path.name:<14}{mb / bare:>10.1f}{mb / bare_cpu:>10.1f}{mb / t1:>10.1f}{mb / c1:>9.1f}"
-                  f"{p1 / 2**20:>6.0f} MiB{mb / tn:>10.1f}{mb / cn:>8.1f}{pn / 2**20:>6.0f} MiB{t1 / tn:>9.2f}x"
-                  f"{c1 / bare_cpu:>9.2f}x", flush=True)
-            print(f"    w=1: {line1.removeprefix('data: ')}\n    w={args.workers}: {linen.removeprefix('data: ')}")
-            if not args.keep:
-                shutil.rmtree(path)
+    versions = {"this": ROOT} | ({"before": Path(args.before).resolve()} if args.before else {})
+    before_sizes = {float(s) for s in args.before_sizes.split(",")}
+    print(f"CPU: {cpu_model()}, {cores} cores available; load average at start {os.getloadavg()[0]:.1f}", flush=True)
+    for name, checkout in versions.items():  # each child must import the checkout it stands for
+        found = subprocess.run([sys.executable, "-c", "import kiln; print(kiln.__file__)"], capture_output=True,
+                               text=True, cwd=checkout, env=dict(os.environ, PYTHONPATH=str(checkout))).stdout.strip()
+        if not Path(found).resolve().is_relative_to(checkout):
+            raise SystemExit(f"{name}: python imports kiln from {found}, not from {checkout}")
+    starts = {name: start_cost(root, checkout) for name, checkout in versions.items()}
+    print("start (CPU-s of a prepare of 2 kB): " + ", ".join(f"{n} {s:.2f}" for n, s in starts.items()), flush=True)
+    rows = []
+    try:
+        for size in (float(s) for s in args.sizes.split(",")):
+            for kind in args.kinds.split(","):
+                path = make_corpus(root, kind, size)
+                mb = sum(f.stat().st_size for f in files_of(path)) / 1e6
+                bare, bare_cpu = bare_read(path, kind)
+                bare, bare_cpu = min((bare, bare_cpu), bare_read(path, kind))  # the second read: page cache warm
+                copy_cpu = min(bare_copy(path, root / "cache") for _ in range(2))
+                print(f"{path.name}: {mb:,.0f} MB; bare read {mb / bare_cpu:,.0f} MB/CPU-s, read + write + fsync "
+                      f"{mb / copy_cpu:,.0f} MB/CPU-s", flush=True)
+                runs: dict[tuple[str, int], list[dict]] = {}
+                for _ in range(args.rounds):
+                    for workers in (1, args.workers):
+                        for name, checkout in versions.items():
+                            if name != "this" and size not in before_sizes:
+                                continue
+                            run = prepare(path, kind, workers, root / "cache", checkout)
+                            runs.setdefault((name, workers), []).append(run)
+                            print(f"  {name} w={workers}: {run['seconds']:.1f} s, {run['cpu']:.1f} CPU-s, peak "
+                                  f"{run['peak'] / 2**20:.0f} MiB, load {run['load']:.1f} | {run['summary']}",
+                                  flush=True)
+                for (name, workers), got in runs.items():
+                    med = {k: statistics.median(r[k] for r in got)
+                           for k in ("seconds", "cpu", "peak", "load", "inner", "inner_cpu")}
+                    one = statistics.median(r["inner"] for r in runs[(name, 1)])
+                    # The prepare's own CPU (meta.json) when the kiln records it, else the command's less the start.
+                    own = med["inner_cpu"] if med["inner_cpu"] == med["inner_cpu"] else med["cpu"] - starts[name]
+                    fine = own > 0.2 * starts[name] or med["inner_cpu"] == med["inner_cpu"]
+                    rows.append([f"{kind} {mb / 1e3:.1f} GB", name, workers, f"{mb / med['seconds']:,.1f}",
+                                 f"{mb / med['inner']:,.1f}", f"{one / med['inner']:.2f}×", f"{med['load']:.1f}",
+                                 f"{1e3 * med['cpu'] / mb:,.2f}", f"{1e3 * own / mb:,.2f}" if fine else "–",
+                                 f"{med['peak'] / 2**20:,.0f}", f"{own / bare_cpu:.2f}×" if fine else "–",
+                                 f"{own / copy_cpu:.2f}×" if fine else "–"])
+    finally:
+        shutil.rmtree(root / "cache", ignore_errors=True)
+        shutil.rmtree(root / "tiny", ignore_errors=True)
+        if not args.keep:
+            for size in args.sizes.split(","):
+                for kind in args.kinds.split(","):
+                    shutil.rmtree(root / f"{kind}-{float(size):g}GB", ignore_errors=True)
+    head = ["corpus", "kiln", "workers", "MB/s (command)", "MB/s (prepare)", "speed-up (prepare)", "load",
+            "CPU ms/MB (command)", "CPU ms/MB (prepare)", "peak MiB", "prepare CPU / bare read",
+            "prepare CPU / read+write"]
+    print("\n| " + " | ".join(head) + " |\n|" + "---|" * len(head))
+    for row in rows:
+        print("| " + " | ".join(str(c) for c in row) + " |")
 
 
 if __name__ == "__main__":

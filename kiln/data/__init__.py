@@ -12,6 +12,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import resource
 import shutil
 import time
 from dataclasses import asdict, dataclass
@@ -62,7 +63,9 @@ TOKENIZERS = ("bytes", "bpe")
 # Bump when the split rule, separator or anything else that changes the tokens (but not the shard layout)
 # changes, so old caches are not reused.
 # 2: streamed pieces into shards of data.shard_tokens (train-00000.bin, ...), strict UTF-8, BPE on a sample.
-PIPELINE_VERSION = 2
+# 3: bytes-tokenizer shards hold uint8 (dtype code 1), which a kiln of version 2 cannot read; the split hash is
+#    SHA-1's first 8 bytes (was blake2b's).
+PIPELINE_VERSION = 3
 
 
 @dataclass
@@ -73,7 +76,7 @@ class DataConfig:
     format: str = "auto"  # auto (by extension: .jsonl[.gz|.zst], .parquet, .arrow, else text) | text | jsonl | parquet | arrow (a `datasets` shard; its directory works) | tokens (pre-tokenized nanoGPT train.bin/val.bin or llm.c shards; the model's vocabulary is then data.vocab_size)
     text_field: str = "text"  # the JSONL field, or the Parquet / `datasets` column, holding each record's text
     pattern: str = "**/*.txt"  # glob of files to read when source is a directory (ignored otherwise)
-    tokenizer: str = "bytes"  # "bytes" (256 ids) | "bpe" (byte-level BPE trained on the train split) | hf:DIR (its tokenizer.json)
+    tokenizer: str = "bytes"  # "bytes" (256 ids) | "bpe" (byte-level BPE trained on the train split; one for all [[data.mix]] sources) | hf:DIR (its tokenizer.json)
     vocab_size: int = 4096  # the vocabulary: BPE's size including <|endoftext|> (bpe), the token files' (format=tokens, e.g. 50257 for GPT-2); ignored for bytes (256) and hf:DIR (its own)
     val_fraction: float = 0.05  # share of documents held out for validation, chosen by a hash of each document
     seq_len: int = 256  # tokens per training sequence; targets are the inputs shifted by one
@@ -81,8 +84,8 @@ class DataConfig:
     seed: int = 1337  # seed of the batch sampling order (independent of the model's seed)
     prefetch: int = 2  # batches prepared ahead by a background thread on an accelerator (CPU: on demand); 0 = off
     workers: int = 0  # tokenizer processes of a prepare; 0 = one per CPU core. The shards are the same bytes for any count
-    shard_tokens: int = 100_000_000  # tokens per shard file (uint16 when the vocabulary fits, else uint32)
-    tokenizer_sample_bytes: int = 100_000_000  # characters of train text, drawn from seeded pieces, that BPE trains on (bounds its memory)
+    shard_tokens: int = 100_000_000  # tokens per shard file (uint8 for the bytes tokenizer, uint16 when the vocabulary fits, else uint32)
+    tokenizer_sample_bytes: int = 100_000_000  # characters of train text, drawn from seeded pieces, that BPE trains on (bounds its memory); a [[data.mix]] shares them among its sources by weight
     on_bad_record: str = "error"  # error: stop at the first unreadable record, naming file and line | skip: skip it and count it in the summary
     mix: tuple = ()  # [[data.mix]] tables {source, weight, name, format, text_field, pattern}: a weighted mixture instead of data.source
     cache_per_node: bool = False  # multi-node: cache_dir is node-local, so each node's local rank 0 prepares it
@@ -160,11 +163,13 @@ def cache_root(cfg: DataConfig) -> Path:
     return Path(env).expanduser() if env else Path.home() / ".cache" / "kiln"
 
 
-def cache_key(cfg: DataConfig) -> str:
+def cache_key(cfg: DataConfig, shared: Tokenizer | None = None) -> str:
     """Hash of everything that decides the tokens: source files (path, size, mtime), split, tokenizer, versions.
 
     Settings that do not apply are left out (pattern for a file, vocab_size for bytes), so changing them does
-    not force a rebuild. The worker count is not in it: every count writes the same bytes.
+    not force a rebuild. The worker count is not in it: every count writes the same bytes. `shared`: the BPE
+    tokenizer of a [[data.mix]], trained across its sources; its fingerprint (vocabulary and merges) stands in for
+    the settings that trained it.
     """
     if cfg.format == "tokens":
         files = token_files(cfg.source)
@@ -173,6 +178,15 @@ def cache_key(cfg: DataConfig) -> str:
         if cfg.tokenizer.startswith("hf:"):
             recipe["tokenizer_file"] = _stat(Path(cfg.tokenizer[3:]) / TOKENIZER_FILE)
         return hashlib.blake2b(json.dumps(recipe, sort_keys=True).encode(), digest_size=8).hexdigest()
+    recipe = _recipe(cfg)
+    if shared is not None:
+        recipe.update(vocab_size=None, tokenizer_sample_bytes=None, tokenizer_fingerprint=shared.fingerprint)
+    blob = json.dumps(recipe, sort_keys=True).encode("utf-8")
+    return hashlib.blake2b(blob, digest_size=8).hexdigest()
+
+
+def _recipe(cfg: DataConfig) -> dict:
+    """What decides a text source's tokens (cache_key's input)."""
     _, files = source_files(cfg.source, cfg.pattern)
     listing = []
     for path in files:
@@ -197,8 +211,7 @@ def cache_key(cfg: DataConfig) -> str:
     }
     if cfg.tokenizer.startswith("hf:"):  # only then: the caches of every other recipe keep their keys
         recipe["tokenizer_file"] = _stat(Path(cfg.tokenizer[3:]) / TOKENIZER_FILE)
-    blob = json.dumps(recipe, sort_keys=True).encode("utf-8")
-    return hashlib.blake2b(blob, digest_size=8).hexdigest()
+    return recipe
 
 
 def _stat(path: Path) -> list:
@@ -250,8 +263,13 @@ def progress_line(done: int, total: int, tokens: int, elapsed: float) -> str:
             f"{tokens / max(elapsed, 1e-9) / 1e6:.2f}M tokens/s | ETA {eta:.0f} s")
 
 
-def _tokenizer_for(cfg: DataConfig, scratch: Path, pieces: list[dict], log: Callable[[str], None]) -> Tokenizer:
-    """The cache's tokenizer: the one saved in the scratch directory by an interrupted prepare, else built."""
+def _tokenizer_for(cfg: DataConfig, scratch: Path, pieces: list[dict], log: Callable[[str], None],
+                   shared: Tokenizer | None = None) -> Tokenizer:
+    """The cache's tokenizer: `shared` (a mixture's), else the one saved in the scratch directory by an interrupted
+    prepare, else built."""
+    if shared is not None:
+        shared.save(scratch)
+        return shared
     if (scratch / TOKENIZER_FILE).is_file():
         try:
             return load_tokenizer(scratch)
@@ -265,7 +283,7 @@ def _tokenizer_for(cfg: DataConfig, scratch: Path, pieces: list[dict], log: Call
     return tok
 
 
-def _build(cfg: DataConfig, final: Path, log: Callable[[str], None], progress=None) -> None:
+def _build(cfg: DataConfig, final: Path, log: Callable[[str], None], progress=None, shared=None) -> None:
     """Tokenize the source into shards in <cache>.partial (resuming one left by a killed prepare), then rename it
     into place. Holds <cache>.lock throughout; returns at once when another prepare finished the cache meanwhile."""
     with cache_lock(final, log):
@@ -274,16 +292,16 @@ def _build(cfg: DataConfig, final: Path, log: Callable[[str], None], progress=No
         scratch = final.with_name(f"{final.name}.partial")
         scratch.mkdir(parents=True, exist_ok=True)
         try:
-            _build_in(cfg, final, scratch, log, progress)
+            _build_in(cfg, final, scratch, log, progress, shared)
         except CorpusError:  # the input must change, and with it the cache key: nothing here can be resumed
             shutil.rmtree(scratch, ignore_errors=True)
             raise
 
 
-def _build_in(cfg: DataConfig, final: Path, scratch: Path, log: Callable[[str], None], progress) -> None:
-    started = time.perf_counter()
+def _build_in(cfg: DataConfig, final: Path, scratch: Path, log: Callable[[str], None], progress, shared) -> None:
+    started, cpu = time.perf_counter(), _cpu_seconds()
     pieces = plan_pieces(cfg)
-    tok = _tokenizer_for(cfg, scratch, pieces, log)
+    tok = _tokenizer_for(cfg, scratch, pieces, log, shared)
     dtype = dtype_for_vocab(tok.vocab_size)
     workers = min(worker_count(cfg.workers), len(pieces))
     flip = _saved_flip(scratch)
@@ -332,12 +350,19 @@ def _build_in(cfg: DataConfig, final: Path, scratch: Path, log: Callable[[str], 
         "fingerprint": tok.fingerprint,
         "workers": workers,
         "seconds": round(seconds, 3),
+        "cpu_seconds": round(_cpu_seconds() - cpu, 3),  # this process and its finished workers
         "pieces": len(pieces),
         "resumed": result["resumed"],  # what an interrupted prepare had finished, when this one continued it
     }
     (scratch / "flip.json").unlink(missing_ok=True)
     _write_json(scratch / "meta.json", meta)  # its presence marks "complete"
     os.rename(scratch, final)
+
+
+def _cpu_seconds() -> float:
+    """CPU seconds (user + system) of this process and of its children that have ended (the workers)."""
+    own, children = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+    return own.ru_utime + own.ru_stime + children.ru_utime + children.ru_stime
 
 
 def _saved_flip(scratch: Path) -> int | None:
@@ -423,12 +448,74 @@ def _discard(final: Path) -> None:
     shutil.rmtree(aside, ignore_errors=True)
 
 
-def cache_dir_for(cfg: DataConfig) -> Path:
-    """The shard directory of cfg's tokens (it may not be built yet)."""
+def cache_dir_for(cfg: DataConfig, shared: Tokenizer | None = None) -> Path:
+    """The shard directory of cfg's tokens (it may not be built yet); `shared` as in cache_key."""
     kind = "hf" if cfg.tokenizer.startswith("hf:") else cfg.tokenizer  # the directory is in the key, not the name
     if cfg.format == "tokens":
         kind = "tokens"
-    return cache_root(cfg) / f"{_source_label(cfg.source)}-{kind}-{cache_key(cfg)}"
+    return cache_root(cfg) / f"{_source_label(cfg.source)}-{kind}-{cache_key(cfg, shared)}"
+
+
+def _mix_tokenizer_dir(cfg: DataConfig) -> Path:
+    """Where the one BPE tokenizer of a [[data.mix]] is kept: keyed by what trains it (each source's files and
+    settings, the weights, vocab_size, tokenizer_sample_bytes, seed), not by shard_tokens."""
+    recipe = {"sources": [], "vocab_size": cfg.vocab_size, "tokenizer_sample_bytes": cfg.tokenizer_sample_bytes,
+              "seed": cfg.seed, "sample": "weights", "pipeline_version": PIPELINE_VERSION}
+    for name, weight, one in mix_sources(cfg):
+        source = _recipe(one)
+        for unused in ("shard_tokens", "tokenizer", "vocab_size", "tokenizer_sample_bytes"):
+            source.pop(unused)
+        recipe["sources"].append([name, weight, source])
+    key = hashlib.blake2b(json.dumps(recipe, sort_keys=True).encode("utf-8"), digest_size=8).hexdigest()
+    return cache_root(cfg) / f"mix-bpe-{key}"
+
+
+def mix_sample_shares(cfg: DataConfig) -> list[tuple[str, int, DataConfig]]:
+    """(name, characters, source config): each source's share of data.tokenizer_sample_bytes, in proportion to its
+    weight (the tokenizer sees the text in the proportions training does). A source with less train text than its
+    share gives all it has; the rest is not handed to the others."""
+    sources = mix_sources(cfg)
+    total = sum(w for _, w, _ in sources)
+    return [(name, max(1, int(cfg.tokenizer_sample_bytes * w / total)), one) for name, w, one in sources]
+
+
+def _shared_bpe(cfg: DataConfig, log: Callable[[str], None], train: bool = True) -> Tokenizer | None:
+    """The BPE tokenizer every source of a [[data.mix]] shares: trained once on a seeded sample drawn from all of
+    them (mix_sample_shares), kept in its own cache directory, and loaded from there afterwards. train=False: None
+    when it is not built yet."""
+    final = _mix_tokenizer_dir(cfg)
+    if (final / "meta.json").is_file():
+        return load_tokenizer(final)
+    if not train:
+        return None
+    with cache_lock(final, log):
+        if (final / "meta.json").is_file():
+            return load_tokenizer(final)
+        shares = mix_sample_shares(cfg)
+        taken = {name: 0 for name, _, _ in shares}
+
+        def sample():
+            for name, limit, one in shares:
+                for text in tokenizer_sample(one, plan_pieces(one), limit):
+                    taken[name] += len(text)
+                    yield text
+
+        log(f"data: training one BPE tokenizer (vocab {cfg.vocab_size}) for the mixture on up to "
+            f"{_millions(cfg.tokenizer_sample_bytes)} characters of train documents, shared by weight: "
+            + ", ".join(f"{name} {_millions(limit)}" for name, limit, _ in shares))
+        started = time.perf_counter()
+        tok = build_tokenizer("bpe", sample(), cfg.vocab_size)
+        scratch = final.with_name(f"{final.name}.partial")
+        shutil.rmtree(scratch, ignore_errors=True)
+        scratch.mkdir(parents=True)
+        tok.save(scratch)
+        _write_json(scratch / "meta.json", {"sources": [[n, limit, taken[n]] for n, limit, _ in shares],
+                                            "vocab_size": tok.vocab_size, "fingerprint": tok.fingerprint,
+                                            "seconds": round(time.perf_counter() - started, 3)})
+        os.rename(scratch, final)
+        log("data: mixture tokenizer trained on " + ", ".join(f"{n} {_millions(taken[n])}" for n, _, _ in shares)
+            + f" characters; saved at {_home_relative(final)}")
+        return tok
 
 
 def cached_unigram_loss(cfg: DataConfig) -> float | None:
@@ -436,11 +523,21 @@ def cached_unigram_loss(cfg: DataConfig) -> float | None:
     built: a reader of a finished run should not tokenize a corpus)."""
     try:
         if cfg.mix:
-            losses = [(w, cached_unigram_loss(one)) for _, w, one in mix_sources(cfg)]
+            shared = _shared_bpe(cfg, print, train=False) if cfg.tokenizer == "bpe" else None
+            if cfg.tokenizer == "bpe" and shared is None:
+                return None
+            losses = [(w, _cached_unigram_loss(one, shared)) for _, w, one in mix_sources(cfg)]
             if any(loss is None for _, loss in losses):
                 return None
             return sum(w * loss for w, loss in losses) / sum(w for w, _ in losses)
-        final = cache_dir_for(cfg)
+        return _cached_unigram_loss(cfg, None)
+    except (CorpusError, ShardError, ValueError, OSError):  # the source is gone here, or the cache is damaged
+        return None
+
+
+def _cached_unigram_loss(cfg: DataConfig, shared: Tokenizer | None) -> float | None:
+    try:
+        final = cache_dir_for(cfg, shared)
         if not (final / "meta.json").is_file():
             return None
         meta, tok, train, _ = _open_cache(final)
@@ -471,10 +568,16 @@ def prepare_data(cfg: DataConfig, run_dir: Path | None = None, log: Callable[[st
     cfg.validate()
     if cfg.mix:
         return _prepare_mix(cfg, run_dir, log, progress)
-    final = cache_dir_for(cfg)
+    return _prepare_one(cfg, run_dir, log, progress)
+
+
+def _prepare_one(cfg: DataConfig, run_dir: Path | None, log: Callable[[str], None], progress,
+                 shared: Tokenizer | None = None) -> PreparedData:
+    """One source's prepare_data; `shared`: the tokenizer of the [[data.mix]] it belongs to (BPE)."""
+    final = cache_dir_for(cfg, shared)
     built = not (final / "meta.json").is_file()
     build = _build_tokens if cfg.format == "tokens" else \
-        lambda c, f, lg: _build(c, f, lg, progress or _every(30.0, lg))
+        lambda c, f, lg: _build(c, f, lg, progress or _every(30.0, lg), shared)
     if built:
         build(cfg, final, log)
     try:
@@ -505,10 +608,11 @@ def prepare_data(cfg: DataConfig, run_dir: Path | None = None, log: Callable[[st
 
 
 def _prepare_mix(cfg: DataConfig, run_dir, log, progress) -> PreparedData:
+    shared = _shared_bpe(cfg, log) if cfg.tokenizer == "bpe" else None
     parts = []
     for name, weight, one in mix_sources(cfg):
-        prepared = prepare_data(one, None, log=lambda msg, n=name: log(msg.replace("data: ", f"data[{n}]: ", 1)),
-                                progress=progress)
+        prepared = _prepare_one(one, None, lambda msg, n=name: log(msg.replace("data: ", f"data[{n}]: ", 1)),
+                                progress, shared)
         parts.append((name, weight, prepared))
     fingerprints = {p.tokenizer.fingerprint for _, _, p in parts}
     if len(fingerprints) > 1:

@@ -46,9 +46,10 @@ def check_mix(cfg) -> None:
             if key in entry and not isinstance(entry[key], str):
                 raise ValueError(f"{where}: {key}={entry[key]!r} must be a string")
         names.append(entry.get("name") or source_name(entry["source"]))
-    if cfg.tokenizer == "bpe":
-        raise ValueError("data.tokenizer=bpe with [[data.mix]]: every source must share one tokenizer, and kiln does "
-                         "not yet train one BPE across sources; use bytes or hf:DIR for a mixture")
+    if cfg.tokenizer == "bpe" and any(e.get("format", cfg.format) == "tokens" for e in cfg.mix):
+        raise ValueError("data.tokenizer=bpe with a data.format=tokens source in [[data.mix]]: token files are read "
+                         "as they are, so a new vocabulary cannot apply to them; give the mixture the files' tokenizer "
+                         "(hf:DIR)")
     dupes = sorted({n for n in names if names.count(n) > 1})
     if dupes:
         raise ValueError(f"[[data.mix]]: the name(s) {dupes} are used twice (names default to the file name without "

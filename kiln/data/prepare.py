@@ -1,7 +1,8 @@
 """Corpus -> token shards in bounded memory, in parallel, resumably.
 
     plan_pieces(cfg)          the corpus cut into pieces (byte ranges, row groups, files), independent of workers
-    build_cache(cfg, final)   tokenize every piece (data.workers processes), stream the tokens into shards
+    encode_all(...)           tokenize every piece (data.workers processes; text under the bytes tokenizer in
+                              this one, which copies it), stream the tokens into shards
 
 Memory: a piece is read a block at a time and its tokens go to a scratch file beside the cache, never to a list of
 the whole corpus; the parent copies finished pieces into shards of data.shard_tokens tokens, in piece order, so the
@@ -19,6 +20,7 @@ import select
 import subprocess
 import sys
 import time
+import warnings
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Callable
@@ -99,7 +101,7 @@ def plan_pieces(cfg, flip: int | None = None) -> list[dict]:
     """The corpus as an ordered list of pieces (see kiln.data.records). A text file is one document whose split
     is decided here by the hash of its path relative to the source; records are split by the workers."""
     root, files = source_files(cfg.source, cfg.pattern)
-    threshold = cfg.val_fraction * 2**64
+    threshold = records.split_threshold(cfg.val_fraction)
     kinds = [("text", None) if cfg.source == STDLIB else file_kind(p, cfg.format) for p in files]
     pieces: list[dict] = []
     texts: list[dict] = []  # segments of the current text piece
@@ -285,34 +287,43 @@ class Workers:
 
     def __init__(self, n: int, job: dict) -> None:
         self.job, self.n = job, n
-        self.procs: list[subprocess.Popen] = []
+        self.procs: list[subprocess.Popen] = []  # started at the first submit
         self.busy: dict[int, int] = {}  # worker -> piece index
         self.done: dict[int, dict] = {}
         self._encoder = None
         self.inline = n == 1
-        if self.inline:
-            self._encoder = records.Encoder(job["tokenizer_file"], job["eot_id"], job["dtype"])
-            return
-        env = dict(os.environ, RAYON_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false")  # one core per worker
-        for _ in range(n):
-            # -I: the worker imports no user site or PYTHONPATH module, and not the kiln package (nor torch).
-            p = subprocess.Popen([sys.executable, "-I", records.__file__], stdin=subprocess.PIPE,
-                                 stdout=subprocess.PIPE, text=True, env=env)
-            p.stdin.write(json.dumps(job) + "\n")
-            p.stdin.flush()
-            self.procs.append(p)
+
+    def local(self, piece: dict) -> bool:
+        """Whether this process encodes the piece itself: with one worker, and for text under the bytes
+        tokenizer, whose tokens are the file's bytes (a worker would add a copy, and this process's copy into the
+        shards is the whole work; see docs/data.md)."""
+        return self.inline or (self.job["tokenizer_file"] is None and piece["fmt"] == "text")
 
     def free(self) -> int:
         return self.n - len(self.busy)
 
     def encode(self, piece: dict, out: str, sinks: dict) -> dict:
         """In-process: the piece's tokens straight to the sinks."""
+        if self._encoder is None:
+            self._encoder = records.Encoder(self.job["tokenizer_file"], self.job["eot_id"], self.job["dtype"])
         try:
             return records.encode_piece(piece, self.job, self._encoder, out, sinks)
         except records.BadRecord as e:
             raise CorpusError(str(e)) from None
 
+    def _start(self) -> None:
+        env = dict(os.environ, RAYON_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false")  # one core per worker
+        for _ in range(self.n):
+            # -I: the worker imports no user site or PYTHONPATH module, and not the kiln package (nor torch).
+            p = subprocess.Popen([sys.executable, "-I", records.__file__], stdin=subprocess.PIPE,
+                                 stdout=subprocess.PIPE, text=True, env=env)
+            p.stdin.write(json.dumps(self.job) + "\n")
+            p.stdin.flush()
+            self.procs.append(p)
+
     def submit(self, index: int, piece: dict, out: str) -> None:
+        if not self.procs:
+            self._start()
         worker = next(w for w in range(self.n) if w not in self.busy)
         self.busy[worker] = index
         self.procs[worker].stdin.write(json.dumps({"index": index, "piece": piece, "out": out}) + "\n")
@@ -413,12 +424,13 @@ def encode_all(cfg, scratch: Path, pieces: list[dict], job: dict, dtype, fingerp
         for i in range(first, len(pieces)):
             for sink in sinks.values():
                 sink.begin(i)
-            if pool.inline:  # one worker: encode straight into the shards
+            while not pool.inline and submitted < len(pieces) and submitted < i + ahead and pool.free() > 0:
+                if not pool.local(pieces[submitted]):  # keep the workers busy while this process encodes
+                    pool.submit(submitted, pieces[submitted], str(scratch / f"piece-{submitted:06d}"))
+                submitted += 1
+            if pool.local(pieces[i]):  # encode straight into the shards
                 stats = pool.encode(pieces[i], str(scratch / f"piece-{i:06d}"), {s: k.write for s, k in sinks.items()})
             else:
-                while submitted < len(pieces) and submitted < i + ahead and pool.free() > 0:
-                    pool.submit(submitted, pieces[submitted], str(scratch / f"piece-{submitted:06d}"))
-                    submitted += 1
                 stats = pool.wait(i)
                 for split, sink in sinks.items():
                     path = scratch / f"piece-{i:06d}.{split}"
@@ -457,22 +469,46 @@ class Sink:
         lo = min(len(tokens), max(0, self.skip - self.pos))
         if lo < len(tokens):
             fresh = tokens[lo:]
-            if self.counts is not None:  # in cache-sized chunks: 3.5x faster than one bincount of 16M tokens
-                for start in range(0, len(fresh), 1 << 18):
-                    self.counts += np.bincount(fresh[start: start + (1 << 18)], minlength=len(self.counts))
+            if self.counts is not None:
+                count_tokens(fresh, self.counts)
             self.stream.feed(fresh, self._on_shard, self.pos + lo)
         self.pos += len(tokens)
 
     def copy(self, path: Path, dtype) -> None:
-        """Feed a worker's piece file, COPY_TOKENS at a time."""
-        count = path.stat().st_size // dtype.itemsize
-        for start in range(0, count, COPY_TOKENS):
-            self.write(np.fromfile(path, dtype=dtype, count=min(COPY_TOKENS, count - start),
-                                   offset=start * dtype.itemsize))
+        """Feed a worker's piece file, COPY_TOKENS at a time, through one reused buffer."""
+        buffer = np.empty(COPY_TOKENS, dtype)
+        with path.open("rb", buffering=0) as f:
+            while True:
+                got = f.readinto(memoryview(buffer).cast("B")) // dtype.itemsize
+                if not got:
+                    return
+                self.write(buffer[:got])
 
     def _on_shard(self, offset: int) -> None:
         self.state[self.split] = {"shards": self.stream.done, "piece": self.piece, "offset": offset}
         _write_json(self.scratch / PROGRESS, self.state)
+
+
+def count_tokens(tokens: np.ndarray, counts: np.ndarray) -> None:
+    """counts += the histogram of tokens. Bytes tokens go through torch.bincount on one thread, which counts uint8
+    in place (~2.5-3 G tokens per CPU-second; numpy's bincount widens every token to int64 first, ~0.6 G/s, and
+    torch's multi-threaded bincount manages ~0.3 G/s on 2 threads); wider ids through numpy in cache-sized chunks
+    (3.5x faster than one bincount of 16M tokens)."""
+    if tokens.dtype.itemsize == 1 and len(tokens) >= 1 << 16:
+        import torch  # the parent has it loaded already; workers never count
+
+        with warnings.catch_warnings():  # a read-only memory map or bytes: torch only reads it here
+            warnings.simplefilter("ignore", UserWarning)
+            view = torch.from_numpy(tokens)
+        threads = torch.get_num_threads()
+        torch.set_num_threads(1)
+        try:
+            counts += torch.bincount(view, minlength=len(counts)).numpy()[: len(counts)]
+        finally:
+            torch.set_num_threads(threads)
+        return
+    for start in range(0, len(tokens), 1 << 18):
+        counts += np.bincount(tokens[start: start + (1 << 18)], minlength=len(counts))[: len(counts)]
 
 
 def _shard_counts(paths: list[Path], vocab_size: int) -> np.ndarray:
@@ -483,7 +519,7 @@ def _shard_counts(paths: list[Path], vocab_size: int) -> np.ndarray:
         for start in range(0, count, COPY_TOKENS):
             tokens = np.fromfile(path, dtype=dtype, count=min(COPY_TOKENS, count - start),
                                  offset=HEADER_SIZE + start * dtype.itemsize)
-            counts += np.bincount(tokens, minlength=vocab_size)[:vocab_size]
+            count_tokens(tokens, counts)
     return counts
 
 
@@ -530,7 +566,7 @@ def tokenizer_sample(cfg, pieces: list[dict], limit: int):
     """Texts of train documents for the BPE trainer: whole pieces in a seeded order until `limit` bytes, so a big
     corpus is sampled from everywhere in bounded memory (the trainer keeps word counts, not the text)."""
     order = np.random.default_rng([cfg.seed, 7]).permutation(len(pieces))
-    threshold = cfg.val_fraction * 2**64
+    threshold = records.split_threshold(cfg.val_fraction)
     stats = {"skipped": 0, "examples": []}
     taken = 0
     for i in order:
@@ -546,12 +582,12 @@ def tokenizer_sample(cfg, pieces: list[dict], limit: int):
                         return
             continue
         reader = records.jsonl_records if piece["fmt"] == "jsonl" else records.table_records
-        for key, _, text in reader(piece, cfg.text_field):
-            if isinstance(key, records.BadRecord):
+        for _, text in reader(piece, cfg.text_field):
+            if isinstance(text, records.BadRecord):
                 if cfg.on_bad_record == "error":
-                    raise CorpusError(str(key))
+                    raise CorpusError(str(text))
                 continue
-            if text and records.split_hash(key) >= threshold:
+            if text and records.split_hash(text) >= threshold:
                 yield text
                 taken += len(text)
                 if taken >= limit:

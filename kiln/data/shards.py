@@ -5,7 +5,7 @@ Header layout (little-endian, 64 bytes):
     offset  size  field
          0     8  magic b"KILNTOK\\0"
          8     4  format version (uint32), currently 1
-        12     4  dtype code (uint32): bytes per token, 2 = uint16, 4 = uint32
+        12     4  dtype code (uint32): bytes per token, 1 = uint8, 2 = uint16, 4 = uint32
         16     8  token count (uint64)
         24    16  tokenizer fingerprint, 16 ASCII hex digits
         40    24  zero padding (room for later fields without moving the data offset)
@@ -24,7 +24,7 @@ MAGIC = b"KILNTOK\0"
 VERSION = 1
 HEADER_SIZE = 64
 _HEADER = struct.Struct("<8sIIQ16s")  # 40 bytes used, padded to HEADER_SIZE
-DTYPES = {2: np.dtype("<u2"), 4: np.dtype("<u4")}
+DTYPES = {1: np.dtype("u1"), 2: np.dtype("<u2"), 4: np.dtype("<u4")}
 REBUILD = "delete it and re-run to rebuild the cache"
 
 
@@ -33,8 +33,9 @@ class ShardError(ValueError):
 
 
 def dtype_for_vocab(vocab_size: int) -> np.dtype:
-    # uint16 holds ids 0..65535, i.e. vocabularies up to 2**16, at half the disk and page-cache cost of uint32.
-    return DTYPES[2] if vocab_size <= 2**16 else DTYPES[4]
+    # The smallest that holds every id: uint8 for the bytes tokenizer (256 ids; its shards are the text's own bytes,
+    # no widening), uint16 up to 2**16 ids, else uint32. Each halves the disk and page-cache cost of the next.
+    return DTYPES[1] if vocab_size <= 2**8 else DTYPES[2] if vocab_size <= 2**16 else DTYPES[4]
 
 
 class ShardWriter:
@@ -48,7 +49,7 @@ class ShardWriter:
         self.path = Path(path)
         self.dtype = np.dtype(dtype).newbyteorder("<")
         if self.dtype.itemsize not in DTYPES:
-            raise ValueError(f"shard dtype must be uint16 or uint32, got {dtype}")
+            raise ValueError(f"shard dtype must be uint8, uint16 or uint32, got {dtype}")
         if len(fingerprint) != 16:
             raise ValueError(f"tokenizer fingerprint must be 16 hex digits, got {fingerprint!r}")
         self.fingerprint = fingerprint
@@ -95,7 +96,7 @@ class ShardWriter:
 
 
 def write_shard(path: Path, tokens: np.ndarray, fingerprint: str, dtype: np.dtype | None = None) -> None:
-    """Write one array as a shard (dtype defaults to the smallest of uint16/uint32 that holds the ids)."""
+    """Write one array as a shard (dtype defaults to the smallest of uint8/uint16/uint32 that holds the ids)."""
     tokens = np.asarray(tokens)
     if dtype is None:
         dtype = dtype_for_vocab(int(tokens.max()) + 1 if tokens.size else 0)
@@ -123,7 +124,7 @@ def read_header(path: Path) -> tuple[np.dtype, int, str]:
             f"shard {path} has format version {version}, this kiln reads version {VERSION}; {REBUILD}"
         )
     if code not in DTYPES:
-        raise ShardError(f"shard {path} is corrupt (dtype code {code}, expected 2 or 4); {REBUILD}")
+        raise ShardError(f"shard {path} is corrupt (dtype code {code}, expected 1, 2 or 4); {REBUILD}")
     expected = HEADER_SIZE + count * code
     if size < expected:
         raise ShardError(

@@ -9,7 +9,8 @@ import pytest
 from kiln.data import DataConfig, prepare_data
 from kiln.data.corpus import STDLIB_EXCLUDED_DIRS, CorpusError, source_files, stdlib_files, stdlib_root
 from kiln.data.prepare import _cut_point, plan_pieces
-from kiln.data.records import jsonl_records
+from kiln.data import records
+from kiln.data.records import BadRecord, _judge, jsonl_records, text_parts, where
 from kiln.data.tokenizer import BYTES_EOT
 
 
@@ -99,17 +100,38 @@ def test_missing_source_is_a_clear_error(tmp_path):
 def test_jsonl_reads_the_text_field_and_skips_blank_lines(tmp_path):
     path = tmp_path / "data.jsonl"
     path.write_text('{"body": "first", "id": 1}\n\n{"body": "second"}\n')
-    records = list(jsonl_records({"file": str(path), "start": 0, "end": path.stat().st_size}, "body"))
-    assert [text for _, _, text in records] == ["first", "second"]
-    assert [where.rsplit("/", 1)[1] for _, where, _ in records] == ["data.jsonl:1", "data.jsonl:3"]
+    piece = {"fmt": "jsonl", "file": str(path), "start": 0, "end": path.stat().st_size}
+    records = list(jsonl_records(piece, "body"))
+    assert [text for _, text in records] == ["first", "second"]
+    assert [where(piece, i).rsplit("/", 1)[1] for i, _ in records] == ["data.jsonl:1", "data.jsonl:3"]
+
+
+def test_jsonl_fast_path_gives_json_loads_verdict_on_every_line(tmp_path):
+    """The block decode + C scanner agree with json.loads of each line's bytes: a BOM, CRLF, surrounding
+    whitespace, escapes and lone surrogates, a last line without a line break, non-UTF-8 bytes and a line longer
+    than a read block."""
+    lines = [b'\xef\xbb\xbf{"text": "bom"}', b'{"text": "crlf"}\r', b'  {"text": "spaces"}  ', b'{"text": "\\ud800 x"}',
+             b'{"text": "caf\xc3\xa9 \\u00e9"}', b'[1, 2]', b'{"text": 1}', b'"text"', b'{"text": "a"} x', b'{"t": 1}',
+             b'{"text": "\xe9"}', b'{"text": "' + b"long " * 300_000 + b'"}', b"", b'{"text": "last"}']
+    path = tmp_path / "data.jsonl"
+    path.write_bytes(b"\n".join(lines))
+    piece = {"fmt": "jsonl", "file": str(path), "start": 0, "end": path.stat().st_size}
+    got = [(i, t if isinstance(t, str) else str(t).split(": ", 1)[1]) for i, t in jsonl_records(piece, "text")]
+    expected = []
+    for i, line in enumerate(lines):
+        verdict = _judge(line, "text", piece, i)
+        if verdict is not None:
+            expected.append((i, verdict if isinstance(verdict, str) else str(verdict).split(": ", 1)[1]))
+    assert got == expected
+    assert [t for _, t in got][:5] == ["bom", "crlf", "spaces", "\ud800 x", "café é"]
 
 
 def test_jsonl_bad_line_names_file_and_line_even_in_a_later_piece(tmp_path):
     path = tmp_path / "data.jsonl"
     path.write_text('{"text": "ok"}\n{"text": "ok"}\n{not json\n')
     start = len('{"text": "ok"}\n')  # a piece that starts at line 2
-    (bad,) = [key for key, _, _ in jsonl_records({"file": str(path), "start": start, "end": path.stat().st_size},
-                                                  "text") if isinstance(key, Exception)]
+    (bad,) = [text for _, text in jsonl_records({"fmt": "jsonl", "file": str(path), "start": start,
+                                                 "end": path.stat().st_size}, "text") if isinstance(text, Exception)]
     assert "data.jsonl:3: not valid JSON" in str(bad)
 
 
@@ -118,3 +140,30 @@ def test_format_override_reads_jsonl_as_text(tmp_path):
     path.write_text('{"text": "a"}\n{"text": "b"}\n')
     train, val = splits(path, tmp_path, format="text")
     assert "".join(train + val) == path.read_text()
+
+
+@pytest.mark.parametrize("on_bad", ["error", "skip"])
+def test_text_bytes_are_the_decoded_text_encoded_whatever_the_blocks(tmp_path, monkeypatch, on_bad):
+    """The bytes tokenizer's text path never decodes ASCII blocks and passes the file's own bytes on: the same
+    tokens as decoding each block and encoding it again, with characters cut by block ends and (skip) bad bytes."""
+    monkeypatch.setattr(records, "TEXT_BLOCK", 7)
+    content = "plain ascii, then naïve café — 東京 🚀 and ascii again\n".encode() * 3
+    if on_bad == "skip":
+        content += b"bad \xff\xfe bytes \xe6\x9d and a cut char at the end \xf0\x9f"
+    path = tmp_path / "t.txt"
+    path.write_bytes(content)
+    segment = {"file": str(path), "start": 0, "end": len(content)}
+    stats = {"skipped": 0, "examples": []}
+    raw = b"".join(text_parts(segment, on_bad, stats, raw=True))
+    decoded = "".join(text_parts(segment, on_bad, {"skipped": 0, "examples": []}))
+    assert raw == decoded.encode("utf-8", "surrogatepass")
+    assert (raw == content) == (on_bad == "error") and (stats["skipped"] > 0) == (on_bad == "skip")
+    if on_bad == "error":
+        for at in (6, 40):  # in an ASCII stretch; inside a character (the error names where it starts)
+            path.write_bytes(content[:at] + b"\xff" + content[at:])
+            errors = set()
+            for mode in (True, False):
+                with pytest.raises(BadRecord, match=r"t.txt: byte \d+ is not UTF-8") as error:
+                    list(text_parts({**segment, "end": len(content) + 1}, on_bad, stats, raw=mode))
+                errors.add(str(error.value))
+            assert len(errors) == 1 and (at != 6 or "byte 6 " in errors.pop())

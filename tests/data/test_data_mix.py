@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from kiln.config import ConfigError, load_config
-from kiln.data import DataConfig, Mixture, TokenLoader, prepare_data
+from kiln.data import DataConfig, Mixture, TokenLoader, cached_unigram_loss, prepare_data
 from kiln.data.mix import source_name
 
 
@@ -65,6 +65,8 @@ def test_source_names_and_mix_errors(tmp_path):
         load_config(None, ['--data.mix=[{source = "a", weight = 0}]'])
     with pytest.raises(ConfigError, match=r"unknown key\(s\) \['sorce'\]"):
         load_config(None, ['--data.mix=[{sorce = "a"}]'])
+    with pytest.raises(ConfigError, match="a data.format=tokens source in \\[\\[data.mix\\]\\].*hf:DIR"):
+        load_config(None, ["--data.tokenizer=bpe", '--data.mix=[{source = "a", format = "tokens"}]'])
 
 
 def test_a_mixed_run_logs_per_source_val_losses_and_saves_its_mix(small_config, corpus_file, tmp_path):
@@ -92,3 +94,31 @@ def test_a_mixed_run_logs_per_source_val_losses_and_saves_its_mix(small_config, 
     assert saved.data.mix == cfg.data.mix
     alone = prepare_data(DataConfig(source=str(second), seq_len=32), log=lambda m: None)
     assert alone.val.shape[0] > 32
+
+
+def test_one_bpe_tokenizer_is_trained_across_the_sources_by_weight_and_shared(tmp_path):
+    """A few KB per source: the sample takes each source's share of data.tokenizer_sample_bytes by weight, both
+    sources' words become tokens, every source's cache holds the one tokenizer and its key follows it."""
+    (tmp_path / "a.jsonl").write_text("".join(json.dumps({"text": f"zebra quokka zebra quokka {i}"}) + "\n"
+                                              for i in range(150)))
+    (tmp_path / "b.txt").write_text("".join(f"lambda walrus: walrus * {i}\n" for i in range(150)))
+    mix = ({"source": str(tmp_path / "a.jsonl"), "weight": 3}, {"source": str(tmp_path / "b.txt"), "weight": 1})
+    cfg = DataConfig(mix=mix, tokenizer="bpe", vocab_size=300, tokenizer_sample_bytes=4000, seq_len=8,
+                     cache_dir=str(tmp_path / "c"))
+    log = []
+    got = prepare_data(cfg, log=log.append)
+    (shared,) = [p for p in (tmp_path / "c").iterdir() if p.name.startswith("mix-bpe-") and p.is_dir()]
+    meta = json.loads((shared / "meta.json").read_text())
+    assert [(name, limit) for name, limit, _ in meta["sources"]] == [("a", 3000), ("b", 1000)]
+    assert [name for name, _, taken in meta["sources"] if not 0 < taken < 1.2 * dict(a=3000, b=1000)[name]] == []
+    vocab = got.tokenizer._tok.get_vocab()
+    assert {"zebra", "quokka", "walrus", "lambda"} <= {t.lstrip("Ġ") for t in vocab}  # from both sources
+    assert {json.loads((p.cache_dir / "meta.json").read_text())["fingerprint"] for _, _, p in got.sources} == \
+        {got.tokenizer.fingerprint}
+    assert got.tokenizer.decode(got.sources[1][2].train[:12].tolist()).startswith("lambda walrus")
+    again = []
+    assert prepare_data(cfg, log=again.append).tokenizer.fingerprint == got.tokenizer.fingerprint
+    assert not any("training" in line for line in again) and all("built at" not in line for line in again)
+    assert cached_unigram_loss(cfg) == pytest.approx(got.unigram_loss)
+    other = prepare_data(DataConfig(**{**cfg.__dict__, "vocab_size": 280}), log=lambda m: None)
+    assert {p.cache_dir for _, _, p in other.sources}.isdisjoint({p.cache_dir for _, _, p in got.sources})

@@ -39,7 +39,7 @@ def test_bytes_corpus_builds_then_reuses_cache(tmp_path, monkeypatch):
     # Every document's bytes plus one end-of-text id each, split between train and val.
     assert len(first.train) + len(first.val) == total_bytes + len(texts)
     assert (first.train == BYTES_EOT).sum() + (first.val == BYTES_EOT).sum() == len(texts)
-    assert first.train.dtype == np.uint16 and isinstance(first.train, np.memmap)
+    assert first.train.dtype == np.uint8 and isinstance(first.train, np.memmap)  # the bytes tokenizer: uint8
     assert len(first.val) > 0
     decoded = first.tokenizer.decode(first.train.tolist())
     assert sum(t in decoded for t in texts.values()) == (first.train == BYTES_EOT).sum()

@@ -18,7 +18,7 @@ from kiln.data.shards import (
 FP = "0123456789abcdef"
 
 
-@pytest.mark.parametrize("dtype, top", [(np.uint16, 65535), (np.uint32, 2**32 - 1)])
+@pytest.mark.parametrize("dtype, top", [(np.uint8, 255), (np.uint16, 65535), (np.uint32, 2**32 - 1)])
 def test_round_trip(tmp_path, dtype, top):
     tokens = np.array([0, 1, 2, top, 7, top - 1], dtype=dtype)
     path = tmp_path / "s.bin"
@@ -32,7 +32,8 @@ def test_round_trip(tmp_path, dtype, top):
 
 
 def test_dtype_follows_vocab_size(tmp_path):
-    assert dtype_for_vocab(256) == np.uint16 and dtype_for_vocab(65536) == np.uint16
+    assert dtype_for_vocab(256) == np.uint8 and dtype_for_vocab(257) == np.uint16  # bytes: uint8; BPE: wider
+    assert dtype_for_vocab(65536) == np.uint16
     assert dtype_for_vocab(65537) == np.uint32
     write_shard(tmp_path / "big.bin", np.array([70000]), FP)  # default dtype picked from the largest id
     assert read_shard(tmp_path / "big.bin").dtype == np.uint32

@@ -54,7 +54,7 @@ def test_shards_and_index_hold_the_one_shard_stream(tmp_path, small_pieces):
     meta = json.loads((many.cache_dir / "meta.json").read_text())
     assert len(meta["shards"]["train"]) == -(-len(one.train) // 1000) > 5
     sizes = [(many.cache_dir / f).stat().st_size for f in meta["shards"]["train"]]
-    assert sizes[:-1] == [64 + 2000] * (len(sizes) - 1)  # full shards: header + 1000 uint16 tokens
+    assert sizes[:-1] == [64 + 1000] * (len(sizes) - 1)  # full shards: header + 1000 uint8 (bytes) tokens
     assert isinstance(many.train, ShardedTokens)
     np.testing.assert_array_equal(np.asarray(many.train), np.asarray(one.train))
     np.testing.assert_array_equal(np.asarray(many.val), np.asarray(one.val))
@@ -75,13 +75,17 @@ def test_sharded_view_reads_windows_across_boundaries():
         view[np.array([71])]
 
 
-def test_workers_write_the_same_bytes_as_one(tmp_path, small_pieces):
+@pytest.mark.parametrize("tokenizer", ["bpe", "bytes"])
+def test_workers_write_the_same_bytes_as_one(tmp_path, small_pieces, tokenizer):
+    """bpe: every piece goes to a worker; bytes: text pieces are copied by the parent between the workers' JSONL."""
     write_jsonl(tmp_path / "a.jsonl", 400)
     (tmp_path / "b.jsonl.gz").write_bytes(gzip.compress(b"".join((tmp_path / "a.jsonl").open("rb").readlines()[:150])))
+    for i in range(3):
+        (tmp_path / f"a{i}.txt").write_text(" ".join(WORDS[i:]) * (20 + 90 * i) + "\n")  # between a and b
     dirs = []
     for workers in (1, 2):
-        cfg = DataConfig(source=str(tmp_path), pattern="*.jsonl*", cache_dir=str(tmp_path / f"c{workers}"),
-                         workers=workers, shard_tokens=3000, tokenizer="bpe", vocab_size=300)
+        cfg = DataConfig(source=str(tmp_path), pattern="[ab]*.*", cache_dir=str(tmp_path / f"c{workers}"),
+                         workers=workers, shard_tokens=3000, tokenizer=tokenizer, vocab_size=300)
         dirs.append(prepare_data(cfg, log=Log()).cache_dir)
     assert dirs[0].name == dirs[1].name  # the worker count is not part of the cache key
     one, two = cache_files(dirs[0]), cache_files(dirs[1])

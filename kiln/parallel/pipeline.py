@@ -25,8 +25,9 @@ runs outside the stage's forward (it applies the head, fused or chunked), so the
 gathered one: the stage (FSDP2's root of its group) keeps its own parameters gathered from its forward to the end
 of the step's backward. ZeRO-1 is refused by ParallelPlan.build.
 
-Tensor parallelism composes inside each stage (tp × pp with one data-parallel copy): kiln.parallel.tensor splits the
-whole model over mesh["tp"] first, then it is split into stages; the stages pass plain tensors (the full hidden
+Tensor parallelism composes inside each stage (tp × pp, and tp × pp × dp): kiln.parallel.tensor splits the
+whole model over mesh["tp"] first, then it is split into stages (with dp copies, each stage then takes FSDP2 over
+mesh["dp"]: fully_shard under fsdp, replicate under ddp, since DDP cannot reduce DTensors); the stages pass plain tensors (the full hidden
 width, replicated over tp, or with sequence parallelism this rank's sequence shard). Each tp rank of the last stage
 computes the same loss; the gradient norm is each rank's DTensor norm (reduced over tp) summed over pp; the tied
 weight's gradient is summed between the first and last stage's ranks with the same tp coordinate.
@@ -97,15 +98,12 @@ class PipelineModel(nn.Module):
 
     def __init__(self, model: nn.Module, plan: ParallelPlan, rank: int, device: torch.device, mesh=None,
                  fsdp: dict | None = None):
-        """fsdp: fully_shard's options under parallel.strategy=fsdp (kiln.parallel.fsdp_options)."""
+        """fsdp: FSDP2's options (kiln.parallel.fsdp_options): fully_shard's under parallel.strategy=fsdp,
+        replicate's under ddp with tp."""
         super().__init__()
         if getattr(model, "moe", None):
             raise ValueError("parallel.pp with a mixture of experts is not built (its load-balancing loss spans the "
                              "stages): train it with --parallel.pp=1")
-        if plan.tp > 1 and plan.dp > 1:
-            raise ValueError(f"parallel.tp={plan.tp} × parallel.pp={plan.pp} with {plan.dp} data-parallel copies is "
-                             f"not built (each stage's DTensor parameters would need FSDP2's replicate under the "
-                             f"schedule): launch tp × pp = {plan.tp * plan.pp} processes, or drop tp or pp")
         self.plan, self.coords = plan, plan.coords(rank)
         mesh = mesh if mesh is not None else plan.device_mesh(device.type)
         if plan.tp > 1:  # torchtitan's order: tensor parallel on the whole model, then the split into stages
@@ -147,6 +145,11 @@ class PipelineModel(nn.Module):
             return stage
         if self.plan.dp_strategy.shards_parameters:  # the stage itself becomes the FSDP2 module (in place)
             shard_blocks(stage, stage.blocks.values(), self.dp_mesh, fsdp, keep_root=True)
+            return stage
+        if self.plan.tp > 1:  # ddp × tp: DDP cannot reduce DTensors; FSDP2's replicate can (as kiln.parallel.parallelize)
+            from torch.distributed._composable.replicate_with_fsdp import replicate  # lazy: ddp × tp × pp only
+
+            replicate(stage, mesh=self.dp_mesh, **fsdp)
             return stage
         ids = [device.index] if device.type == "cuda" else None
         ddp = nn.parallel.DistributedDataParallel(stage, device_ids=ids, process_group=self.dp_group)

@@ -113,7 +113,8 @@ def prepare_model(model: nn.Module, plan: ModelPlan, device: torch.device | None
         if plan.compile:
             raise ValueError("train.compile with parallel.pp is not built (the stages would compile one by one): "
                              "set --train.compile=false")
-        fsdp = fsdp_options(plan.parallel, param_dtype) if plan.layout.dp_strategy.shards_parameters else None
+        data = plan.layout.dp_strategy
+        fsdp = fsdp_options(plan.parallel, param_dtype, replicated=not data.shards_parameters) if data.reduces else None
         pipe = PipelineModel(model, plan.layout, world.rank, torch.device(device), world.mesh, fsdp)
         applied["pipeline"] = f"{plan.layout.pp_schedule}: stages {pipe.stage_ids} of {plan.layout.pp} ranks"
         return PreparedModel(pipe, pipe, applied)

@@ -105,16 +105,21 @@ def test_interleaved_and_gpipe_on_four_blocks(pp_launched, single, run):
     assert_same_weights(pp_launched / run, single / "gpt2_4")
 
 
+def continue_on_one_process(launched_run: Path, run: Path, source) -> Path:
+    """A copy of a launched run, resumed on one process from its step-3 checkpoint to step 6."""
+    shutil.copytree(launched_run, run)
+    shutil.rmtree(run / "checkpoints" / "step_000006")
+    (run / "checkpoints" / "latest").write_text("step_000003\n")
+    pp_run(pp_config(source, strategy="ddp"), run, resume=True)
+    return run
+
+
 def test_resharded_resume_continues_the_curve(pp_launched, single, source, tmp_path):
     """One process (3 steps) → pp2 × dp2 fsdp (to 6), and pp2 × dp2 fsdp (saved at step 3) → one process (to 6): DCP
     by full names, from and into FSDP2's shards of each stage."""
     assert_same_curve(pp_launched / "from_one", single / "gpt2", resumed=True)
     assert_same_weights(pp_launched / "from_one", single / "gpt2")
-    run = tmp_path / "to_one"
-    shutil.copytree(pp_launched / "pp2dp2_fsdp_gpt2", run)
-    shutil.rmtree(run / "checkpoints" / "step_000006")
-    (run / "checkpoints" / "latest").write_text("step_000003\n")
-    pp_run(pp_config(source, strategy="ddp"), run, resume=True)
+    run = continue_on_one_process(pp_launched / "pp2dp2_fsdp_gpt2", tmp_path / "to_one", source)
     assert_same_curve(run, single / "gpt2", resumed=True)
     assert_same_weights(run, single / "gpt2")
 
@@ -255,11 +260,7 @@ def test_every_tp2_pp2_rank_judges_the_logged_loss(pp_launched):
 def test_a_tp2_pp2_checkpoint_resumes_on_one_process(pp_launched, single, source, tmp_path):
     """tp2 × pp2 (GPT-2, saved at step 3) → one process (to 6): DCP by full names, the fused rows in the model's
     order on disk."""
-    run = tmp_path / "tp2pp2_to_one"
-    shutil.copytree(pp_launched / "tp2pp2_gpt2", run)
-    shutil.rmtree(run / "checkpoints" / "step_000006")
-    (run / "checkpoints" / "latest").write_text("step_000003\n")
-    pp_run(pp_config(source, strategy="ddp"), run, resume=True)
+    run = continue_on_one_process(pp_launched / "tp2pp2_gpt2", tmp_path / "tp2pp2_to_one", source)
     assert_same_curve(run, single / "gpt2", resumed=True)
     assert_same_weights(run, single / "gpt2")
 

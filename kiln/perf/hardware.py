@@ -71,7 +71,9 @@ def native_bf16(flags: set[str] | str | None = None, isa_cap: str | None = None)
 
 
 def _gflops(rate: float) -> str:
-    return f"{rate / 1e9:.3g} GFLOP/s"
+    """3 significant digits below 100 GFLOP/s, whole numbers above (never 1e+03)."""
+    g = rate / 1e9
+    return f"{g:,.0f} GFLOP/s" if g >= 100 else f"{g:.3g} GFLOP/s"
 
 
 def auto_mode(kind: str, capability: float = 0.0, rates: dict | None = None) -> tuple[str, str]:

@@ -101,11 +101,14 @@ def test_native_bf16_reads_cpuinfo_and_the_onednn_cap(tmp_path, monkeypatch):
     (100e9, 110e9, "fp32"),  # faster, but not by enough to pay for autocast's casts
     (100e9, 120e9, "bf16"),
     (100e9, 400e9, "bf16"),  # AMX
+    (228e9, 1005e9, "bf16"),  # AVX512-BF16 on Zen 5 (2026-11-27): printed 1,005, not 1e+03
 ])
 def test_auto_on_cpu_follows_measured_rates(fp32, bf16, expected):
     mode, why = auto_mode("cpu", rates={"fp32": fp32, "bf16": bf16})
     assert mode == expected
-    assert f"bf16 matmul {bf16 / 1e9:.3g} GFLOP/s vs fp32 {fp32 / 1e9:.3g} GFLOP/s" in why
+    shown = {r: f"{r / 1e9:,.0f}" if r >= 100e9 else f"{r / 1e9:.3g}" for r in (fp32, bf16)}
+    assert f"bf16 matmul {shown[bf16]} GFLOP/s vs fp32 {shown[fp32]} GFLOP/s" in why
+    assert "e+" not in why
 
 
 def test_auto_on_cuda_follows_compute_capability():

@@ -34,6 +34,7 @@ HYPER = dict(lr=2e-3, beta1=0.9, beta2=0.95, weight_decay=0.1, grad_clip=1.0, wa
 WARM = 5  # updates not counted in the steady rate
 VARIANTS = ("plain-fp32", "kiln-fp32", "kiln-bf16", "plain-bf16")
 BASE = "kiln-fp32-base"  # with --base-tree DIR: kiln-fp32 from another checkout (before/after a change, interleaved)
+SHARD_DTYPES = {1: "u1", 2: "<u2", 4: "<u4"}  # kiln.data.shards' dtype codes (the plain loop imports no kiln)
 EVAL_BATCHES = 20  # kiln's train.eval_batches default: the plain loop's final evaluation does the same work
 
 
@@ -91,8 +92,10 @@ def plain_child(args) -> dict:
             return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
 
     torch.manual_seed(args.seed)
-    train = np.memmap(args.train_bin, dtype="<u2", mode="r", offset=64)
-    val = np.memmap(args.val_bin, dtype="<u2", mode="r", offset=64)
+    # kiln's shards: a 64-byte header, then the ids (uint8 for the bytes tokenizer since 2026-11-27, else uint16);
+    # the header's dtype code (bytes 12-15) says which, as nanoGPT's prepare.py fixes uint16
+    train, val = (np.memmap(path, dtype=SHARD_DTYPES[int(np.fromfile(path, "<u4", count=1, offset=12)[0])], mode="r",
+                            offset=64) for path in (args.train_bin, args.val_bin))
     B, T = SHAPE["batch"], SHAPE["seq_len"]
 
     def get_batch(data, gen=None):  # nanoGPT's get_batch

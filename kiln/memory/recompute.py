@@ -25,9 +25,12 @@ from torch.utils.checkpoint import (CheckpointPolicy, SelectiveCheckpointContext
                                     create_selective_checkpoint_contexts)
 
 from kiln.memory.estimate import block_flops, fmt_bytes, parse_bytes, recompute_plan, saved_tensors
+from kiln.perf.cpu_linear import onednn_available
 
 POLICIES = ("none", "full", "every_k", "selective", "budget")
 _KEPT_MATMULS = {torch.ops.aten.mm.default, torch.ops.aten.addmm.default}
+if onednn_available():  # train.cpu_linear=onednn's products (kiln.perf.cpu_linear)
+    _KEPT_MATMULS.add(torch.ops.mkldnn._linear_pointwise.default)
 
 # Callbacks told about every tensor a recompute region keeps alive outside autograd's saved tensors (the
 # region's input and, for selective, the cached matmul outputs); kiln.memory.measure counts them.

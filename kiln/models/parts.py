@@ -70,8 +70,10 @@ class LMLoss(nn.Module):
     Summing (not averaging) lets the trainer divide by the valid-token count of the whole global batch.
     """
 
+    linear = staticmethod(F.linear)  # the head's product (kiln.perf.cpu_linear sets oneDNN's on a CPU)
+
     def forward(self, h, weight, targets):  # h (N, C), weight (V, C), targets (N,)
-        logits = at_least_fp32(F.linear(h, weight))  # (N, V): loss and softmax statistics in fp32
+        logits = at_least_fp32(self.linear(h, weight))  # (N, V): loss and softmax statistics in fp32
         return F.cross_entropy(logits, targets, ignore_index=IGNORE_INDEX, reduction="sum")
 
 

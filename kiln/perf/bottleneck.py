@@ -22,7 +22,7 @@ HOST_OP_US = 40.0
 LOW_UTILISATION = 0.10
 MATMUL_SHARE = 0.5
 MATMUL_OPS = ("aten::mm", "aten::addmm", "aten::bmm", "aten::matmul", "aten::linear", "aten::baddbmm",
-              "aten::_scaled_mm")
+              "aten::_scaled_mm", "mkldnn::_linear_pointwise")
 
 
 def rate(flops_per_s: float) -> str:

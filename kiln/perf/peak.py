@@ -27,6 +27,7 @@ import torch
 import torch.nn.functional as F
 
 from kiln.models import family
+from kiln.perf import cpu_linear
 from kiln.perf.flops import device_peak_flops
 from kiln.perf.measured import remembered, store
 
@@ -58,56 +59,64 @@ def _timed_shape(rows: int, k: int, n: int) -> tuple[int, int, int]:
     return min(rows, MAX_ROWS, max(64, int(FLOP_BUDGET // (2 * k * n)))), k, n
 
 
-def linear_rate(rows: int, k: int, n: int, precision: str) -> float:
-    """Best FLOP/s of F.linear((rows, k), (n, k)) on this CPU, run as a `precision` run runs its linears: measured
-    once per machine, then read from kiln's cache."""
+def linear_rate(rows: int, k: int, n: int, precision: str, onednn: bool = False) -> float:
+    """Best FLOP/s of F.linear((rows, k), (n, k)) on this CPU, run as a `precision` run runs its linears (`onednn`:
+    through kiln.perf.cpu_linear, train.cpu_linear=onednn): measured once per machine, then read from kiln's cache."""
     m, k, n = _timed_shape(rows, k, n)
-    key = (m, k, n, precision)
+    key = (m, k, n, precision, onednn)
     if key not in _cache:
-        _cache[key] = remembered("matmul_flops", f"{precision} linear {m}x{k}x{n}",
-                                 lambda: _measure_linear(m, k, n, precision, key))
+        _cache[key] = remembered("matmul_flops", _stored_key(key), lambda: _measure_linear(key))
     return _cache[key]
 
 
-def refresh_rate(rows: int, k: int, n: int, precision: str) -> float:
+def _stored_key(key: tuple) -> str:
+    m, k, n, precision, onednn = key
+    return f"{precision}{' onednn' if onednn else ''} linear {m}x{k}x{n}"
+
+
+def refresh_rate(rows: int, k: int, n: int, precision: str, onednn: bool = False) -> float:
     """linear_rate, measured once more (one warm-up and TRIES timed calls of one product) and stored if higher: a
     peak first measured while the machine was busy (on a shared 2-core CPU: 10.6 GFLOP/s for a shape that runs at
     50 when the other work pauses) rises to the best any run has seen, instead of staying low for good."""
     m, k, n = _timed_shape(rows, k, n)
-    key = (m, k, n, precision)
-    known = linear_rate(m, k, n, precision)
+    key = (m, k, n, precision, onednn)
+    known = linear_rate(m, k, n, precision, onednn)
     if key in _timed_here:
         return known
-    best = max(known, _measure_linear(m, k, n, precision, key))
+    best = max(known, _measure_linear(key))
     if best > known:
         _cache[key] = best
-        store("matmul_flops", f"{precision} linear {m}x{k}x{n}", best)
+        store("matmul_flops", _stored_key(key), best)
     return best
 
 
-def _measure_linear(m: int, k: int, n: int, precision: str, key: tuple) -> float:
+def _measure_linear(key: tuple) -> float:
+    m, k, n, precision, onednn = key
     _timed_here.add(key)
+    product = cpu_linear.linear if onednn else F.linear
     gen = torch.Generator().manual_seed(0)  # never the global stream: training RNG stays untouched
     autocast = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(precision)
     dtype = {"bf16-master": torch.bfloat16, "fp64": torch.float64}.get(precision, torch.float32)
     w = torch.randn(n, k, generator=gen).to(dtype)
     x = torch.randn(m, k, generator=gen).to(dtype)
     with torch.autocast("cpu", dtype=autocast, enabled=autocast is not None):
-        F.linear(x, w)  # picks the kernel, warms the caches
-        t = min(_timed(lambda: F.linear(x, w)) for _ in range(TRIES))
+        product(x, w)  # picks the kernel, warms the caches
+        t = min(_timed(lambda: product(x, w)) for _ in range(TRIES))
     return 2 * m * k * n / t
 
 
-def model_peak_flops(device: torch.device, precision: str, cfg=None, rows: int = 0) -> float | None:
+def model_peak_flops(device: torch.device, precision: str, cfg=None, rows: int = 0,
+                     onednn: bool = False) -> float | None:
     """The peak MFU divides by: CUDA's datasheet; on a CPU the best measured rate of the model's own linear shapes
-    (`cfg` a resolved ModelConfig, `rows` the tokens of a micro-batch) and of a square product (cached), or of the
-    square product alone (measured in this process) without a model."""
+    (`cfg` a resolved ModelConfig, `rows` the tokens of a micro-batch; `onednn`: as train.cpu_linear=onednn runs
+    them) and of a square product (cached), or of the square product alone (measured in this process) without a
+    model."""
     if device.type != "cpu" or cfg is None or not rows:
         return device_peak_flops(device, precision)
     shapes = linear_shapes(cfg, rows)
-    fastest = max(shapes, key=lambda s: linear_rate(*s, precision))  # measured now, or read back
-    refresh_rate(*fastest, precision)  # read back: the shape that sets the peak is timed again, and can only rise
-    return max([square_rate(precision)] + [linear_rate(*s, precision) for s in shapes])
+    fastest = max(shapes, key=lambda s: linear_rate(*s, precision, onednn))  # measured now, or read back
+    refresh_rate(*fastest, precision, onednn)  # read back: the shape that sets the peak is timed again, can only rise
+    return max([square_rate(precision)] + [linear_rate(*s, precision, onednn) for s in shapes])
 
 
 def square_rate(precision: str) -> float:

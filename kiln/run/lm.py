@@ -35,7 +35,8 @@ from kiln.numerics.faults import DelayedLoader
 from kiln.perf import flops_per_token
 from kiln.perf.compile import compile_key, compile_setting, decide_compile
 from kiln.perf.flops import recompute_flops_per_token
-from kiln.perf.peak import model_peak_flops
+from kiln.perf.cpu_linear import decide_cpu_linear
+from kiln.perf.peak import linear_shapes, model_peak_flops
 from kiln.perf.hardware import decide_mode, precision_notice, resolve_kernels
 from kiln.run.oom import OomContext, OutOfMemory, oom_report, ram_check
 from kiln.train.checkpoint import Checkpointer, RunLock, full_weights
@@ -77,8 +78,9 @@ def model_plan(cfg: Config, model_cfg: ModelConfig, precision: str, device: torc
         kernels = "torch"  # train.kernels=auto with dropout: FlashAttention has none (explicit triton is refused)
     job = runtime_job(cfg, model_cfg, precision, device)
     loss = "chunked" if cfg.memory.chunked_loss else ("fused" if kernels == "triton" else "plain")
-    return ModelPlan(kernels=kernels, fp8=precision == "fp8", recompute=job.recompute, offload=job.offload, loss=loss,
-                     loss_chunk=cfg.memory.chunked_loss, compile=cfg.train.compile, parallel=cfg.parallel, layout=layout)
+    return ModelPlan(kernels=kernels, cpu_linear=cfg.train.cpu_linear == "onednn", fp8=precision == "fp8",
+                     recompute=job.recompute, offload=job.offload, loss=loss, loss_chunk=cfg.memory.chunked_loss,
+                     compile=cfg.train.compile, parallel=cfg.parallel, layout=layout)
 
 
 def plan_memory(cfg: Config, device: torch.device, log=print) -> Config:
@@ -120,6 +122,18 @@ def recorded_compile(cfg: Config, device: torch.device):
                              "parallel.pp runs torch's pipeline schedules on eager stages" if cfg.parallel.pp > 1
                              else None)
     return replace(tc, compile=on, compile_decided_by=why)
+
+
+def recorded_cpu_linear(cfg: Config, device: torch.device):
+    """The train section with train.cpu_linear resolved to onednn or torch (auto: measured once per machine,
+    kiln.perf.cpu_linear) and why, as config.toml records them: a resume runs the products the run ran."""
+    tc = cfg.train
+    if tc.cpu_linear != "auto" and tc.cpu_linear_decided_by.startswith(f"auto: {tc.cpu_linear},"):
+        return tc  # a resumed run's choice, with its reason
+    rows = tc.micro_batch_size * cfg.data.seq_len
+    on, why = decide_cpu_linear(tc.cpu_linear, device, cfg.precision.mode, linear_shapes(cfg.model, rows),
+                                compiled=tc.compile is True)
+    return replace(tc, cpu_linear="onednn" if on else "torch", cpu_linear_decided_by=why)
 
 
 @dataclass
@@ -187,7 +201,8 @@ class LMRun:
                        config_toml=to_toml, flops_per_unit=model_flops,
                        hardware_flops_per_unit=model_flops + recomputed,
                        peak_flops=model_peak_flops(state.device, state.precision.mode, c.model,
-                                                   c.train.micro_batch_size * c.data.seq_len),
+                                                   c.train.micro_batch_size * c.data.seq_len,
+                                                   onednn=c.train.cpu_linear == "onednn"),
                        peak_lr=self.peak_lr()[0], callbacks=callbacks,
                        vocab_size=self.data.tokenizer.vocab_size if self.data is not None else None)
 
@@ -242,6 +257,8 @@ def _build_lm(cfg: Config, run_dir, log, device: torch.device, with_data: bool, 
                                         tc.micro_batch_size * tc.grad_accum_steps, tc.grad_accum_steps)
     layout = world.plan if world.plan is not None and world.plan.pp > 1 else None  # stages: kiln.parallel.pipeline
     cfg = replace(cfg, train=recorded_compile(cfg, device))
+    # rank 0 measures and decides: every rank runs the same products
+    cfg = replace(cfg, train=world.broadcast_object(recorded_cpu_linear(cfg, device) if world.main else None))
     model = build_model(cfg.model, "cpu" if device.type == "meta" else device)
     if initial is not None:
         missing, unexpected = model.load_state_dict(initial, strict=False)
@@ -316,8 +333,10 @@ def _train(lm: LMRun, cfg: Config, run_dir: Path, resume: bool, con: Console, ca
         note = f"precision {c.precision.mode}, as recorded when the run started ({c.precision.decided_by})"
     if note:
         con.print(note, highlight=False)
-    if c.train.compile_decided_by.startswith("auto"):
-        con.print(f"train.compile {c.train.compile_decided_by}", highlight=False)
+    for key in ("compile", "cpu_linear"):
+        why = getattr(c.train, f"{key}_decided_by")
+        if why.startswith("auto"):
+            con.print(f"train.{key} {why}", highlight=False)
     try:
         result = trainer.run()
     except torch.OutOfMemoryError as e:

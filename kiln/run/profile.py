@@ -96,16 +96,27 @@ def _install(clock: _Clock, trainer) -> list:
     return undo
 
 
+def _linear_flops(name: str, shapes) -> float:
+    """2·M·N·K of a oneDNN linear (train.cpu_linear=onednn), input (M, K) and weight (N, K): the profiler counts
+    FLOPs of aten's matmuls only."""
+    if name != "mkldnn::_linear_pointwise" or not shapes or len(shapes) < 2 or len(shapes[1]) != 2:
+        return 0.0
+    (n, k), rows = shapes[1], 1
+    for d in shapes[0][:-1]:
+        rows *= d
+    return 2.0 * rows * n * k
+
+
 def _ops(prof, steps: int, element_bytes: int) -> list[Op]:
     """Operations by self time per step (device time on CUDA), with FLOPs and an estimate of the bytes read."""
     by_name: dict[str, dict] = defaultdict(lambda: {"calls": 0, "self": 0.0, "flops": 0.0, "bytes": 0.0})
     for e in prof.key_averages(group_by_input_shape=True):
-        if not e.key.startswith("aten::"):
+        if not e.key.startswith("aten::") and e.key not in MATMUL_OPS:
             continue
         row = by_name[e.key]
         row["calls"] += e.count
         row["self"] += (e.self_device_time_total if e.self_device_time_total else e.self_cpu_time_total) / 1e6
-        row["flops"] += e.flops or 0
+        row["flops"] += e.flops or _linear_flops(e.key, e.input_shapes) * e.count
         numel = 0
         for shape in e.input_shapes or []:
             if isinstance(shape, (list, tuple)) and all(isinstance(d, int) for d in shape) and shape:
@@ -207,8 +218,9 @@ def profile_run(cfg, run_dir: Path, steps: int = 10, warmup: int = 3, log=print)
     peak, rates = target.flops(state.precision.mode), None
     if state.device.type == "cpu":  # the rate torch reaches on the model's own linears (measured once, cached)
         rows = c.train.micro_batch_size * c.data.seq_len
-        rates = {p: model_peak_flops(state.device, p, c.model, rows) for p in dict.fromkeys(
-            (state.precision.mode, "fp32", "bf16"))}
+        onednn = c.train.cpu_linear == "onednn"  # the fp32 rate of the products the run makes
+        rates = {p: model_peak_flops(state.device, p, c.model, rows, onednn=onednn and p == "fp32")
+                 for p in dict.fromkeys((state.precision.mode, "fp32", "bf16"))}
         # a peak the model beat was measured while the machine was busier: MFU ≤ 100%, as in the train records
         peak = max(rates[state.precision.mode], flops_per_token(c.model, c.data.seq_len) * tokens / step_s)
     b = Breakdown(step_s=step_s, parts={p: clock.totals.get(p, 0.0) / steps for p in PARTS}, ops=ops,

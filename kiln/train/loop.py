@@ -36,6 +36,7 @@ from kiln.parallel.watchdog import collective_errors
 from kiln.numerics.monitor import Handles, Numerics
 from kiln.numerics.outcome import LossWatch
 from kiln.perf.compile import compile_setting
+from kiln.perf.cpu_linear import cpu_linear_setting
 from kiln.train.callbacks import Callbacks
 from kiln.train.budget import TimeBudget, parse_duration
 from kiln.train.checkpoint import Checkpointer
@@ -68,6 +69,8 @@ class TrainConfig:
     compile: bool | str = "auto"  # torch.compile: true | false | auto (on when its measured compile time and gain pay off over the run; kiln.perf.compile)
     compile_decided_by: str = ""  # written by kiln train: why train.compile resolved as it did (auto's prediction, or the config)
     kernels: str = "torch"  # "torch" | "triton" | "auto" (Triton on CUDA compute capability ≥ 8.0 when importable)
+    cpu_linear: str = "auto"  # fp32 linears on a CPU: auto (oneDNN where it is measured ≥ 1.1x torch's MKL product, as on AMD CPUs) | onednn | torch
+    cpu_linear_decided_by: str = ""  # written by kiln train: why train.cpu_linear resolved as it did (auto's measurement, or the config)
     max_time: str = ""  # wall-clock limit, e.g. 3h50m or 90s: the run saves and ends at the step that crosses it
     sample_tokens: int = 200  # tokens generated after training (0: no sample)
     sample_prompt: str = "def "  # prompt of the sample printed after training
@@ -92,6 +95,7 @@ class TrainConfig:
         compile_setting(self.compile)
         if self.kernels not in KERNELS:
             raise ValueError(f"train.kernels={self.kernels!r} is unknown; use one of {KERNELS}")
+        cpu_linear_setting(self.cpu_linear)
 
 
 def accumulation_for(tc: TrainConfig, world_size: int) -> int:

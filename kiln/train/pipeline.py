@@ -4,7 +4,8 @@
 
 0. fp8         precision.mode=fp8: the block linears become torchao's Float8Linear (kiln.train.precision).
 1. kernels     Triton norms, activations, attention core and RoPE swapped in by exact module type
-               (kiln.kernels.apply); the model's loss is left for step 4.
+               (kiln.kernels.apply); the model's loss is left for step 4. On a CPU, fp32 linears and the LM head
+               through oneDNN (train.cpu_linear, kiln.perf.cpu_linear).
 2. recompute   per-block plan (kiln.memory.recompute): the block's class is swapped, it stays a module.
 3. offload     saved activations of the listed blocks to pinned host memory (CUDA only; recomputed blocks keep
                nothing worth moving, so recompute comes first).
@@ -35,6 +36,7 @@ from kiln.memory.chunked_loss import ChunkedLMLoss
 from kiln.memory.offload import apply_offload
 from kiln.memory.recompute import apply_recompute
 from kiln.models.transformer import IGNORE_INDEX, LMLoss
+from kiln.perf.cpu_linear import swap_linears
 from kiln.train.precision import convert_fp8
 
 LOSSES = ("plain", "fused", "chunked")
@@ -45,6 +47,7 @@ class ModelPlan:
     """What the pipeline does to a model; built from the config by the caller (kiln.run), or by hand."""
 
     kernels: str = "torch"  # "torch" | "triton" (resolved: kiln.perf.hardware.resolve_kernels)
+    cpu_linear: bool = False  # fp32 linears through oneDNN (resolved: kiln.perf.cpu_linear.decide_cpu_linear)
     fp8: bool = False  # precision.mode=fp8: torchao's float8 linears in the blocks
     recompute: tuple[str, ...] = ()  # one policy per block (kiln.memory.recompute); () = none
     offload: frozenset[int] = frozenset()  # blocks whose saved activations go to the host (CUDA)
@@ -88,6 +91,8 @@ def prepare_model(model: nn.Module, plan: ModelPlan, device: torch.device | None
         from kiln.kernels.apply import apply_kernels  # lazy: triton is imported only by runs that use the kernels
 
         applied["kernels"] = apply_kernels(model, "triton", device, skip=(LMLoss,))
+    if plan.cpu_linear:
+        applied["cpu_linear"] = swap_linears(model)
     if any(p != "none" for p in plan.recompute):
         _needs_blocks(model, "memory.recompute")
         apply_recompute(model, plan.recompute)

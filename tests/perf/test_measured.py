@@ -20,7 +20,8 @@ def counted(monkeypatch):
     """_measure_linear replaced by a counter: the n-th measurement returns n GFLOP/s."""
     calls = []
 
-    def fake(m, k, n, precision, key):
+    def fake(key):
+        m, k, n, precision, onednn = key
         calls.append((m, k, n, precision))
         peak._timed_here.add(key)
         return len(calls) * 1e9
@@ -88,7 +89,7 @@ def test_a_low_first_measurement_rises_when_a_later_run_measures_more(cache, mon
     cpu = peak.torch.device("cpu")
     rates = iter([1e9, 2e9, 3e9, 4e9, 9e9, 0.5e9])  # four shapes, then the refresh of the fastest (4e9) finds 9e9
 
-    def fake(m, k, n, precision, key):
+    def fake(key):
         peak._timed_here.add(key)
         return next(rates)
 

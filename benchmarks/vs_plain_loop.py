@@ -13,6 +13,8 @@ Variants, each a fresh `python` process (rounds rotate the order, so machine noi
     plain-bf16   the same under bf16 autocast (what nanoGPT does with dtype=bfloat16)
     kiln-fp32    `kiln train` in-process (the CLI's imports and parser, kiln.run.lm.train) with precision.mode=fp32
     kiln-bf16    the same with precision.mode=bf16
+    kiln-fp32-mkl  kiln-fp32 with train.cpu_linear=torch: its linears through torch's F.linear (MKL on x86), as the
+                 plain loop's, where kiln-fp32's auto may take oneDNN's (kiln.perf.cpu_linear)
 Steady tokens/s: the tokens of updates 6..N over the time from the end of update 5 to the end of update N.
 Printed ratios are medians over rounds of per-round ratios (each round's variants ran back to back).
 
@@ -32,7 +34,7 @@ import time
 SHAPE = dict(n_layer=6, n_head=6, d_model=384, seq_len=256, batch=8, vocab=256)
 HYPER = dict(lr=2e-3, beta1=0.9, beta2=0.95, weight_decay=0.1, grad_clip=1.0, warmup=50, min_lr_ratio=0.1)
 WARM = 5  # updates not counted in the steady rate
-VARIANTS = ("plain-fp32", "kiln-fp32", "kiln-bf16", "plain-bf16")
+VARIANTS = ("plain-fp32", "kiln-fp32", "kiln-bf16", "plain-bf16", "kiln-fp32-mkl")
 BASE = "kiln-fp32-base"  # with --base-tree DIR: kiln-fp32 from another checkout (before/after a change, interleaved)
 SHARD_DTYPES = {1: "u1", 2: "<u2", 4: "<u4"}  # kiln.data.shards' dtype codes (the plain loop imports no kiln)
 EVAL_BATCHES = 20  # kiln's train.eval_batches default: the plain loop's final evaluation does the same work
@@ -150,6 +152,8 @@ def kiln_child(args) -> dict:
 
     imported = time.time()
     argv = ["train", "--run-dir", args.run_dir] + kiln_overrides(args.variant.split("-")[1], args.steps, args.seed)
+    if args.variant.endswith("-mkl"):
+        argv.append("--train.cpu_linear=torch")
     parsed, _ = build_parser().parse_known_args([a for a in argv if not OVERRIDE.match(a)])
     cfg = config_from(parsed, [a for a in argv if OVERRIDE.match(a)])
 
@@ -168,7 +172,7 @@ def kiln_child(args) -> dict:
     clock = Clock()
     result = train(cfg, args.run_dir, console=Console(file=io.StringIO()), callbacks=[clock])
     return {"imported": imported, "ends": clock.ends, "val_loss": result.val_loss,
-            "threads": torch.get_num_threads()}
+            "threads": torch.get_num_threads(), "cpu_linear": result.cfg.train.cpu_linear_decided_by}
 
 
 # ------------------------------------------------------------------------------------------------ driver
@@ -193,7 +197,8 @@ def run_variant(variant: str, steps: int, seed: int, shards: tuple[str, str], tm
     tokens = (steps - WARM) * SHAPE["batch"] * SHAPE["seq_len"]
     return {"variant": variant, "wall_s": wall, "import_s": r["imported"] - spawned,
             "first_step_s": ends[0] - spawned, "steady_tok_s": tokens / (ends[steps - 1] - ends[WARM - 1]),
-            "after_last_step_s": spawned + wall - ends[-1], "val_loss": r["val_loss"], "threads": r["threads"]}
+            "after_last_step_s": spawned + wall - ends[-1], "val_loss": r["val_loss"], "threads": r["threads"],
+            "cpu_linear": r.get("cpu_linear")}
 
 
 def prepared_shards(seed: int) -> tuple[str, str]:
@@ -255,6 +260,10 @@ def main():
           f"{torch.backends.cpu.get_cpu_capability()} | load average {os.getloadavg()[0]:.1f}")
     print(f"{args.rounds} rounds × {args.steps} updates of {SHAPE['batch']}×{SHAPE['seq_len']} tokens; steady = updates "
           f"{WARM + 1}-{args.steps}")
+    for v in variants:
+        decided = {r["cpu_linear"] for r in rows if r["variant"] == v and r.get("cpu_linear")}
+        if decided:
+            print(f"{v} train.cpu_linear: {' / '.join(sorted(decided))}")
     med = {v: {k: statistics.median(r[k] for r in rows if r["variant"] == v)
                for k in ("steady_tok_s", "wall_s", "import_s", "first_step_s", "after_last_step_s")} for v in variants}
     print(f"{'variant':12}{'steady tok/s':>14}{'whole s':>10}{'imports s':>11}{'step 1 end s':>14}{'after last s':>14}")

@@ -333,10 +333,10 @@ def _train(lm: LMRun, cfg: Config, run_dir: Path, resume: bool, con: Console, ca
         note = f"precision {c.precision.mode}, as recorded when the run started ({c.precision.decided_by})"
     if note:
         con.print(note, highlight=False)
-    for key in ("compile", "cpu_linear"):
-        why = getattr(c.train, f"{key}_decided_by")
-        if why.startswith("auto"):
-            con.print(f"train.{key} {why}", highlight=False)
+    if c.train.compile_decided_by.startswith("auto"):
+        con.print(f"train.compile {c.train.compile_decided_by}", highlight=False)
+    if c.train.cpu_linear_decided_by.startswith("auto") and state.device.type == "cpu" and c.precision.mode == "fp32":
+        con.print(f"train.cpu_linear {c.train.cpu_linear_decided_by}", highlight=False)
     try:
         result = trainer.run()
     except torch.OutOfMemoryError as e:

@@ -10,6 +10,7 @@ from kiln.config import make_config
 from kiln.data import DataConfig, TokenLoader
 from kiln.models import ModelConfig
 from kiln.models.parts import IGNORE_INDEX
+from kiln.perf.cpu_linear import onednn_available
 from kiln.train.losses import CrossEntropy
 
 
@@ -25,6 +26,8 @@ def lm_config(source: str, strategy: str, steps: int, global_batch_size: int = 8
     cfg.precision.mode, cfg.log.interval, cfg.log.tensorboard, cfg.log.progress = "fp32", 1, False, "off"
     cfg.schedule.warmup_steps, cfg.schedule.total_steps = 2, 10
     cfg.optim.implementation = "foreach"  # the same arithmetic for every strategy (zero1 runs kiln's foreach)
+    # the same products in every process: auto measures per thread count, and torchrun's ranks run 1 thread each
+    tc.cpu_linear = "onednn" if onednn_available() else "torch"
     cfg.parallel.strategy = strategy
     cfg.numerics.trace, cfg.faults.nan_forward, cfg.faults.rank = trace, nan_forward, nan_rank
     return cfg

@@ -8,15 +8,32 @@
 
 Each block linear's role comes from `Family.linears(cfg)`: "column" linears (attn.qkv, mlp.fc) are ColwiseParallel
 (output features split, this rank's heads or MLP width), "row" linears (attn.proj, mlp.proj) RowwiseParallel (input
-split, outputs summed over the tp ranks). Everything else (embeddings, norms, the head, the loss) is replicated:
-every rank holds it whole and computes it on the same activations. All parameters become DTensors on the tp mesh,
-the replicated ones too, so that FSDP2 afterwards sees one 2-D (dp, tp) mesh and the optimizer, the global norm and
+split, outputs summed over the tp ranks). The norms and a learned position table are replicated: every rank holds
+them whole and computes them on the same activations. All parameters become DTensors on the tp mesh, the
+replicated ones too, so that FSDP2 afterwards sees one 2-D (dp, tp) mesh and the optimizer, the global norm and
 DCP see one kind of tensor.
+
+The vocabulary is split too (always with tp > 1: the embedding, the head and the logits are 1/tp per rank, the
+largest tensors of a small model). The token embedding is torch's RowwiseParallel on nn.Embedding: rank r holds
+rows [r·V/tp, (r+1)·V/tp) of the padded vocabulary (Shard(0) of [V, C]), looks up the ids that fall in them (zeros
+for the others) and the lookups are summed over the tp ranks. The head weight (its own nn.Linear, or GPT-2's tied
+embedding, the same parameter) is split the same way, so the logits come out sharded on the vocabulary
+(Shard(-1)): each rank computes its V/tp columns of every token's logits. The loss (VocabParallelLoss, in place
+of the model's LMLoss) is F.cross_entropy on those DTensor logits under torch's `loss_parallel()`: the max, the
+sum of exponentials and the target's logit are all-reduced over tp (three [N] vectors), never the [N, V] logits;
+its backward, run under the same context, gives each rank its rows of the head's gradient. The sum over valid
+targets (ignore_index) is LMLoss's contract, so the step's normalisation by the global batch's count is
+unchanged. kiln's LM loss has no label smoothing to carry over. The chunked loss and the fused Triton loss compute
+the whole vocabulary's logits per chunk: memory.chunked_loss is refused with tp > 1 (kiln.config), and
+train.kernels=triton keeps the plain loss's place for this one (kiln.run.lm). Evaluation runs the same loss;
+sampling and exports read the consolidated weights (kiln.train.checkpoint gathers the shards, one whole tensor
+at a time).
 
 Sequence parallel (parallel.sequence_parallel): between the TP regions the residual stream is split along the
 sequence (dim 1) instead of replicated, so the norms, dropout and residual adds run on 1/tp of the tokens; each
 region all-gathers its input and its row linear reduce-scatters its output (the same bytes moved as the all-reduce
-they replace). The first block splits its input; the final norm gathers the sequence back for the head and loss.
+they replace). The first block splits its input (the embedding's lookups are summed whole: a learned position table
+is added to them before the split); the final norm gathers the sequence back for the head and loss.
 
 The fused weights. attn.qkv holds the rows [q; k; v] and a SwiGLU's mlp.fc [gate; up]; a plain Shard(0) would give
 rank 0 all of q and part of k, not its heads of each. The family describes the parts (`Linear.parts`), and applying
@@ -28,18 +45,19 @@ Hugging Face exports hold the model's own order, through `canonical` on the way 
 in (kiln.train.checkpoint), so a checkpoint resumes under any layout, and a checkpoint written without TP resumes
 with it. Each conversion gathers one fused tensor at a time (a save or a load, not a step).
 
-Not built: vocabulary-parallel embedding and head, the loss on sharded logits, expert parallelism (a mixture of
-experts with tp > 1 is refused by ParallelPlan.build), dropout identical to one process (each tp rank draws its own
-masks on its heads; with dropout 0 TP is exact to one process).
+Not built: expert parallelism (a mixture of experts with tp > 1 is refused by ParallelPlan.build), dropout identical
+to one process (each tp rank draws its own masks on its heads; with dropout 0 TP is exact to one process).
 """
 from __future__ import annotations
 
 import torch
 import torch.nn as nn
+import torch.nn.functional as F
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_module, distribute_tensor
 from torch.distributed.tensor.parallel import (ColwiseParallel, ParallelStyle, RowwiseParallel, SequenceParallel,
-                                               parallelize_module)
+                                               loss_parallel, parallelize_module)
 
+from kiln.models.parts import IGNORE_INDEX, LMLoss, at_least_fp32
 from kiln.models.registry import family
 
 
@@ -74,6 +92,39 @@ class Held(ParallelStyle):
 
     def _apply(self, module: nn.Module, device_mesh) -> nn.Module:
         return distribute_module(module, device_mesh, None, self._in, self._out)
+
+
+class _ShardedCrossEntropy(torch.autograd.Function):
+    """Sum of F.cross_entropy over valid targets of logits sharded on the vocabulary, forward and backward under
+    torch's loss_parallel(). Its backward must run inside the context as well (outside it, DTensor all-gathers the
+    logits' gradient and replicates the head's); the step's backward (or a pipeline schedule's) is not ours to
+    wrap, so the forward keeps its own small graph from the logits to the loss and the backward runs it."""
+
+    @staticmethod
+    def forward(ctx, logits, targets):  # logits DTensor (N, V) Shard(-1), targets DTensor (N,) Replicate
+        with torch.enable_grad(), loss_parallel():
+            x = logits.detach().requires_grad_()
+            loss = F.cross_entropy(x, targets, ignore_index=IGNORE_INDEX, reduction="sum")
+        ctx.x, ctx.loss = x, loss
+        return loss.detach()
+
+    @staticmethod
+    def backward(ctx, grad):
+        with loss_parallel():
+            (grad_logits,) = torch.autograd.grad(ctx.loss, ctx.x, grad)
+        ctx.x = ctx.loss = None
+        return grad_logits, None
+
+
+class VocabParallelLoss(nn.Module):
+    """LMLoss's contract (the head and the sum of token losses over valid targets, in fp32) on a head weight
+    sharded over the vocabulary: the logits stay split (module docstring)."""
+
+    def forward(self, h, weight, targets):  # h (N, C) replicated, weight DTensor (V, C) Shard(0), targets (N,)
+        mesh = weight.device_mesh
+        h, targets = (DTensor.from_local(t, mesh, [Replicate()], run_check=False) for t in (h, targets))
+        logits = at_least_fp32(F.linear(h, weight))  # (N, V/tp) on this rank: Shard(-1)
+        return _ShardedCrossEntropy.apply(logits, targets).to_local()
 
 
 def _gather_sequence(module, args):
@@ -143,8 +194,8 @@ def from_canonical(t: torch.Tensor, parts: tuple[int, ...], tp: int) -> torch.Te
 
 
 def apply_tensor_parallel(model: nn.Module, mesh, sequence_parallel: bool = False) -> None:
-    """Split kiln's Transformer over `mesh` (the tp dim) in place: block linears by their family roles, the rest
-    replicated (module docstring)."""
+    """Split kiln's Transformer over `mesh` (the tp dim) in place: block linears by their family roles, the
+    embedding, head and loss over the vocabulary, the rest replicated (module docstring)."""
     tp = mesh.size()
     cfg = getattr(model, "cfg", None)
     if cfg is None or not isinstance(getattr(model, "blocks", None), nn.ModuleList):
@@ -156,6 +207,10 @@ def apply_tensor_parallel(model: nn.Module, mesh, sequence_parallel: bool = Fals
     if bad:
         raise ValueError(f"parallel.tp={tp}: {cfg.arch}'s {', '.join(bad)} have no tensor-parallel split (roles "
                          f"{sorted({roles[n].tp for n in bad})}); use --parallel.tp=1")
+    if not isinstance(model.loss, LMLoss):  # (ParallelPlan.build checked the padded vocabulary divides by tp)
+        raise ValueError(f"parallel.tp={tp} computes the loss on vocabulary-sharded logits (1/tp of them per rank); "
+                         f"the model's {type(model.loss).__name__} needs the whole head: keep the plain loss "
+                         f"(ModelPlan.loss='plain', no --memory.chunked_loss)")
     with torch.no_grad():  # the fused rows, once, before the weights are split
         for name, parts in fused_rows(model).items():
             p = model.get_parameter(name)
@@ -183,8 +238,11 @@ def apply_tensor_parallel(model: nn.Module, mesh, sequence_parallel: bool = Fals
             if i == 0:
                 block.register_forward_pre_hook(_split_sequence(mesh))
     top = {name: Held() for name, module in model.named_children()
-           if name != "blocks" and any(True for _ in module.parameters())}
+           if name not in ("blocks", "embed", "head") and any(True for _ in module.parameters())}
+    top["embed"] = RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate())  # vocabulary rows
+    if model.head is not None:  # untied: split as the embedding (tied: the embedding's own parameter)
+        top["head"] = ColwiseParallel(output_layouts=Shard(-1), use_local_output=False)
     if sequence_parallel:
         top["norm"] = Held(seq, Replicate())  # the final norm's output: the whole sequence for the head and loss
-    top["loss"] = Held()
     parallelize_module(model, mesh, top)
+    model.loss = VocabParallelLoss()

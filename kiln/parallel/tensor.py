@@ -56,9 +56,12 @@ import torch.nn.functional as F
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_module, distribute_tensor
 from torch.distributed.tensor.parallel import (ColwiseParallel, ParallelStyle, RowwiseParallel, SequenceParallel,
                                                loss_parallel, parallelize_module)
+from torch.nn._reduction import get_enum
 
 from kiln.models.parts import IGNORE_INDEX, LMLoss, at_least_fp32
 from kiln.models.registry import family
+
+_SUM = get_enum("sum")  # nll_loss's reduction argument
 
 
 class Held(ParallelStyle):
@@ -95,25 +98,27 @@ class Held(ParallelStyle):
 
 
 class _ShardedCrossEntropy(torch.autograd.Function):
-    """Sum of F.cross_entropy over valid targets of logits sharded on the vocabulary, forward and backward under
-    torch's loss_parallel(). Its backward must run inside the context as well (outside it, DTensor all-gathers the
-    logits' gradient and replicates the head's); the step's backward (or a pipeline schedule's) is not ours to
-    wrap, so the forward keeps its own small graph from the logits to the loss and the backward runs it."""
+    """Sum over valid targets of the cross-entropy of logits sharded on the vocabulary: F.cross_entropy's own ops
+    (log_softmax, then nll_loss), forward and backward, under torch's loss_parallel(). Its backward must run inside
+    the context too (outside it, DTensor all-gathers the logits' gradient and replicates the head's), and the
+    step's backward (or a pipeline schedule's) is not ours to wrap: so the two ops' backward is called here. Saved:
+    the log-probabilities (N, V/tp), as F.cross_entropy saves them."""
 
     @staticmethod
     def forward(ctx, logits, targets):  # logits DTensor (N, V) Shard(-1), targets DTensor (N,) Replicate
-        with torch.enable_grad(), loss_parallel():
-            x = logits.detach().requires_grad_()
-            loss = F.cross_entropy(x, targets, ignore_index=IGNORE_INDEX, reduction="sum")
-        ctx.x, ctx.loss = x, loss
-        return loss.detach()
+        with loss_parallel():
+            logp = torch.log_softmax(logits, dim=-1)
+            loss, total_weight = torch.ops.aten.nll_loss_forward(logp, targets, None, _SUM, IGNORE_INDEX)
+        ctx.save_for_backward(logp, targets, total_weight)
+        return loss
 
     @staticmethod
     def backward(ctx, grad):
+        logp, targets, total_weight = ctx.saved_tensors
         with loss_parallel():
-            (grad_logits,) = torch.autograd.grad(ctx.loss, ctx.x, grad)
-        ctx.x = ctx.loss = None
-        return grad_logits, None
+            grad = torch.ops.aten.nll_loss_backward(grad, logp, targets, None, _SUM, IGNORE_INDEX, total_weight)
+            grad = torch.ops.aten._log_softmax_backward_data(grad, logp, -1, logp.dtype)
+        return grad, None
 
 
 class VocabParallelLoss(nn.Module):

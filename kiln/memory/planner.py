@@ -144,7 +144,9 @@ def model_parallel_comm(job: Job, tp_link: float, cp_link: float, pp_link: float
         MLP's row-parallel linear) and 2 in backward (of the column-parallel inputs' gradients), each moving
         2(t-1)/t of the buffer per GPU on a ring; sequence parallelism swaps each for an all-gather plus a
         reduce-scatter, (t-1)/t each: the same bytes (Korthikanti et al. 2022, §4.2.2). A fully recomputed block
-        runs its forward's 2 again.
+        runs its forward's 2 again. The vocabulary-parallel embedding adds one (N, d) all-reduce in forward (the
+        first stage), the head one in backward (its input's gradient, the last stage); the loss' three (N,)
+        vectors are left out.
     cp  ring attention: each rank receives the other cp - 1 ranks' K and V chunks in forward, K, V and their
         gradients in backward (3 passes); hidden up to the attention's own time.
     pp  each stage boundary sends a micro-batch's activations forward and their gradient back; in the steady
@@ -157,7 +159,8 @@ def model_parallel_comm(job: Job, tp_link: float, cp_link: float, pp_link: float
     if job.tp > 1:
         t = job.tp
         recomputed = sum(1 for i in range(cfg.n_layer) if job.policy(i) in ("full", "seg"))
-        collectives = 4 * cfg.n_layer + 2 * recomputed
+        collectives = 4 * cfg.n_layer + 2 * recomputed + (job.first_stage + job.last_stage if job.vocab_parallel
+                                                          else 0)
         out["tp"] = job.grad_accum * collectives * 2 * (t - 1) / t * N * d * c / (tp_link * eff)
     if job.cp > 1:
         C = job.cp

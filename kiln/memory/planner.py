@@ -545,7 +545,8 @@ def _search_layout(cfg, device, memory, L, gpus, links, gpus_per_node, tp, pp, c
                    precisions: int = 2) -> tuple[list[Candidate], int]:
     """One model-parallel layout's candidates: for each strategy, precision, micro-batch and schedule, the least
     recompute (none, then selective, then full; each without, then with the chunked loss) that fits — more
-    recompute only costs time — and nothing more once a micro-batch of 1 fits with none of them."""
+    recompute only costs time — and nothing more once a micro-batch of 1 fits with none of them. With tp > 1 the
+    logits are split over the vocabulary instead (the chunked loss is refused there)."""
     T = cfg.data.seq_len
     found, tried = [], 0
     schedules = ("1f1b", "interleaved_1f1b") if pp > 1 else ("1f1b",)
@@ -557,8 +558,8 @@ def _search_layout(cfg, device, memory, L, gpus, links, gpus_per_node, tp, pp, c
                     if pp > 1 and m < pp:
                         continue
                     fitted, refused = False, False
-                    for policy, chunk in itertools.product(("none", "selective", "full"),
-                                                           (0, chunk_for(vocab, mb * T // cp))):
+                    chunks = (0,) if tp > 1 else (0, chunk_for(vocab, mb * T // cp))
+                    for policy, chunk in itertools.product(("none", "selective", "full"), chunks):
                         c = Choice(precision, mb, m, policy, chunked_loss=chunk, parallel=name, tp=tp, pp=pp,
                                    cp=cp, sequence_parallel=tp > 1, pp_schedule=schedule,
                                    pp_microbatches=m if pp > 1 else 0)

@@ -14,20 +14,22 @@ replicated ones too, so that FSDP2 afterwards sees one 2-D (dp, tp) mesh and the
 DCP see one kind of tensor.
 
 The vocabulary is split too (always with tp > 1: the embedding, the head and the logits are 1/tp per rank, the
-largest tensors of a small model). The token embedding is torch's RowwiseParallel on nn.Embedding: rank r holds
-rows [r·V/tp, (r+1)·V/tp) of the padded vocabulary (Shard(0) of [V, C]), looks up the ids that fall in them (zeros
-for the others) and the lookups are summed over the tp ranks. The head weight (its own nn.Linear, or GPT-2's tied
-embedding, the same parameter) is split the same way, so the logits come out sharded on the vocabulary
-(Shard(-1)): each rank computes its V/tp columns of every token's logits. The loss (VocabParallelLoss, in place
-of the model's LMLoss) is F.cross_entropy on those DTensor logits under torch's `loss_parallel()`: the max, the
-sum of exponentials and the target's logit are all-reduced over tp (three [N] vectors), never the [N, V] logits;
-its backward, run under the same context, gives each rank its rows of the head's gradient. The sum over valid
-targets (ignore_index) is LMLoss's contract, so the step's normalisation by the global batch's count is
-unchanged. kiln's LM loss has no label smoothing to carry over. The chunked loss and the fused Triton loss compute
-the whole vocabulary's logits per chunk: memory.chunked_loss is refused with tp > 1 (kiln.config), and
-train.kernels=triton keeps the plain loss's place for this one (kiln.run.lm). Evaluation runs the same loss;
-sampling and exports read the consolidated weights (kiln.train.checkpoint gathers the shards, one whole tensor
-at a time).
+largest tensors of a small model). The token embedding (VocabParallelEmbedding, in place of the nn.Embedding,
+under its name) holds rows [r·V/tp, (r+1)·V/tp) of the padded vocabulary on rank r (Shard(0) of [V, C]), looks up
+the ids that fall in them (zeros for the others) and the lookups are summed over the tp ranks: torch's
+RowwiseParallel on nn.Embedding, but with the gradient of this rank's rows only. The head weight (its own
+nn.Linear, ColwiseParallel, or GPT-2's tied embedding, the same parameter) is split the same way, so the logits
+come out sharded on the vocabulary (Shard(-1)): each rank computes its V/tp columns of every token's logits. The
+tied weight's gradient is the sum of the lookup's and the head's, both on this rank's rows. The loss
+(VocabParallelLoss, in place of the model's LMLoss) is F.cross_entropy's own ops (log_softmax, nll_loss) on those
+DTensor logits under torch's `loss_parallel()`: the max, the sum of exponentials and the target's logit are
+all-reduced over tp (three [N] vectors), never the [N, V] logits; its backward, run under the same context, gives
+each rank its rows of the head's gradient. The sum over valid targets (ignore_index) is LMLoss's contract, so the
+step's normalisation by the global batch's count is unchanged. kiln's LM loss has no label smoothing to carry
+over. The chunked loss and the fused Triton loss compute the whole vocabulary's logits per chunk:
+memory.chunked_loss is refused with tp > 1 (kiln.config), and train.kernels=triton keeps the plain loss's place
+for this one (kiln.run.lm). Evaluation runs the same loss; sampling and exports read the consolidated weights
+(kiln.train.checkpoint gathers the shards, one whole tensor at a time).
 
 Sequence parallel (parallel.sequence_parallel): between the TP regions the residual stream is split along the
 sequence (dim 1) instead of replicated, so the norms, dropout and residual adds run on 1/tp of the tokens; each
@@ -53,7 +55,7 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_module, distribute_tensor
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_module, distribute_tensor
 from torch.distributed.tensor.parallel import (ColwiseParallel, ParallelStyle, RowwiseParallel, SequenceParallel,
                                                loss_parallel, parallelize_module)
 from torch.nn._reduction import get_enum
@@ -95,6 +97,29 @@ class Held(ParallelStyle):
 
     def _apply(self, module: nn.Module, device_mesh) -> nn.Module:
         return distribute_module(module, device_mesh, None, self._in, self._out)
+
+
+class VocabParallelEmbedding(nn.Embedding):
+    """An nn.Embedding's table split by rows (the padded vocabulary) over the tp ranks: `weight` is a DTensor,
+    Shard(0), under the embedding's own name, and it is still an nn.Embedding to whoever asks (the optimizer does not
+    decay embeddings). Each rank looks up the ids that fall in its rows (zeros for the others)
+    and the lookups are summed over tp (DTensor's Partial to Replicate: an all-reduce), as torch's RowwiseParallel
+    does for nn.Embedding. Its backward differs: DTensor has no row-sharded rule for the lookup's backward, so
+    under RowwiseParallel every rank computes the whole [V, C] gradient from the replicated ids (Replicate, V·C
+    floats per rank); here the lookup runs on this rank's rows, and so does its gradient (Shard(0))."""
+
+    def __init__(self, embedding: nn.Embedding, mesh):
+        table = distribute_tensor(embedding.weight.detach(), mesh, [Shard(0)])
+        super().__init__(embedding.num_embeddings, embedding.embedding_dim, _weight=table)
+
+    def forward(self, ids):  # (B, T), the same on every tp rank
+        table = self.weight.to_local()  # (V/tp, C): rows [r·V/tp, (r+1)·V/tp)
+        rows = table.shape[0]
+        local = ids - self.weight.device_mesh.get_local_rank() * rows
+        outside = (local < 0) | (local >= rows)
+        x = F.embedding(local.masked_fill(outside, 0), table).masked_fill(outside[..., None], 0.0)  # (B, T, C)
+        x = DTensor.from_local(x, self.weight.device_mesh, [Partial()], run_check=False)
+        return x.redistribute(placements=[Replicate()]).to_local()
 
 
 class _ShardedCrossEntropy(torch.autograd.Function):
@@ -244,7 +269,7 @@ def apply_tensor_parallel(model: nn.Module, mesh, sequence_parallel: bool = Fals
                 block.register_forward_pre_hook(_split_sequence(mesh))
     top = {name: Held() for name, module in model.named_children()
            if name not in ("blocks", "embed", "head") and any(True for _ in module.parameters())}
-    top["embed"] = RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate())  # vocabulary rows
+    model.embed = VocabParallelEmbedding(model.embed, mesh)
     if model.head is not None:  # untied: split as the embedding (tied: the embedding's own parameter)
         top["head"] = ColwiseParallel(output_layouts=Shard(-1), use_local_output=False)
     if sequence_parallel:

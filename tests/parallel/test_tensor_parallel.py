@@ -1,6 +1,7 @@
 """Tensor parallelism composed with data parallelism on CPU with gloo: 4 processes (one torchrun launch,
 tests/parallel/tp_worker.py) as tp2 × dp2 against 1 process, at the same global batch and seed, fp32, 6 steps, with
-uneven valid-token counts across the data-parallel ranks (MaskedLoader).
+uneven valid-token counts across the data-parallel ranks (MaskedLoader). Both runs split the embedding, the head
+and the loss over the vocabulary (GPT-2's tied matrix once, Llama's embedding and head each), as every tp > 1 run does.
 
 Tolerance 1e-5 relative: the 4-process run adds the same fp32 numbers in another order (row-parallel partial sums
 all-reduced over tp, gradients reduced over dp) which moves the last bits of each step (~1e-7); AdamW carries them

@@ -101,12 +101,12 @@ class Held(ParallelStyle):
 
 class VocabParallelEmbedding(nn.Embedding):
     """An nn.Embedding's table split by rows (the padded vocabulary) over the tp ranks: `weight` is a DTensor,
-    Shard(0), under the embedding's own name, and it is still an nn.Embedding to whoever asks (the optimizer does not
-    decay embeddings). Each rank looks up the ids that fall in its rows (zeros for the others)
-    and the lookups are summed over tp (DTensor's Partial to Replicate: an all-reduce), as torch's RowwiseParallel
-    does for nn.Embedding. Its backward differs: DTensor has no row-sharded rule for the lookup's backward, so
-    under RowwiseParallel every rank computes the whole [V, C] gradient from the replicated ids (Replicate, V·C
-    floats per rank); here the lookup runs on this rank's rows, and so does its gradient (Shard(0))."""
+    Shard(0), under the embedding's own name, and it is still an nn.Embedding to whoever asks (the optimizer does
+    not decay embeddings). Each rank looks up the ids that fall in its rows (zeros for the others) and the lookups
+    are summed over tp (DTensor's Partial to Replicate: an all-reduce), as torch's RowwiseParallel does for
+    nn.Embedding. Its backward differs: DTensor has no row-sharded rule for the lookup's backward, so under
+    RowwiseParallel every rank computes the whole [V, C] gradient from the replicated ids (Replicate, V·C floats
+    per rank); here the lookup runs on this rank's rows, and so does its gradient (Shard(0))."""
 
     def __init__(self, embedding: nn.Embedding, mesh):
         table = distribute_tensor(embedding.weight.detach(), mesh, [Shard(0)])

@@ -235,6 +235,10 @@ def _cross_checks(cfg: Config) -> None:
         raise ConfigError("train.kernels=triton already fuses the LM head and cross-entropy (the logits never exist "
                           "at once); memory.chunked_loss would replace it: drop --memory.chunked_loss, or use "
                           "--train.kernels=torch")
+    if cfg.parallel.tp > 1 and cfg.memory.chunked_loss:
+        raise ConfigError(f"parallel.tp={cfg.parallel.tp} computes the loss on logits split over the vocabulary (1/tp "
+                          f"of them per rank); memory.chunked_loss would need the whole head on each rank: drop "
+                          f"--memory.chunked_loss")
     if cfg.faults.any and compile_setting(cfg.train.compile) == "true":
         raise ConfigError("faults.* hook the eager model's modules, which torch.compile bypasses; set "
                           "--train.compile=false to inject faults")

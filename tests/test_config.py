@@ -85,6 +85,8 @@ def test_bad_toml_types_are_rejected(tmp_path):
     (["--data.seq_len=512", "--model.max_seq_len=256"], "data.seq_len=512 exceeds model.max_seq_len=256"),
     (["--train.kernels=triton", "--model.dropout=0.1"], "--model.dropout=0"),
     (["--train.kernels=triton", "--memory.chunked_loss=1024"], "drop --memory.chunked_loss"),
+    (["--parallel.tp=2", "--memory.chunked_loss=1024"], "parallel.tp=2 computes the loss on logits split over the "
+                                                         "vocabulary .* drop --memory.chunked_loss"),
     (["--faults.spike=5", "--train.compile=true"], "--train.compile=false"),
     (["--memory.offload_blocks=0-7"], "blocks run 0..1"),  # the nano preset has 2 blocks
     (["--model.kernels=triton"], "model.kernels .* is now train.kernels"),

@@ -135,7 +135,8 @@ def _print_layout(plan, jobs, stages, worst: int) -> None:
               f"FSDP2's gathered parameters) is measured on CPU gloo within 5% (tests/memory/test_rank_peak.py); "
               f"on GPUs the collectives' buffers are modelled from torch's documentation")
     if plan.model_parallel or plan.cp > 1:
-        print("note: whole-step peaks under tp2 and pp2 (also pp2 × fsdp) are measured on CPU gloo within 5% "
+        print("note: whole-step peaks under tp2 (the embedding, head and logits split over the vocabulary) and pp2 "
+              "(also pp2 × fsdp) are measured on CPU gloo within 5% "
               "(tests/memory/test_rank_peak.py); other layouts are modelled (docs/parallel.md); context "
               "parallelism is modelled only: training refuses it")
     if plan.pp > 1:

@@ -577,9 +577,18 @@ def _head_tensors(cfg: ModelConfig, B: int, T: int, num: Numerics, target: Targe
 # ---------------------------------------------------------------- transients (not saved, alive for a moment)
 
 
-def _loss_transients(cfg: ModelConfig, N: int, num: Numerics, chunk: int) -> tuple[int, int]:
-    """(forward, backward) peak bytes of the loss' temporaries, beyond what it saves."""
+def _loss_transients(cfg: ModelConfig, N: int, num: Numerics, chunk: int, vocab_parallel: bool = False
+                     ) -> tuple[int, int]:
+    """(forward, backward) peak bytes of the loss' temporaries, beyond what it saves, for the whole vocabulary (a
+    vocabulary-parallel rank holds 1/tp of them: the caller divides)."""
     V, d, c = cfg.padded_vocab, cfg.d_model, num.compute
+    if vocab_parallel:
+        # torch's loss_parallel (kiln.parallel.tensor) runs log_softmax op by op: the fp32 logits, the shifted
+        # logits and their exp() alive together, before the log-probs are saved; its backward builds the logits'
+        # gradient as (zeros with -1 at the targets + exp(log-probs)) × grad: three [N x V] fp32 beside the saved
+        # log-probs (2 x N x V x 4 at each point under-counted by 16% of a tp2 rank's peak when the vocabulary
+        # dominates, tests/memory/test_rank_peak.py "tp2 vocabulary")
+        return 2 * N * V * 4, 3 * N * V * 4
     if chunk:
         n = min(chunk, N)
         cast = V * d * c if c != num.param else 0  # the head weight in the compute dtype
@@ -994,7 +1003,8 @@ def estimate(job: Job) -> Breakdown:
             all_saved[k] = all_saved.get(k, 0) + v
 
     comm = _comm_buffers(job, _block_parameters(numels))
-    loss_fwd, loss_bwd = _loss_transients(cfg, N, num, job.chunked_loss) if job.last_stage else (0, 0)
+    loss_fwd, loss_bwd = (_loss_transients(cfg, N, num, job.chunked_loss, job.vocab_parallel) if job.last_stage
+                          else (0, 0))
     if job.vocab_parallel:
         loss_fwd, loss_bwd = loss_fwd // tp, loss_bwd // tp
     # a pipeline rank holds other micro-batches' saved tensors while one walks through (Job.in_flight): the most

@@ -118,12 +118,13 @@ def runtime_job(cfg, model_cfg, precision: str, torch_device) -> Job:
     return job_of(cfg, model_cfg, precision, runtime_target(torch_device))
 
 
-def for_rank(job: Job, plan: ParallelPlan, stage: int = 0, vocab_parallel: bool = False) -> Job:
+def for_rank(job: Job, plan: ParallelPlan, stage: int = 0) -> Job:
     """The Job of pipeline rank `stage` of `plan`, from the Job of the whole model on one rank (make_job): its
     blocks (plan.rank_blocks) become the model, the per-rank batch (micro_batch × grad_accum sequences) is cut into
     the plan's pipeline micro-batches, the model state is shared by plan.dp × plan.cp ranks under plan.strategy
     (context-parallel ranks hold the same weights and reduce their gradients together, as torchtitan's FSDP over
-    its dp_shard_cp mesh)."""
+    its dp_shard_cp mesh). With plan.tp > 1 the embedding, head and logits are vocabulary-parallel, as
+    kiln.parallel.tensor always splits them."""
     model, T = job.model, job.seq_len
     if T % plan.cp:
         raise ValueError(f"parallel.cp={plan.cp} splits each sequence of data.seq_len={T} tokens: pick a cp that "
@@ -139,7 +140,7 @@ def for_rank(job: Job, plan: ParallelPlan, stage: int = 0, vocab_parallel: bool 
     return replace(job, model=replace(model, n_layer=len(blocks)), micro_batch=micro, grad_accum=accum,
                    recompute=recompute, offload=frozenset(k for k, i in enumerate(blocks) if i in job.offload),
                    parallel=plan.strategy, world=plan.dp * plan.cp, tp=plan.tp,
-                   sequence_parallel=plan.sequence_parallel, vocab_parallel=vocab_parallel, cp=plan.cp,
+                   sequence_parallel=plan.sequence_parallel, vocab_parallel=plan.tp > 1, cp=plan.cp,
                    pp=plan.pp, stage=stage, pp_schedule=plan.pp_schedule, virtual_stages=plan.virtual_stages)
 
 

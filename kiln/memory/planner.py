@@ -144,7 +144,9 @@ def model_parallel_comm(job: Job, tp_link: float, cp_link: float, pp_link: float
         MLP's row-parallel linear) and 2 in backward (of the column-parallel inputs' gradients), each moving
         2(t-1)/t of the buffer per GPU on a ring; sequence parallelism swaps each for an all-gather plus a
         reduce-scatter, (t-1)/t each: the same bytes (Korthikanti et al. 2022, §4.2.2). A fully recomputed block
-        runs its forward's 2 again.
+        runs its forward's 2 again. The vocabulary-parallel embedding adds one (N, d) all-reduce in forward (the
+        first stage), the head one in backward (its input's gradient, the last stage); the loss' three (N,)
+        vectors are left out.
     cp  ring attention: each rank receives the other cp - 1 ranks' K and V chunks in forward, K, V and their
         gradients in backward (3 passes); hidden up to the attention's own time.
     pp  each stage boundary sends a micro-batch's activations forward and their gradient back; in the steady
@@ -157,7 +159,8 @@ def model_parallel_comm(job: Job, tp_link: float, cp_link: float, pp_link: float
     if job.tp > 1:
         t = job.tp
         recomputed = sum(1 for i in range(cfg.n_layer) if job.policy(i) in ("full", "seg"))
-        collectives = 4 * cfg.n_layer + 2 * recomputed
+        collectives = 4 * cfg.n_layer + 2 * recomputed + (job.first_stage + job.last_stage if job.vocab_parallel
+                                                          else 0)
         out["tp"] = job.grad_accum * collectives * 2 * (t - 1) / t * N * d * c / (tp_link * eff)
     if job.cp > 1:
         C = job.cp
@@ -542,7 +545,8 @@ def _search_layout(cfg, device, memory, L, gpus, links, gpus_per_node, tp, pp, c
                    precisions: int = 2) -> tuple[list[Candidate], int]:
     """One model-parallel layout's candidates: for each strategy, precision, micro-batch and schedule, the least
     recompute (none, then selective, then full; each without, then with the chunked loss) that fits — more
-    recompute only costs time — and nothing more once a micro-batch of 1 fits with none of them."""
+    recompute only costs time — and nothing more once a micro-batch of 1 fits with none of them. With tp > 1 the
+    logits are split over the vocabulary instead (the chunked loss is refused there)."""
     T = cfg.data.seq_len
     found, tried = [], 0
     schedules = ("1f1b", "interleaved_1f1b") if pp > 1 else ("1f1b",)
@@ -554,8 +558,8 @@ def _search_layout(cfg, device, memory, L, gpus, links, gpus_per_node, tp, pp, c
                     if pp > 1 and m < pp:
                         continue
                     fitted, refused = False, False
-                    for policy, chunk in itertools.product(("none", "selective", "full"),
-                                                           (0, chunk_for(vocab, mb * T // cp))):
+                    chunks = (0,) if tp > 1 else (0, chunk_for(vocab, mb * T // cp))
+                    for policy, chunk in itertools.product(("none", "selective", "full"), chunks):
                         c = Choice(precision, mb, m, policy, chunked_loss=chunk, parallel=name, tp=tp, pp=pp,
                                    cp=cp, sequence_parallel=tp > 1, pp_schedule=schedule,
                                    pp_microbatches=m if pp > 1 else 0)

@@ -52,7 +52,9 @@ class ParallelConfig:
     timeout: float = 300.0  # seconds a collective waits for the other ranks before the run stops, naming the rank
     straggler_factor: float = 1.5  # a rank whose compute time per step is this many times the median is slow
     straggler_intervals: int = 3  # ... for this many log intervals in a row: named in a warning (0: never checked)
-    tp: int = 1  # tensor-parallel degree: each block's linears split over tp neighbouring ranks (kiln.parallel.layout)
+    tp: int = 1  # tensor parallel: block linears and the vocabulary (embedding, head, logits) split over tp ranks
+    # (neighbouring: kiln.parallel.layout; kiln.parallel.tensor); tp must divide the padded vocabulary, and
+    # memory.chunked_loss is refused with tp > 1
     pp: int = 1  # pipeline stages: the blocks split into pp consecutive groups, one per rank
     pp_schedule: str = "1f1b"  # gpipe | 1f1b | interleaved_1f1b (2 virtual stages per rank)
     pp_microbatches: int = 0  # pipeline micro-batches per step; 0 = max(pp, train.grad_accum_steps)

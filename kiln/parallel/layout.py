@@ -161,6 +161,9 @@ def _check_model(tp: int, stages: int, model: ModelConfig, family, schedule: str
                     sizes[f"part {i + 1} of {lin.name} ({lin.parts})"] = rows
             elif lin.tp == "row":
                 sizes[f"the input width of {lin.name}"] = lin.n_in
+    if model.vocab_size:  # the embedding and head split by vocabulary rows (kiln.parallel.tensor)
+        sizes["the padded vocabulary model.padded_vocab (model.vocab_size rounded up to a multiple of 64)"] = \
+            model.padded_vocab
     for name, size in sizes.items():
         if size % tp:
             raise ValueError(f"parallel.tp={tp} does not divide {name} = {size}: pick a tp that divides it "

@@ -29,8 +29,9 @@ Tensor parallelism composes inside each stage (tp × pp, and tp × pp × dp): ki
 whole model over mesh["tp"] first, then it is split into stages (with dp copies, each stage then takes FSDP2 over
 mesh["dp"]: fully_shard under fsdp, replicate under ddp, since DDP cannot reduce DTensors); the stages pass plain tensors (the full hidden
 width, replicated over tp, or with sequence parallelism this rank's sequence shard). Each tp rank of the last stage
-computes the same loss; the gradient norm is each rank's DTensor norm (reduced over tp) summed over pp; the tied
-weight's gradient is summed between the first and last stage's ranks with the same tp coordinate.
+computes the same loss (from its vocabulary shard of the logits, reduced over tp); the gradient norm is each rank's
+DTensor norm (reduced over tp) summed over pp; the tied weight's gradient (each tp rank's vocabulary rows) is summed
+between the first and last stage's ranks with the same tp coordinate.
 """
 from __future__ import annotations
 
@@ -198,7 +199,7 @@ class PipelineModel(nn.Module):
 
     def _share(self, sums: list[torch.Tensor], device) -> torch.Tensor:
         total = torch.zeros((), dtype=torch.float64, device=device)
-        for s in sums:  # the same on every tp rank of the last stage (the loss runs replicated): reduced over pp, dp
+        for s in sums:  # the same on every tp rank of the last stage (reduced over tp in the loss): over pp, dp
             total = total + s.double()
         return total
 
@@ -209,7 +210,7 @@ class PipelineModel(nn.Module):
         grad = self.embed.weight.grad
         if grad is None:
             grad = self.embed.weight.grad = torch.zeros_like(self.embed.weight)
-        dist.all_reduce(_local(grad), group=self.tie_group)  # under TP: replicated, each tp rank its own pair
+        dist.all_reduce(_local(grad), group=self.tie_group)  # under TP: each tp rank its rows, with its own pair
 
     def grad_norm(self, params, masters=None) -> torch.Tensor:
         """The L2 norm of every stage's gradients, the tied copy counted once: this rank's sum of squares summed

@@ -8,15 +8,34 @@
 
 Each block linear's role comes from `Family.linears(cfg)`: "column" linears (attn.qkv, mlp.fc) are ColwiseParallel
 (output features split, this rank's heads or MLP width), "row" linears (attn.proj, mlp.proj) RowwiseParallel (input
-split, outputs summed over the tp ranks). Everything else (embeddings, norms, the head, the loss) is replicated:
-every rank holds it whole and computes it on the same activations. All parameters become DTensors on the tp mesh,
-the replicated ones too, so that FSDP2 afterwards sees one 2-D (dp, tp) mesh and the optimizer, the global norm and
+split, outputs summed over the tp ranks). The norms and a learned position table are replicated: every rank holds
+them whole and computes them on the same activations. All parameters become DTensors on the tp mesh, the
+replicated ones too, so that FSDP2 afterwards sees one 2-D (dp, tp) mesh and the optimizer, the global norm and
 DCP see one kind of tensor.
+
+The vocabulary is split too (always with tp > 1: the embedding, the head and the logits are 1/tp per rank, the
+largest tensors of a small model). The token embedding (VocabParallelEmbedding, in place of the nn.Embedding,
+under its name) holds rows [r·V/tp, (r+1)·V/tp) of the padded vocabulary on rank r (Shard(0) of [V, C]), looks up
+the ids that fall in them (zeros for the others) and the lookups are summed over the tp ranks: torch's
+RowwiseParallel on nn.Embedding, but with the gradient of this rank's rows only. The head weight (its own
+nn.Linear, ColwiseParallel, or GPT-2's tied embedding, the same parameter) is split the same way, so the logits
+come out sharded on the vocabulary (Shard(-1)): each rank computes its V/tp columns of every token's logits. The
+tied weight's gradient is the sum of the lookup's and the head's, both on this rank's rows. The loss
+(VocabParallelLoss, in place of the model's LMLoss) is F.cross_entropy's own ops (log_softmax, nll_loss) on those
+DTensor logits under torch's `loss_parallel()`: the max, the sum of exponentials and the target's logit are
+all-reduced over tp (three [N] vectors), never the [N, V] logits; its backward, run under the same context, gives
+each rank its rows of the head's gradient. The sum over valid targets (ignore_index) is LMLoss's contract, so the
+step's normalisation by the global batch's count is unchanged. kiln's LM loss has no label smoothing to carry
+over. The chunked loss and the fused Triton loss compute the whole vocabulary's logits per chunk:
+memory.chunked_loss is refused with tp > 1 (kiln.config), and train.kernels=triton keeps the plain loss's place
+for this one (kiln.run.lm). Evaluation runs the same loss; sampling and exports read the consolidated weights
+(kiln.train.checkpoint gathers the shards, one whole tensor at a time).
 
 Sequence parallel (parallel.sequence_parallel): between the TP regions the residual stream is split along the
 sequence (dim 1) instead of replicated, so the norms, dropout and residual adds run on 1/tp of the tokens; each
 region all-gathers its input and its row linear reduce-scatters its output (the same bytes moved as the all-reduce
-they replace). The first block splits its input; the final norm gathers the sequence back for the head and loss.
+they replace). The first block splits its input (the embedding's lookups are summed whole: a learned position table
+is added to them before the split); the final norm gathers the sequence back for the head and loss.
 
 The fused weights. attn.qkv holds the rows [q; k; v] and a SwiGLU's mlp.fc [gate; up]; a plain Shard(0) would give
 rank 0 all of q and part of k, not its heads of each. The family describes the parts (`Linear.parts`), and applying
@@ -28,19 +47,23 @@ Hugging Face exports hold the model's own order, through `canonical` on the way 
 in (kiln.train.checkpoint), so a checkpoint resumes under any layout, and a checkpoint written without TP resumes
 with it. Each conversion gathers one fused tensor at a time (a save or a load, not a step).
 
-Not built: vocabulary-parallel embedding and head, the loss on sharded logits, expert parallelism (a mixture of
-experts with tp > 1 is refused by ParallelPlan.build), dropout identical to one process (each tp rank draws its own
-masks on its heads; with dropout 0 TP is exact to one process).
+Not built: expert parallelism (a mixture of experts with tp > 1 is refused by ParallelPlan.build), dropout identical
+to one process (each tp rank draws its own masks on its heads; with dropout 0 TP is exact to one process).
 """
 from __future__ import annotations
 
 import torch
 import torch.nn as nn
-from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_module, distribute_tensor
+import torch.nn.functional as F
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_module, distribute_tensor
 from torch.distributed.tensor.parallel import (ColwiseParallel, ParallelStyle, RowwiseParallel, SequenceParallel,
-                                               parallelize_module)
+                                               loss_parallel, parallelize_module)
+from torch.nn._reduction import get_enum
 
+from kiln.models.parts import IGNORE_INDEX, LMLoss, at_least_fp32
 from kiln.models.registry import family
+
+_SUM = get_enum("sum")  # nll_loss's reduction argument
 
 
 class Held(ParallelStyle):
@@ -74,6 +97,64 @@ class Held(ParallelStyle):
 
     def _apply(self, module: nn.Module, device_mesh) -> nn.Module:
         return distribute_module(module, device_mesh, None, self._in, self._out)
+
+
+class VocabParallelEmbedding(nn.Embedding):
+    """An nn.Embedding's table split by rows (the padded vocabulary) over the tp ranks: `weight` is a DTensor,
+    Shard(0), under the embedding's own name, and it is still an nn.Embedding to whoever asks (the optimizer does
+    not decay embeddings). Each rank looks up the ids that fall in its rows (zeros for the others) and the lookups
+    are summed over tp (DTensor's Partial to Replicate: an all-reduce), as torch's RowwiseParallel does for
+    nn.Embedding. Its backward differs: DTensor has no row-sharded rule for the lookup's backward, so under
+    RowwiseParallel every rank computes the whole [V, C] gradient from the replicated ids (Replicate, V·C floats
+    per rank); here the lookup runs on this rank's rows, and so does its gradient (Shard(0))."""
+
+    def __init__(self, embedding: nn.Embedding, mesh):
+        table = distribute_tensor(embedding.weight.detach(), mesh, [Shard(0)])
+        super().__init__(embedding.num_embeddings, embedding.embedding_dim, _weight=table)
+
+    def forward(self, ids):  # (B, T), the same on every tp rank
+        table = self.weight.to_local()  # (V/tp, C): rows [r·V/tp, (r+1)·V/tp)
+        rows = table.shape[0]
+        local = ids - self.weight.device_mesh.get_local_rank() * rows
+        outside = (local < 0) | (local >= rows)
+        x = F.embedding(local.masked_fill(outside, 0), table).masked_fill(outside[..., None], 0.0)  # (B, T, C)
+        x = DTensor.from_local(x, self.weight.device_mesh, [Partial()], run_check=False)
+        return x.redistribute(placements=[Replicate()]).to_local()
+
+
+class _ShardedCrossEntropy(torch.autograd.Function):
+    """Sum over valid targets of the cross-entropy of logits sharded on the vocabulary: F.cross_entropy's own ops
+    (log_softmax, then nll_loss), forward and backward, under torch's loss_parallel(). Its backward must run inside
+    the context too (outside it, DTensor all-gathers the logits' gradient and replicates the head's), and the
+    step's backward (or a pipeline schedule's) is not ours to wrap: so the two ops' backward is called here. Saved:
+    the log-probabilities (N, V/tp), as F.cross_entropy saves them."""
+
+    @staticmethod
+    def forward(ctx, logits, targets):  # logits DTensor (N, V) Shard(-1), targets DTensor (N,) Replicate
+        with loss_parallel():
+            logp = torch.log_softmax(logits, dim=-1)
+            loss, total_weight = torch.ops.aten.nll_loss_forward(logp, targets, None, _SUM, IGNORE_INDEX)
+        ctx.save_for_backward(logp, targets, total_weight)
+        return loss
+
+    @staticmethod
+    def backward(ctx, grad):
+        logp, targets, total_weight = ctx.saved_tensors
+        with loss_parallel():
+            grad = torch.ops.aten.nll_loss_backward(grad, logp, targets, None, _SUM, IGNORE_INDEX, total_weight)
+            grad = torch.ops.aten._log_softmax_backward_data(grad, logp, -1, logp.dtype)
+        return grad, None
+
+
+class VocabParallelLoss(nn.Module):
+    """LMLoss's contract (the head and the sum of token losses over valid targets, in fp32) on a head weight
+    sharded over the vocabulary: the logits stay split (module docstring)."""
+
+    def forward(self, h, weight, targets):  # h (N, C) replicated, weight DTensor (V, C) Shard(0), targets (N,)
+        mesh = weight.device_mesh
+        h, targets = (DTensor.from_local(t, mesh, [Replicate()], run_check=False) for t in (h, targets))
+        logits = at_least_fp32(F.linear(h, weight))  # (N, V/tp) on this rank: Shard(-1)
+        return _ShardedCrossEntropy.apply(logits, targets).to_local()
 
 
 def _gather_sequence(module, args):
@@ -143,8 +224,8 @@ def from_canonical(t: torch.Tensor, parts: tuple[int, ...], tp: int) -> torch.Te
 
 
 def apply_tensor_parallel(model: nn.Module, mesh, sequence_parallel: bool = False) -> None:
-    """Split kiln's Transformer over `mesh` (the tp dim) in place: block linears by their family roles, the rest
-    replicated (module docstring)."""
+    """Split kiln's Transformer over `mesh` (the tp dim) in place: block linears by their family roles, the
+    embedding, head and loss over the vocabulary, the rest replicated (module docstring)."""
     tp = mesh.size()
     cfg = getattr(model, "cfg", None)
     if cfg is None or not isinstance(getattr(model, "blocks", None), nn.ModuleList):
@@ -156,6 +237,10 @@ def apply_tensor_parallel(model: nn.Module, mesh, sequence_parallel: bool = Fals
     if bad:
         raise ValueError(f"parallel.tp={tp}: {cfg.arch}'s {', '.join(bad)} have no tensor-parallel split (roles "
                          f"{sorted({roles[n].tp for n in bad})}); use --parallel.tp=1")
+    if not isinstance(model.loss, LMLoss):  # (ParallelPlan.build checked the padded vocabulary divides by tp)
+        raise ValueError(f"parallel.tp={tp} computes the loss on vocabulary-sharded logits (1/tp of them per rank); "
+                         f"the model's {type(model.loss).__name__} needs the whole head: keep the plain loss "
+                         f"(ModelPlan.loss='plain', no --memory.chunked_loss)")
     with torch.no_grad():  # the fused rows, once, before the weights are split
         for name, parts in fused_rows(model).items():
             p = model.get_parameter(name)
@@ -183,8 +268,11 @@ def apply_tensor_parallel(model: nn.Module, mesh, sequence_parallel: bool = Fals
             if i == 0:
                 block.register_forward_pre_hook(_split_sequence(mesh))
     top = {name: Held() for name, module in model.named_children()
-           if name != "blocks" and any(True for _ in module.parameters())}
+           if name not in ("blocks", "embed", "head") and any(True for _ in module.parameters())}
+    model.embed = VocabParallelEmbedding(model.embed, mesh)
+    if model.head is not None:  # untied: split as the embedding (tied: the embedding's own parameter)
+        top["head"] = ColwiseParallel(output_layouts=Shard(-1), use_local_output=False)
     if sequence_parallel:
         top["norm"] = Held(seq, Replicate())  # the final norm's output: the whole sequence for the head and loss
-    top["loss"] = Held()
     parallelize_module(model, mesh, top)
+    model.loss = VocabParallelLoss()

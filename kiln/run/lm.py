@@ -77,7 +77,9 @@ def model_plan(cfg: Config, model_cfg: ModelConfig, precision: str, device: torc
     if kernels == "triton" and model_cfg.dropout > 0:
         kernels = "torch"  # train.kernels=auto with dropout: FlashAttention has none (explicit triton is refused)
     job = runtime_job(cfg, model_cfg, precision, device)
-    loss = "chunked" if cfg.memory.chunked_loss else ("fused" if kernels == "triton" else "plain")
+    # tp > 1: kiln.parallel.tensor puts its vocabulary-parallel loss in the plain LMLoss's place
+    fused = kernels == "triton" and cfg.parallel.tp == 1
+    loss = "chunked" if cfg.memory.chunked_loss else ("fused" if fused else "plain")
     return ModelPlan(kernels=kernels, cpu_linear=cfg.train.cpu_linear == "onednn", fp8=precision == "fp8",
                      recompute=job.recompute, offload=job.offload, loss=loss, loss_chunk=cfg.memory.chunked_loss,
                      compile=cfg.train.compile, parallel=cfg.parallel, layout=layout)

@@ -39,15 +39,15 @@ def job_of(arch, precision="fp32", *extra, ranks=2):
 
 def shard_by_hand(model, tp: int) -> dict[str, tuple[int, ...]]:
     """Rank 0's piece of every parameter: a linear's weight cut along its output rows (column-parallel: qkv, fc)
-    or input columns (row-parallel: the projections), as torch.chunk cuts it; a column linear's bias with it;
-    everything else whole."""
+    or input columns (row-parallel: the projections), as torch.chunk cuts it; a column linear's bias with it; the
+    embedding and an untied head cut along their vocabulary rows; everything else whole."""
     out = {}
     fam = family(model.cfg.arch)
     roles = fam.tp_layout(model.cfg)
     for name, p in model.named_parameters():
         module = ".".join(name.split(".")[2:-1]) if name.startswith("blocks.") else ""
         role = roles.get(module, "replicate")
-        if role == "column":
+        if role == "column" or name in ("embed.weight", "head.weight"):
             p = torch.chunk(p, tp, dim=0)[0]
         elif role == "row" and name.endswith("weight"):
             p = torch.chunk(p, tp, dim=1)[0]
@@ -65,7 +65,7 @@ def test_tp_local_parameters_are_the_models_own_split_by_hand(arch, tp):
     assert got == want
     local = sum(math.prod(s) for s in got.values())
     assert estimate(job).model_state["parameters"] == local * 4
-    if tp > 1:  # the blocks' linears shrink tp-fold, the rest (embeddings, norms) stays
+    if tp > 1:  # the blocks' linears and the vocabulary shrink tp-fold, the rest (positions, norms) stays
         whole = sum(math.prod(s) for _, s in parameter_shapes(job.model))
         assert local < whole
 
@@ -95,6 +95,8 @@ def test_tp_splits_attention_and_mlp_activations_and_sp_the_rest():
         assert b2[kind] == b1[kind] == b3[kind] * 2  # the norms split only with sequence parallelism
     for kind in ("attn.qkv_input", "mlp.fc_input"):  # ColwiseParallel saves its (gathered) input whole
         assert b1[kind] == b2[kind] == b3[kind]
+    h1, h2 = saved_tensors(one)[2], saved_tensors(tp)[2]
+    assert h2["logits"] * 2 == h1["logits"] and h2["loss.input"] == h1["loss.input"]  # vocabulary-parallel logits
     assert estimate(sp).total_bytes < estimate(tp).total_bytes < estimate(one).total_bytes
 
 
@@ -127,7 +129,8 @@ def test_bubble_and_collectives_follow_the_papers():
     link = INTERCONNECTS["nvlink4"]
     got = model_parallel_comm(job, link, link, link, 0.0)["tp"]
     N, d = job.tokens, job.model.d_model
-    want = job.grad_accum * 4 * job.model.n_layer * 2 * 3 / 4 * N * d * 2 / (link * 0.7)
+    # 4 per block, and the vocabulary-parallel embedding's (forward) and head's (backward)
+    want = job.grad_accum * (4 * job.model.n_layer + 2) * 2 * 3 / 4 * N * d * 2 / (link * 0.7)
     assert got == pytest.approx(want)
     _, (sp,) = job_of("llama", "bf16", "--parallel.tp=4", "--parallel.sequence_parallel=true", ranks=4)
     assert model_parallel_comm(sp, link, link, link, 0.0)["tp"] == pytest.approx(got)  # AG + RS: same bytes

@@ -1,5 +1,7 @@
 """A rank's whole-step peak under DDP and FSDP2, tensor parallel (tp2) and pipeline parallel (pp2, 1F1B, 2
-micro-batches) on 2 CPU ranks (gloo, one torchrun launch) against the estimate of each rank (for_rank: its stage).
+micro-batches) on 2 CPU ranks (gloo, one torchrun launch) against the estimate of each rank (for_rank: its stage);
+tp2 with the embedding, head and logits split over the vocabulary (kiln.parallel.tensor) twice, once with them a
+small part of the peak and once with them most of it.
 
 The measurement counts the CPU allocator from before the model is built (kiln.memory.measure.AllocatedBytes): the
 rank's model state, what the step saves for backward, FSDP2's all-gathered parameters and reduce-scatter input,
@@ -36,6 +38,10 @@ SCENARIOS = {
     "fsdp bf16 llama": ["--parallel.strategy=fsdp", "--precision.mode=bf16", "--model.arch=llama",
                         "--model.n_kv_head=2"],
     "tp2 fp32": ["--parallel.tp=2", "--precision.mode=fp32"],
+    # a vocabulary of 8192 and 256 tokens per micro-batch: the embedding and its AdamW state (half per rank) and the
+    # loss on the logits split over the vocabulary (4 MB of them per rank) are most of the peak
+    "tp2 vocabulary": ["--parallel.tp=2", "--precision.mode=fp32", "--model.vocab_size=8192",
+                       "--train.micro_batch_size=8", "--data.seq_len=32"],
     "pp2 fp32": ["--parallel.pp=2", "--precision.mode=fp32"],  # stage 0: blocks 0-1 and the embeddings
     "pp2 bf16": ["--parallel.pp=2", "--precision.mode=bf16"],  # ... 2 micro-batches' bf16 weight copies at most
 }

@@ -150,7 +150,8 @@ def test_the_nan_trace_finds_a_stage_s_nan_as_one_process_does(pp_launched, sing
 def stage_bytes(arch: str, tp: int) -> tuple[list[int], int]:
     """(parameter bytes of each of 2 stages as one tp rank holds them, the whole model's): block i on stage i, the
     embeddings on the first (GPT-2's tied one on the last too), the final norm and head on the last; a column
-    linear's weight and bias and a row linear's weight 1/tp, everything else whole on every tp rank."""
+    linear's weight and bias, a row linear's weight and the embedding's and head's vocabulary rows 1/tp,
+    everything else whole on every tp rank."""
     cfg = pp_config("", arch=arch).model
     cfg.vocab_size = cfg.vocab_size or 256  # the byte tokenizer's
     model = build_model(cfg.resolve(), "cpu")
@@ -167,7 +168,7 @@ def stage_bytes(arch: str, tp: int) -> tuple[list[int], int]:
         else:
             owners = {"embed": [0, 1] if model.head is None else [0], "pos_embed": [0]}.get(top, [1])
             for s in owners:
-                stages[s] += 4 * p.numel()
+                stages[s] += 4 * p.numel() // (tp if top in ("embed", "head") else 1)
     return stages, whole
 
 

@@ -1,6 +1,7 @@
 """Tensor parallelism composed with data parallelism on CPU with gloo: 4 processes (one torchrun launch,
 tests/parallel/tp_worker.py) as tp2 × dp2 against 1 process, at the same global batch and seed, fp32, 6 steps, with
-uneven valid-token counts across the data-parallel ranks (MaskedLoader).
+uneven valid-token counts across the data-parallel ranks (MaskedLoader). Both runs split the embedding, the head
+and the loss over the vocabulary (GPT-2's tied matrix once, Llama's embedding and head each), as every tp > 1 run does.
 
 Tolerance 1e-5 relative: the 4-process run adds the same fp32 numbers in another order (row-parallel partial sums
 all-reduced over tp, gradients reduced over dp) which moves the last bits of each step (~1e-7); AdamW carries them
@@ -94,9 +95,10 @@ def test_an_fsdp_checkpoint_resumes_under_tp(tp_launched, tp_reference):
     assert_same_run(tp_launched / "fsdp_to_tp", tp_reference / "llama")
 
 
-def expected_bytes(arch: str, tp: int, dp: int) -> int:
-    """One rank's parameter bytes from the family's description: column and row linears hold 1/tp, everything else
-    is whole on each tp rank; FSDP holds 1/dp of that (every size here divides)."""
+def expected_bytes(arch: str, tp: int, dp: int, vocab: bool = True) -> int:
+    """One rank's parameter bytes from the family's description: column and row linears hold 1/tp, the embedding and
+    an untied head 1/tp of the padded vocabulary's rows (vocab=False: whole, the layout before vocabulary
+    parallelism), everything else is whole on each tp rank; FSDP holds 1/dp of that (every size here divides)."""
     cfg = tp_config("", arch, "none", tp=1, steps=1).model
     cfg.vocab_size = cfg.vocab_size or 256  # the byte tokenizer's
     cfg = cfg.resolve()
@@ -107,12 +109,16 @@ def expected_bytes(arch: str, tp: int, dp: int) -> int:
         numel = torch.Size(shape).numel()
         module, _, kind = name.split(".", 2)[-1].rpartition(".") if name.startswith("blocks.") else ("", "", "")
         split = roles.get(module) == "column" or (roles.get(module) == "row" and kind == "weight")  # row bias: whole
+        split = split or (vocab and name in ("embed.weight", "head.weight"))
         total += numel // tp if split else numel
     return 4 * total // dp
 
 
 @pytest.mark.parametrize("run,arch,dp_shards", [("llama_fsdp", "llama", 2), ("gpt2_ddp_sp", "gpt2", 1)])
 def test_the_layout_event_shows_the_split(tp_launched, run, arch, dp_shards):
+    """Each rank holds 1/tp of the block linears and of the vocabulary: GPT-2's tied [256, 64] matrix once, Llama's
+    embedding and head both, so a rank holds 256·64·4 bytes × (1 or 2 matrices) × (1 - 1/tp) / dp less than with
+    them replicated."""
     events = [e for e in records(tp_launched / run, "event") if e["event"] == "layout"]
     assert len(events) == 1
     event = events[0]
@@ -120,6 +126,9 @@ def test_the_layout_event_shows_the_split(tp_launched, run, arch, dp_shards):
     held = event["param_bytes_per_rank"]
     assert len(held) == 4 and all(b < event["param_bytes_unsharded"] for b in held)
     assert held == [expected_bytes(arch, tp=2, dp=dp_shards)] * 4
+    vocab_matrices = 1 if arch == "gpt2" else 2
+    saved = expected_bytes(arch, tp=2, dp=dp_shards, vocab=False) - held[0]
+    assert saved == 256 * 64 * 4 * vocab_matrices // 2 // dp_shards
     assert event["param_bytes_unsharded"] == expected_bytes(arch, tp=1, dp=1)
 
 

@@ -28,6 +28,9 @@ def build(world, model=None, **parallel):
     (4, None, {"tp": 2}, "leave 2 data-parallel copies, but parallel.strategy=none"),
     (4, None, {"tp": 2, "strategy": "zero1"}, "parallel.strategy=zero1 (ZeroRedundancyOptimizer) cannot hold"),
     (2, None, {"sequence_parallel": True, "strategy": "ddp"}, "it needs --parallel.tp > 1"),
+    # every head and width divides by 3, the vocabulary of 256 (padded: 256) does not
+    (3, llama(n_head=6, n_kv_head=3, d_model=96, d_ff=96), {"tp": 3},
+     "parallel.tp=3 does not divide the padded vocabulary model.padded_vocab"),
     (2, ModelConfig(preset="qwen3-moe-nano").resolve(), {"tp": 2},
      "mixture of experts, and expert parallelism is not built"),
 ])

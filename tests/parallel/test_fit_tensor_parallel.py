@@ -19,7 +19,7 @@ from torch.distributed.tensor.parallel import ColwiseParallel, parallelize_modul
 from kiln import FitInputError, fit
 from kiln.parallel import ParallelConfig, init_world
 from kiln.parallel.user_plan import apply_user_plan
-from tests.parallel.scenarios import fit_data, fit_settings, fit_tp_run, megatron_mlp, user_mlp
+from tests.parallel.scenarios import fit_data, fit_settings, fit_tp_run, megatron_mlp, rewound, user_mlp
 from tests.parallel.test_dist import assert_close_weights, records
 
 RTOL = 1e-5
@@ -49,6 +49,18 @@ def test_tp2_dp2_fit_trains_as_one_process(tp_launched, fit_reference, run):
     (e,), (w,) = records(tp_launched / run, "eval")[-1:], records(fit_reference, "eval")[-1:]
     for key in ("val_loss", "val_acc"):  # evaluated over the dp copies, the metric's sums too
         assert e[key] == pytest.approx(w[key], rel=RTOL), key
+
+
+def test_a_tp_checkpoint_resumes_in_one_process(tp_launched, fit_reference, tmp_path):
+    """fit_fsdp's step-3 checkpoint continued by one process without the plan (DCP holds whole tensors by the
+    model's own names): the straight curve."""
+    run = rewound(tp_launched / "fit_fsdp", tmp_path / "resumed")
+    fit_tp_run("ddp", 1, run, interval=3, resume=True)
+    got, want = records(run, "train"), records(fit_reference, "train")
+    assert [r["step"] for r in got] == [1, 2, 3, 4, 5, 6]
+    for g, w in zip(got[3:], want[3:]):
+        assert g["loss"] == pytest.approx(w["loss"], rel=RTOL), w["step"]
+    assert_close_weights(run, fit_reference)
 
 
 @pytest.mark.parametrize("run,dp_shards", [("fit_fsdp", 2), ("fit_ddp", 1)])

@@ -73,11 +73,11 @@ def accuracy(outputs, targets):
     return ((outputs.argmax(-1) == targets) & valid).sum(), valid.sum()
 
 
-def fit_tp_run(strategy: str, tp: int, run_dir: Path, interval: int = 0, resume: bool = False):
+def fit_tp_run(strategy: str, tp: int, run_dir: Path, interval: int = 0, resume: bool = False, **more):
     """user_mlp on fit_data for 6 steps of 8 samples (micro-batches of 2: each dp rank of tp2 × dp2 takes 2), with
-    evaluation and a metric; tensor_parallel=megatron_mlp where tp > 1."""
+    evaluation and a metric; tensor_parallel=megatron_mlp where tp > 1. more: other config keys."""
     config = fit_settings(strategy, **{"train.max_steps": 6, "train.micro_batch_size": 2, "parallel.tp": tp,
-                                       "checkpoint.interval": interval})
+                                       "checkpoint.interval": interval} | more)
     return fit(user_mlp(), fit_data(), loss=CrossEntropy(ignore_index=IGNORE_INDEX), config=config, run_dir=run_dir,
                eval_data=fit_data(), metrics={"acc": accuracy}, resume=resume,
                tensor_parallel=megatron_mlp if tp > 1 else None)

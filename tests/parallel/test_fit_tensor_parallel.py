@@ -10,6 +10,8 @@ relative, as in test_tensor_parallel.py: the sums in another order move the last
 The refusals (a plan that splits nothing, one on another mesh, a module holding parameters beside split
 submodules; fit()'s layout checks) run in this process: a world of one and a tp mesh of size 1.
 """
+import json
+
 import pytest
 import torch
 import torch.nn as nn
@@ -61,6 +63,17 @@ def test_a_tp_checkpoint_resumes_in_one_process(tp_launched, fit_reference, tmp_
     for g, w in zip(got[3:], want[3:]):
         assert g["loss"] == pytest.approx(w["loss"], rel=RTOL), w["step"]
     assert_close_weights(run, fit_reference)
+
+
+def test_a_nan_under_the_users_plan_is_traced_and_skipped_everywhere(tp_launched):
+    """A NaN in module 2's (the row-parallel linear's) output on rank 1 at step 4: the step is withheld on every
+    rank, the report names the module, the run goes on to step 6."""
+    run = tp_launched / "fit_nan"
+    assert [e["step"] for e in records(run, "numerics") if e["event"] == "nonfinite"] == [4]
+    report = json.loads((run / "nonfinite_report.json").read_text())
+    assert (report["rank"], report["module"], report["step"]) == (1, "2", 4)
+    train = records(run, "train")
+    assert [r["step"] for r in train] == [1, 2, 3, 4, 5, 6] and train[-1]["skipped_steps"] == 1
 
 
 @pytest.mark.parametrize("run,dp_shards", [("fit_fsdp", 2), ("fit_ddp", 1)])

@@ -95,7 +95,7 @@ def objective_for(loss):
     return Supervised(loss)
 
 
-def check_layout(cfg: Config, model: nn.Module, tensor_parallel) -> None:
+def _check_layout(cfg: Config, model: nn.Module, tensor_parallel) -> None:
     """The `parallel` section against fit()'s model and tensor_parallel= (module docstring); one-line errors."""
     par = cfg.parallel
     if par.pp > 1:
@@ -236,7 +236,7 @@ def fit(model: nn.Module, train_data, *, loss="cross_entropy", config=None, eval
     if epochs is not None and cfg.train.max_steps:
         raise FitInputError("epochs", f"epochs={epochs} and train.max_steps={cfg.train.max_steps} both set the "
                                       f"run's length; pass one of them")
-    check_layout(cfg, model, tensor_parallel)
+    _check_layout(cfg, model, tensor_parallel)
     run_dir = Path(run_dir or f"runs/{type(model).__name__.lower()}-{time.strftime('%Y%m%d-%H%M%S')}")
     latest = Checkpointer(cfg.checkpoint, run_dir).latest()
     if not resume and latest is not None:

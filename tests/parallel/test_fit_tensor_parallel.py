@@ -5,7 +5,9 @@ process, at the same global batch (8) and seed, fp32, 6 steps, labels ignored un
 The plan (tests/parallel/scenarios.py megatron_mlp) splits the first linear column-wise and the second row-wise;
 kiln replicates the LayerNorm it leaves whole. Every step's gradient norm is above the clip threshold (1.0), so
 the losses after step 1 match only if the norm is the global one over the tp and dp shards. Tolerance 1e-5
-relative, as in test_tensor_parallel.py: the sums in another order move the last bits (~1e-7 here).
+relative, as in test_tensor_parallel.py: the sums in another order move the last bits (~1e-7 here). The same
+holds after a resume at step 3, under tp2 × dp2 and in one process without the plan; a NaN injected on one rank
+is traced and skipped on all four.
 
 The refusals (a plan that splits nothing, one on another mesh, a module holding parameters beside split
 submodules; fit()'s layout checks) run in this process: a world of one and a tp mesh of size 1.

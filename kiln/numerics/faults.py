@@ -15,7 +15,7 @@ import torch.nn as nn
 from kiln.models import IGNORE_INDEX
 from kiln.util import closest
 
-_SPEC = re.compile(r"([A-Za-z_][\w.]*)@(\d+)(?:-(\d+))?")
+_SPEC = re.compile(r"(\w[\w.]*)@(\d+)(?:-(\d+))?")  # module names as named_modules gives them: "2" in an nn.Sequential
 
 
 @dataclass

@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Callable
 
 import torch
+import torch.distributed as dist
 
 from kiln.parallel import World
 from kiln.numerics.config import NumericsConfig
@@ -273,9 +274,12 @@ class Numerics:
         try:
             # Every rank replays its own micro-batches (a non-finite step is non-finite on all of them: the loss
             # and the gradients are reduced); the first rank whose replay finds the origin is the report.
+            # The live model of a multi-process run (not a pipeline's whole copy) may run collectives in its forward
+            # and backward (FSDP2, tensor parallelism): the ranks replay in lockstep.
+            lockstep = model is h.model and h.world.size > 1
             report = {"reproduced": False} if model is None else trace_nonfinite(
                 model, self._batches[step], h.losses, h.scaler, step, {"loss": r[LOSS], "grad_norm": r[GRAD_NORM]},
-                None)
+                None, self._any_rank if lockstep else None)
         finally:
             if faults is not None:
                 faults.step = armed
@@ -291,6 +295,11 @@ class Numerics:
                     "phase": report["phase"], "report": str(self.run_dir / "nonfinite_report.json")}, kind="numerics")
         logger.print(f"numerics: {describe(report)}\n  report: {self.run_dir / 'nonfinite_report.json'}",
                      highlight=False)
+
+    def _any_rank(self, found: bool) -> bool:
+        flag = torch.tensor(float(found))
+        self.h.world.all_reduce(flag, op=dist.ReduceOp.MAX)
+        return bool(flag)
 
     def _replay_model(self):
         """The model a step is replayed on, and the faults armed on it. A pipeline's stages cannot be hooked in one

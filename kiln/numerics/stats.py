@@ -1,15 +1,22 @@
-"""JSON-ready statistics of a tensor, finite part and non-finite count kept apart."""
+"""JSON-ready statistics of a tensor, finite part and non-finite count kept apart.
+
+A DTensor (FSDP2's shards, tensor parallelism) is judged by this rank's part of it, without a collective: the
+numerics trace runs these on every op, and ranks that found different things must not wait on each other.
+"""
 from __future__ import annotations
 
 import math
 
 import torch
+from torch.distributed.tensor import DTensor
 
 
 @torch.no_grad()
 def tensor_stats(t: torch.Tensor) -> dict:
-    """shape, dtype, min / max / absmax over the finite elements, and how many elements are NaN or ±Inf."""
+    """shape, dtype, min / max / absmax over the finite elements, and how many elements are NaN or ±Inf (a
+    DTensor: its global shape, this rank's elements)."""
     out = {"shape": list(t.shape), "dtype": str(t.dtype).removeprefix("torch.")}
+    t = local(t)
     if not (t.is_floating_point() or t.is_complex()):
         if t.numel():
             out |= {"min": t.min().item(), "max": t.max().item()}
@@ -27,7 +34,12 @@ def tensor_stats(t: torch.Tensor) -> dict:
 
 
 def is_finite(t: torch.Tensor) -> bool:
-    return not t.is_floating_point() or bool(torch.isfinite(t).all())
+    return not t.is_floating_point() or bool(torch.isfinite(local(t)).all())
+
+
+def local(t: torch.Tensor) -> torch.Tensor:
+    """This rank's part of a DTensor; any other tensor as it is."""
+    return t.to_local() if isinstance(t, DTensor) else t
 
 
 def json_safe(value):

@@ -26,7 +26,7 @@ import torch.nn as nn
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
-from kiln.numerics.stats import is_finite, json_safe, tensor_stats
+from kiln.numerics.stats import is_finite, json_safe, local, tensor_stats
 
 REPORT_FILE = "nonfinite_report.json"
 ROOT = "(model)"  # name reported for the top-level module, whose qualified name is ""
@@ -42,7 +42,7 @@ ALLOCATION_OPS = frozenset({"empty", "empty_like", "empty_strided", "empty_permu
 
 
 def _storage(t: torch.Tensor) -> int:
-    return t.untyped_storage().data_ptr()
+    return local(t).untyped_storage().data_ptr()
 
 
 class _OpWatch(TorchDispatchMode):
@@ -113,6 +113,16 @@ class NonFiniteTracer:
 
     def found(self) -> bool:
         return self.module is not None or self.param is not None or self.op is not None
+
+    def found_anywhere(self, agree=None) -> bool:
+        """found(), or on any rank: agree(found) is a collective, which the op watcher does not judge."""
+        if agree is None:
+            return self.found()
+        self.busy = True
+        try:
+            return agree(self.found())
+        finally:
+            self.busy = False
 
     # -- hooks ------------------------------------------------------------------------------------------
 
@@ -218,8 +228,12 @@ class NonFiniteTracer:
         return out
 
 
-def replay_step(model: nn.Module, batches, losses, scaler) -> tuple[dict, int]:
+def replay_step(model: nn.Module, batches, losses, scaler, agree=None) -> tuple[dict, int]:
     """Forward and backward of each micro-batch under the tracer until something non-finite shows up.
+
+    agree(found) -> whether any rank found something: for a model whose forward and backward are collectives (FSDP2,
+    tensor parallelism), every rank replays in lockstep and all stop at the same phase (a rank that stopped alone
+    would leave the others waiting in the next collective). None: each rank (or one process) decides alone.
 
     `losses(model, batches)` yields (normalised loss, count) per micro-batch exactly as the training step makes
     them (kiln.train.step.micro_batch_losses): the forward of a micro-batch runs when its loss is drawn.
@@ -240,11 +254,11 @@ def replay_step(model: nn.Module, batches, losses, scaler) -> tuple[dict, int]:
                 model.zero_grad(set_to_none=True)
                 tracer.phase = "forward"
                 loss, _ = next(drawn)
-                if tracer.found():
+                if tracer.found_anywhere(agree):
                     break
                 tracer.phase = "backward"
                 scaler.scale_loss(loss).backward()
-                if tracer.found():
+                if tracer.found_anywhere(agree):
                     break
         return tracer.finding(), index
     finally:
@@ -265,10 +279,12 @@ def nonfinite_buffers(model: nn.Module) -> list[str]:
     return [n for n, b in model.named_buffers() if b.is_floating_point() and not is_finite(b)]
 
 
-def trace_nonfinite(model, batches, losses, scaler, step: int, observed: dict, run_dir: Path | None) -> dict:
-    """Replay step `step` and write nonfinite_report.json in run_dir (None: do not write); returns the report."""
+def trace_nonfinite(model, batches, losses, scaler, step: int, observed: dict, run_dir: Path | None,
+                    agree=None) -> dict:
+    """Replay step `step` and write nonfinite_report.json in run_dir (None: do not write); returns the report.
+    agree: replay_step's."""
     bad_params, bad_buffers = nonfinite_params(model), nonfinite_buffers(model)
-    finding, micro_batch = replay_step(model, batches, losses, scaler)
+    finding, micro_batch = replay_step(model, batches, losses, scaler, agree)
     report = {"module": finding.pop("module"), "op": finding.pop("op"), "phase": finding.pop("phase"),
               "step": step, "stats": finding.pop("stats", {}), "micro_batch": micro_batch,
               "observed": observed, "nonfinite_parameters": bad_params, "nonfinite_buffers": bad_buffers, **finding}

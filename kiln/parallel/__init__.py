@@ -9,7 +9,8 @@ FSDP2 (fully_shard per transformer block plus the root). Never a home-made engin
     layout_event(world, model)        the run's layout and every rank's parameter bytes, gathered (metrics.jsonl)
 
 Tensor parallelism (kiln.parallel.tensor) splits kiln's Transformer over the mesh's tp dim before data parallelism
-wraps it; kiln.parallel.layout's ParallelPlan holds the degrees (world.plan) and world.mesh the DeviceMesh.
+wraps it, or a user's own plan splits a model of theirs (kiln.parallel.user_plan, `kiln.fit(tensor_parallel=fn)`);
+kiln.parallel.layout's ParallelPlan holds the degrees (world.plan) and world.mesh the DeviceMesh.
 
 Surviving failures (multi-node, elastic restarts) lives beside it: kiln.parallel.watchdog (a collective that fails or
 times out becomes one line naming the rank, the step and the collective), kiln.parallel.elastic (--auto-resume under
@@ -35,6 +36,7 @@ from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from kiln.parallel.layout import ParallelPlan
 from kiln.parallel.strategy import Strategy, strategy
 from kiln.parallel.tensor import apply_tensor_parallel
+from kiln.parallel.user_plan import apply_user_plan
 
 BACKENDS = ("auto", "nccl", "gloo")
 TORCHRUN_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
@@ -290,10 +292,11 @@ def device_for(world: World, device: torch.device) -> torch.device:
 
 
 def parallelize(model: nn.Module, cfg: ParallelConfig, world: World, device: torch.device,
-                param_dtype: torch.dtype | None = None) -> nn.Module:
+                param_dtype: torch.dtype | None = None, tensor_plan=None) -> nn.Module:
     """The pipeline's parallelize step: returns what the step calls (DDP wraps; TP and FSDP2 change `model` in
-    place). The order is torchtitan's: tensor parallel over mesh["tp"] first (kiln.parallel.tensor), then data
-    parallel over mesh["dp"] only (the tp ranks of one copy see the same data).
+    place). The order is torchtitan's: tensor parallel over mesh["tp"] first (kiln.parallel.tensor, or the user's
+    `tensor_plan(model, tp_mesh)`: kiln.parallel.user_plan), then data parallel over mesh["dp"] only (the tp ranks
+    of one copy see the same data).
 
     fsdp: fully_shard on every transformer block (model.blocks) and then the root, so each block's parameters
     are gathered just before it runs; bf16 autocast runs become FSDP2's MixedPrecisionPolicy (bf16 parameters in
@@ -302,7 +305,9 @@ def parallelize(model: nn.Module, cfg: ParallelConfig, world: World, device: tor
     """
     plan = world.plan
     tp = plan is not None and plan.tp > 1
-    if tp:
+    if tp and tensor_plan is not None:
+        apply_user_plan(model, world.mesh["tp"], tensor_plan)
+    elif tp:
         apply_tensor_parallel(model, world.mesh["tp"], plan.sequence_parallel)
     data = strategy(cfg.strategy)
     if not data.reduces:

@@ -16,6 +16,14 @@ kiln.train.losses loss, any callable f(output, target) returning a mean over the
 (kiln.train.objective: something with unit, count(batch) and __call__(model, batch)).
 `config`: a kiln Config, a dict {"section.key": value}, a list of "--section.key=value" strings, or a TOML path;
 the model and data sections do not apply. The memory levers need a transformer's blocks and say so otherwise.
+
+Under torchrun, `parallel.strategy=ddp|zero1|fsdp` trains copies of the model on shares of each batch. Tensor
+parallelism (`parallel.tp=T`) of a model of your own takes your plan, `tensor_parallel=fn`: kiln builds the run's
+DeviceMesh (dims pp, dp, tp) and calls fn(model, tp_mesh), which splits the model with torch's parallelize_module
+(ColwiseParallel, RowwiseParallel, ...) on that 1-D tp mesh; kiln then replicates whatever the plan left whole and
+applies the rest over the dp dim (FSDP2 or DDP, compile), as torchtitan's parallelize functions do
+(kiln.parallel.user_plan). fn is required for T > 1 (kiln's own Transformer has a plan of its own) and refused for
+T = 1, so a plan is never silently not applied: pass tensor_parallel=fn only where parallel.tp > 1.
 """
 from __future__ import annotations
 
@@ -36,6 +44,7 @@ from kiln.data.batches import BatchLoader, eval_batches, is_dataset, to_device
 from kiln.parallel import device_for, init_world
 from kiln.memory.offload import parse_blocks
 from kiln.memory.estimate import recompute_plan
+from kiln.models.transformer import Transformer
 from kiln.perf import device_peak_flops
 from kiln.perf.compile import compile_setting
 from kiln.perf.hardware import precision_notice, resolve_kernels, resolve_mode
@@ -86,7 +95,33 @@ def objective_for(loss):
     return Supervised(loss)
 
 
-def _plan(cfg: Config, model: nn.Module, precision: str, device: torch.device) -> ModelPlan:
+def _check_layout(cfg: Config, model: nn.Module, tensor_parallel) -> None:
+    """The `parallel` section against fit()'s model and tensor_parallel= (module docstring); one-line errors."""
+    par = cfg.parallel
+    if par.pp > 1:
+        raise ValueError(f"parallel.pp={par.pp}: fit() does not split a model of your own into pipeline stages; set "
+                         f"parallel.pp=1 (parallel.tp with tensor_parallel=, or parallel.strategy=fsdp, split it)")
+    if tensor_parallel is None:
+        if par.tp > 1 and not isinstance(model, Transformer):
+            raise FitInputError("tensor_parallel", f"parallel.tp={par.tp} splits a model by a tensor-parallel plan, "
+                                                   f"and kiln has none for {type(model).__name__}: pass "
+                                                   f"tensor_parallel=fn(model, tp_mesh) applying yours "
+                                                   f"(parallelize_module), or use parallel.tp=1")
+        return
+    if not callable(tensor_parallel):
+        raise FitInputError("tensor_parallel", f"tensor_parallel={tensor_parallel!r} is not callable; pass a "
+                                               f"function fn(model, tp_mesh) that applies parallelize_module")
+    if par.tp == 1:
+        raise FitInputError("tensor_parallel", "tensor_parallel= splits the model over parallel.tp ranks, and "
+                                               "parallel.tp=1: set parallel.tp (and launch a multiple of it with "
+                                               "torchrun), or drop tensor_parallel=")
+    if par.sequence_parallel:
+        raise FitInputError("tensor_parallel", "parallel.sequence_parallel is kiln's plan for its Transformer; with "
+                                               "tensor_parallel= your plan decides (SequenceParallel styles): set "
+                                               "parallel.sequence_parallel=false")
+
+
+def _plan(cfg: Config, model: nn.Module, precision: str, device: torch.device, tensor_plan=None) -> ModelPlan:
     mem = cfg.memory
     recompute = ()
     if mem.recompute != "none":
@@ -110,7 +145,8 @@ def _plan(cfg: Config, model: nn.Module, precision: str, device: torch.device) -
         raise ValueError("memory.chunked_loss replaces kiln's LM head + cross-entropy; a model of your own computes "
                          "its loss through `loss=`: set memory.chunked_loss=0")
     return ModelPlan(kernels=resolve_kernels(cfg.train.kernels, device), recompute=recompute, offload=offload,
-                     compile=compile_setting(cfg.train.compile) == "true", parallel=cfg.parallel)
+                     compile=compile_setting(cfg.train.compile) == "true", parallel=cfg.parallel,
+                     tensor_plan=tensor_plan)
 
 
 def _epoch_batches(data, batch_size: int) -> int | None:
@@ -122,9 +158,9 @@ def _epoch_batches(data, batch_size: int) -> int | None:
     return len(data)
 
 
-def _run_length(cfg: Config, data, epochs: int | None, given: set[str], world_size: int):
+def _run_length(cfg: Config, data, epochs: int | None, given: set[str], copies: int):
     """(cfg with train.max_steps from `epochs`, a line saying so); data with a length and no max_steps or
-    time_budget set trains one epoch (not the language model's time budget)."""
+    time_budget set trains one epoch (not the language model's time budget). copies: the data-parallel copies."""
     tc = cfg.train
     per_epoch = _epoch_batches(data, tc.micro_batch_size)
     implied = epochs is None
@@ -135,7 +171,7 @@ def _run_length(cfg: Config, data, epochs: int | None, given: set[str], world_si
     elif per_epoch is None:
         raise FitInputError("epochs", f"epochs={epochs} needs training data with a length (a Dataset, a list, a "
                                       f"DataLoader); {type(data).__name__} has none: set train.max_steps instead")
-    per_step = tc.grad_accum_steps * world_size
+    per_step = tc.grad_accum_steps * copies
     steps = math.ceil(epochs * per_epoch / per_step)
     note = (f"{epochs} epoch{'s' if epochs > 1 else ''}{' (data with a length, no train.max_steps)' if implied else ''}"
             f": {steps:,} steps of {per_step} micro-batch{'es' if per_step > 1 else ''}, {per_epoch:,} "
@@ -173,11 +209,13 @@ def _fit_defaults(cfg: Config, given: set[str], recorded_toml: str | None):
 def fit(model: nn.Module, train_data, *, loss="cross_entropy", config=None, eval_data=None,
         epochs: int | None = None, callbacks=(), metrics: dict | None = None,
         run_dir: str | Path | None = None, resume: bool = False, console: Console | None = None,
-        flops_per_sample: float | None = None) -> TrainResult:
+        flops_per_sample: float | None = None, tensor_parallel=None) -> TrainResult:
     """Train `model` on `train_data`; returns a TrainResult (step, val_loss, val_metrics, stop_reason, checkpoint,
     state). epochs: passes over train_data (default: one, for data with a length and no train.max_steps);
     callbacks: objects with on_step_end / on_eval / on_checkpoint (kiln.train.callbacks); metrics: {name:
-    fn(outputs, targets) -> float or (sum, count)} over the whole eval_data, logged as val_<name>."""
+    fn(outputs, targets) -> float or (sum, count)} over the whole eval_data, logged as val_<name>;
+    tensor_parallel: fn(model, tp_mesh) applying your parallelize_module plan, for parallel.tp > 1 under torchrun
+    (module docstring)."""
     cfg = fit_config(config)
     given = given_keys(config)
     ignored = ignored_keys(given)
@@ -198,6 +236,7 @@ def fit(model: nn.Module, train_data, *, loss="cross_entropy", config=None, eval
     if epochs is not None and cfg.train.max_steps:
         raise FitInputError("epochs", f"epochs={epochs} and train.max_steps={cfg.train.max_steps} both set the "
                                       f"run's length; pass one of them")
+    _check_layout(cfg, model, tensor_parallel)
     run_dir = Path(run_dir or f"runs/{type(model).__name__.lower()}-{time.strftime('%Y%m%d-%H%M%S')}")
     latest = Checkpointer(cfg.checkpoint, run_dir).latest()
     if not resume and latest is not None:
@@ -209,7 +248,7 @@ def fit(model: nn.Module, train_data, *, loss="cross_entropy", config=None, eval
     try:
         with RunLock(run_dir, enabled=world.main), determinism(cfg.train.deterministic):
             return _fit(model, train_data, objective, cfg, eval_data, run_dir, resume, console, flops_per_sample,
-                        world, _Extras(epochs, given, Callbacks(callbacks), metrics, recorded_toml))
+                        world, _Extras(epochs, given, Callbacks(callbacks), metrics, recorded_toml, tensor_parallel))
     finally:
         world.close()
 
@@ -221,6 +260,7 @@ class _Extras:
     callbacks: Callbacks
     metrics: dict
     recorded_toml: str | None
+    tensor_plan: object = None  # fit()'s tensor_parallel
 
 
 def _fit(model, train_data, objective, cfg, eval_data, run_dir, resume, console, flops_per_sample,
@@ -229,16 +269,17 @@ def _fit(model, train_data, objective, cfg, eval_data, run_dir, resume, console,
     if not world.main:
         con = Console(quiet=True)  # rank 0 speaks for the run
     device = device_for(world, pick_device(cfg.train.device))
-    cfg = replace(cfg, train=replace(cfg.train, grad_accum_steps=accumulation_for(cfg.train, world.size)))
-    cfg, length_note = _run_length(cfg, train_data, extras.epochs, extras.given, world.size)
+    # the tp ranks of one copy see the same batches: data is shared by the dp_size copies
+    cfg = replace(cfg, train=replace(cfg.train, grad_accum_steps=accumulation_for(cfg.train, world.dp_size)))
+    cfg, length_note = _run_length(cfg, train_data, extras.epochs, extras.given, world.dp_size)
     cfg, defaults_note = _fit_defaults(cfg, extras.given, extras.recorded_toml)
     first = check_data(train_data, "train_data", cfg.train.micro_batch_size)
     eval_first = check_data(eval_data, "eval_data", cfg.train.micro_batch_size) if eval_data is not None else None
     seed_everything(cfg.train.seed)  # dropout and any init the model does lazily draw from here
     precision = resolve_mode(cfg.precision.mode, device)
-    loader = BatchLoader(train_data, cfg.train.micro_batch_size, cfg.train.seed, device, world.rank, world.size)
+    loader = BatchLoader(train_data, cfg.train.micro_batch_size, cfg.train.seed, device, world.dp_rank, world.dp_size)
     state = build_state(model, objective, loader, device=device, precision=precision, precision_cfg=cfg.precision,
-                        optim=cfg.optim, plan=_plan(cfg, model, precision, device), world=world)
+                        optim=cfg.optim, plan=_plan(cfg, model, precision, device, extras.tensor_plan), world=world)
     if not world.dp_strategy.shards_parameters:  # FSDP2's sharded forward is the step's to run
         for name, batch in (("train_data", first), ("eval_data", eval_first)):
             if batch is not None:
@@ -247,14 +288,15 @@ def _fit(model, train_data, objective, cfg, eval_data, run_dir, resume, console,
     evaluate_fn = None
     if eval_data is not None:
         def evaluate_fn(m):
-            mine = itertools.islice(eval_batches(eval_data, cfg.train.micro_batch_size), world.rank, None, world.size)
+            mine = itertools.islice(eval_batches(eval_data, cfg.train.micro_batch_size), world.dp_rank, None,
+                                    world.dp_size)
             batches = (to_device(b, device) for b in mine)
             reduce = world if world.size > 1 else None
             if metrics:
                 return evaluate_metrics(m, batches, objective, state.precision, device, metrics, reduce)
             return evaluate(m, batches, objective, state.precision, device, reduce)
     # optim.lr_scaling counts the global batch in samples here (the objective's unit)
-    peak_lr, scaled = scaled_lr(cfg.optim, cfg.train.micro_batch_size * cfg.train.grad_accum_steps * world.size)
+    peak_lr, scaled = scaled_lr(cfg.optim, cfg.train.micro_batch_size * cfg.train.grad_accum_steps * world.dp_size)
     trainer = Trainer(state, cfg, run_dir, con, evaluate=evaluate_fn, config_toml=to_toml,
                       flops_per_unit=flops_per_sample, peak_flops=device_peak_flops(device, precision),
                       peak_lr=peak_lr, callbacks=extras.callbacks.callbacks)

@@ -172,8 +172,8 @@ def evaluate_metrics(model, batches, objective, precision: Precision, device, me
     finally:
         model.train(was_training)
     values = torch.stack([total, count, *sums.values(), *counts.values()])
-    if world is not None:
-        world.all_reduce(values)
+    if world is not None:  # over the copies that evaluated different batches (tp ranks of one copy: the same)
+        world.all_reduce(values, dim="dp")
     values = values.tolist()
     k = len(metrics)
     out = {"val_loss": values[0] / max(values[1], 1)}

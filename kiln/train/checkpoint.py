@@ -557,11 +557,13 @@ def _sharded_state_dicts(state, flat: bool = True):
 
 
 def _flat_optimizer(sharded: Path) -> bool:
-    """Whether a DCP checkpoint holds its optimizer state flat (param_groups.<name>.lr), as kiln writes it now."""
+    """Whether a DCP checkpoint holds its optimizer state flat (param_groups.<name>.lr), as kiln writes it now, not
+    as a list of groups (param_groups.<i>.params, each group's parameter names). By that key: a parameter's name may
+    start with a digit too (param_groups.0.weight.lr: an nn.Sequential's)."""
     import torch.distributed.checkpoint as dcp  # lazy: 1.9 s of imports (DTensor, FSDP); sharded runs only
 
     keys = dcp.FileSystemReader(str(sharded)).read_metadata().state_dict_metadata
-    return not any(re.match(r"optimizer\.param_groups\.\d", k) for k in keys)
+    return not any(re.fullmatch(r"optimizer\.param_groups\.\d+\.params", k) for k in keys)
 
 
 def full_weights(state) -> dict:

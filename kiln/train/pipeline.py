@@ -11,8 +11,9 @@
                nothing worth moving, so recompute comes first).
 4. loss        one choice: "plain" (the model's LMLoss), "fused" (the Triton fused linear cross-entropy) or
                "chunked" (kiln.memory.chunked_loss); kiln.config refuses a fused and a chunked loss together.
-5. parallelize DDP wraps, FSDP2 shards (kiln.parallel.parallelize): after 1-4, so every transformed block is what
-               fully_shard sees; a no-op in a world of one.
+5. parallelize tensor parallel first (kiln's plan for its Transformer, or the user's own: ModelPlan.tensor_plan),
+               then DDP wraps, FSDP2 shards (kiln.parallel.parallelize): after 1-4, so every transformed block is
+               what fully_shard sees; a no-op in a world of one.
    pipeline    parallel.pp > 1 (plan.layout): tensor parallel first when parallel.tp > 1, then the blocks split
                into stages run by torch's pipeline schedules (kiln.parallel.pipeline.PipelineModel), each stage
                wrapped in DDP over the data-parallel ranks;
@@ -24,6 +25,7 @@ says so. Kernels on a model of the user's swap whatever modules of the table it 
 """
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -56,6 +58,7 @@ class ModelPlan:
     compile: bool = False
     parallel: ParallelConfig = field(default_factory=ParallelConfig)  # the `parallel` section
     layout: ParallelPlan | None = None  # the run's layout when the model is split (parallel.pp > 1)
+    tensor_plan: Callable | None = None  # fn(model, tp_mesh): the user's own tensor-parallel plan (kiln.fit)
 
     def __post_init__(self):
         if self.loss not in LOSSES:
@@ -125,7 +128,7 @@ def prepare_model(model: nn.Module, plan: ModelPlan, device: torch.device | None
         return PreparedModel(pipe, pipe, applied)
     step_model = model
     if world is not None and world.sharded:
-        step_model = parallelize(model, plan.parallel, world, torch.device(device), param_dtype)
+        step_model = parallelize(model, plan.parallel, world, torch.device(device), param_dtype, plan.tensor_plan)
         applied["parallel"] = f"{plan.parallel.strategy} × {world.size}"
     if plan.compile:
         step_model = torch.compile(step_model)

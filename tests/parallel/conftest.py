@@ -51,3 +51,12 @@ def launched(tmp_path_factory, source, kiln_cache):
         train(lm_config(source, "none", steps=5), out / f"from_one_{strategy}")
     torchrun("worker.py", out, source, nproc=2, timeout=300)
     return out
+
+
+@pytest.fixture(scope="session")
+def tp_launched(tmp_path_factory, source, kiln_cache):
+    """One torchrun launch of tests/parallel/tp_worker.py on 4 processes (test_tensor_parallel.py,
+    test_fit_tensor_parallel.py); its wall time is printed (-s shows it)."""
+    out = tmp_path_factory.mktemp("tp")
+    print(f"tensor-parallel launch: {torchrun('tp_worker.py', out, source, nproc=4):.1f} s")
+    return out

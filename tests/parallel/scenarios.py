@@ -1,4 +1,5 @@
 """The runs the distributed tests compare: built the same way in the test process and in the torchrun workers."""
+import shutil
 from pathlib import Path
 
 import torch
@@ -42,14 +43,47 @@ def fit_data():
     return TensorDataset(x, y)
 
 
+def fit_settings(strategy: str, **more) -> dict:
+    return {"train.max_steps": 8, "train.micro_batch_size": 4, "train.global_batch_size": 8,
+            "schedule.warmup_steps": 2, "optim.lr": 1e-2, "optim.implementation": "foreach", "log.interval": 1,
+            "log.tensorboard": False, "log.progress": "off", "train.device": "cpu", "precision.mode": "fp32",
+            "parallel.strategy": strategy} | more
+
+
 def fit_run(strategy: str, run_dir: Path):
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(6, 32), nn.Tanh(), nn.Linear(32, 4))
-    config = {"train.max_steps": 8, "train.micro_batch_size": 4, "train.global_batch_size": 8,
-              "schedule.warmup_steps": 2, "optim.lr": 1e-2, "optim.implementation": "foreach", "log.interval": 1,
-              "log.tensorboard": False, "log.progress": "off", "train.device": "cpu", "precision.mode": "fp32",
-              "parallel.strategy": strategy}
-    return fit(model, fit_data(), loss=CrossEntropy(ignore_index=-100), config=config, run_dir=run_dir)
+    return fit(model, fit_data(), loss=CrossEntropy(ignore_index=-100), config=fit_settings(strategy),
+               run_dir=run_dir)
+
+
+def user_mlp() -> nn.Module:
+    """A model of the user's own that knows nothing of parallelism: Linear → GELU → Linear, and a LayerNorm that
+    the user's plan leaves whole (kiln replicates it over the tp ranks)."""
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(6, 32), nn.GELU(), nn.Linear(32, 4), nn.LayerNorm(4))
+
+
+def megatron_mlp(model: nn.Module, tp_mesh) -> None:
+    """The user's tensor-parallel plan: the first linear's outputs split over the tp ranks, the second's inputs."""
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    parallelize_module(model, tp_mesh, {"0": ColwiseParallel(), "2": RowwiseParallel()})
+
+
+def accuracy(outputs, targets):
+    valid = targets != IGNORE_INDEX
+    return ((outputs.argmax(-1) == targets) & valid).sum(), valid.sum()
+
+
+def fit_tp_run(strategy: str, tp: int, run_dir: Path, interval: int = 0, resume: bool = False, **more):
+    """user_mlp on fit_data for 6 steps of 8 samples (micro-batches of 2: each dp rank of tp2 × dp2 takes 2), with
+    evaluation and a metric; tensor_parallel=megatron_mlp where tp > 1. more: other config keys."""
+    config = fit_settings(strategy, **{"train.max_steps": 6, "train.micro_batch_size": 2, "parallel.tp": tp,
+                                       "checkpoint.interval": interval} | more)
+    return fit(user_mlp(), fit_data(), loss=CrossEntropy(ignore_index=IGNORE_INDEX), config=config, run_dir=run_dir,
+               eval_data=fit_data(), metrics={"acc": accuracy}, resume=resume,
+               tensor_parallel=megatron_mlp if tp > 1 else None)
 
 
 def measured_state_bytes(state) -> dict[str, int]:
@@ -94,3 +128,14 @@ class MaskedLoader(TokenLoader):
     def next(self):
         x, y = super().next()
         return x, y.masked_fill(y == ord("e"), IGNORE_INDEX)
+
+
+def rewound(run: Path, copy: Path, step: int = 3) -> Path:
+    """A copy of a finished run whose latest checkpoint is the one at `step` (the later ones removed): resuming it
+    continues from there."""
+    shutil.copytree(run, copy)
+    for later in (copy / "checkpoints").glob("step_*"):
+        if int(later.name.removeprefix("step_")) > step:
+            shutil.rmtree(later)
+    (copy / "checkpoints" / "latest").write_text(f"step_{step:06d}\n")
+    return copy

@@ -11,7 +11,6 @@ amplifies those bits). A real error — the loss normalised per stage or per mic
 loss by 1e-3 or more.
 """
 import json
-import shutil
 from pathlib import Path
 
 import pytest
@@ -29,6 +28,7 @@ from kiln.numerics.trace import REPORT_FILE
 from kiln.parallel.pipeline import PipelineModel
 from tests.parallel.conftest import torchrun
 from tests.parallel.pp_scenarios import NAN_AT, PEAKS, SAMPLE, latest, peak_config, pp_config, pp_run
+from tests.parallel.scenarios import rewound
 
 ROOT = Path(__file__).resolve().parents[2]
 RTOL = 1e-5
@@ -107,9 +107,7 @@ def test_interleaved_and_gpipe_on_four_blocks(pp_launched, single, run):
 
 def continue_on_one_process(launched_run: Path, run: Path, source) -> Path:
     """A copy of a launched run, resumed on one process from its step-3 checkpoint to step 6."""
-    shutil.copytree(launched_run, run)
-    shutil.rmtree(run / "checkpoints" / "step_000006")
-    (run / "checkpoints" / "latest").write_text("step_000003\n")
+    rewound(launched_run, run)
     pp_run(pp_config(source, strategy="ddp"), run, resume=True)
     return run
 

@@ -8,7 +8,6 @@ all-reduced over tp, gradients reduced over dp) which moves the last bits of eac
 forward over 6 steps. A real error is orders of magnitude larger: a fused weight split as one block (rank 0 gets all
 of q) changes the model's function at step 1, and tokens counted on each tp rank halve every gradient.
 """
-import shutil
 
 import pytest
 import torch
@@ -17,19 +16,10 @@ from safetensors.torch import load_file
 from kiln.models.registry import family
 from kiln.run import lm
 from kiln.run.lm import train
-from tests.parallel.conftest import torchrun
-from tests.parallel.scenarios import MaskedLoader, tp_config
+from tests.parallel.scenarios import MaskedLoader, rewound, tp_config
 from tests.parallel.test_dist import losses, records
 
 RTOL = 1e-5
-
-
-@pytest.fixture(scope="module")
-def tp_launched(tmp_path_factory, source, kiln_cache):
-    """One torchrun launch of tests/parallel/tp_worker.py on 4 processes; its wall time is printed (-s shows it)."""
-    out = tmp_path_factory.mktemp("tp")
-    print(f"tensor-parallel launch: {torchrun('tp_worker.py', out, source, nproc=4):.1f} s")
-    return out
 
 
 @pytest.fixture(scope="module")
@@ -80,10 +70,7 @@ def test_the_reference_sees_uneven_valid_counts(source, kiln_cache, tmp_path):
 
 def test_a_tp_checkpoint_resumes_in_one_process(tp_launched, tp_reference, tmp_path, source):
     """tp2 × dp2 (fsdp) saved at step 3, resumed by one process (no torchrun) to step 6: the straight curve."""
-    run_dir = tmp_path / "resumed"
-    shutil.copytree(tp_launched / "llama_fsdp", run_dir)
-    shutil.rmtree(run_dir / "checkpoints" / "step_000006")
-    (run_dir / "checkpoints" / "latest").write_text("step_000003\n")
+    run_dir = rewound(tp_launched / "llama_fsdp", tmp_path / "resumed")
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(lm, "TokenLoader", MaskedLoader)
         train(tp_config(source, "llama", "ddp", tp=1, steps=6), run_dir, resume=True)

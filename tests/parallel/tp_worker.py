@@ -4,9 +4,13 @@ directories under OUT."""
 import sys
 from pathlib import Path
 
+import os
+
+import torch.distributed as dist
+
 from kiln.run import lm
 from kiln.run.lm import train
-from tests.parallel.scenarios import MaskedLoader, tp_config
+from tests.parallel.scenarios import MaskedLoader, fit_tp_run, rewound, tp_config
 
 out, source = Path(sys.argv[1]), sys.argv[2]
 lm.TokenLoader = MaskedLoader  # uneven valid-token counts across the data-parallel ranks (the reference's too)
@@ -19,3 +23,16 @@ train(tp_config(source, "gpt2", "ddp", tp=2, steps=6, sequence_parallel=True), o
 # fsdp × 4 (no TP) for 3 steps, resumed as tp2 × dp2 to step 6: a checkpoint resharded into the TP layout
 train(tp_config(source, "llama", "fsdp", tp=1, steps=3), out / "fsdp_to_tp")
 train(tp_config(source, "llama", "fsdp", tp=2, steps=6), out / "fsdp_to_tp", resume=True)
+
+# kiln.fit on a model of the user's own with the user's plan (tests/parallel/test_fit_tensor_parallel.py): tp2 × dp2
+# under FSDP2, saved at step 3; under DDP (FSDP2's replicate over mesh["dp"]); and the FSDP2 run's step-3 checkpoint
+# resumed with resume=True on the same layout; a NaN under the numerics guard.
+fit_tp_run("fsdp", 2, out / "fit_fsdp", interval=3)
+fit_tp_run("ddp", 2, out / "fit_ddp")
+if os.environ["RANK"] == "0":
+    rewound(out / "fit_fsdp", out / "fit_resumed")
+dist.barrier()
+fit_tp_run("fsdp", 2, out / "fit_resumed", interval=3, resume=True)
+# the numerics guard: a NaN in the row-parallel linear's output on rank 1 at step 4, traced and skipped everywhere
+fit_tp_run("ddp", 2, out / "fit_nan", **{"numerics.trace": True, "faults.nan_forward": "2@4", "faults.rank": 1,
+                                        "parallel.timeout": 60.0})

@@ -50,7 +50,7 @@ from kiln.perf.compile import compile_setting
 from kiln.perf.hardware import precision_notice, resolve_kernels, resolve_mode
 from kiln.run.fit_checks import (FitInputError, FitWarning, check_data, check_first_loss, given_keys, ignored_keys,
                                  recorded, schedule_change)
-from kiln.run.lm import pick_device
+from kiln.run.lm import pick_device, recorded_cpu_linear
 from kiln.run.predict import check_metrics, evaluate_metrics, remember
 from kiln.train.callbacks import Callbacks
 from kiln.train.checkpoint import Checkpointer, RunLock
@@ -144,9 +144,9 @@ def _plan(cfg: Config, model: nn.Module, precision: str, device: torch.device, t
     if mem.chunked_loss:
         raise ValueError("memory.chunked_loss replaces kiln's LM head + cross-entropy; a model of your own computes "
                          "its loss through `loss=`: set memory.chunked_loss=0")
-    return ModelPlan(kernels=resolve_kernels(cfg.train.kernels, device), recompute=recompute, offload=offload,
-                     compile=compile_setting(cfg.train.compile) == "true", parallel=cfg.parallel,
-                     tensor_plan=tensor_plan)
+    return ModelPlan(kernels=resolve_kernels(cfg.train.kernels, device), cpu_linear=cfg.train.cpu_linear == "onednn",
+                     recompute=recompute, offload=offload, compile=compile_setting(cfg.train.compile) == "true",
+                     parallel=cfg.parallel, tensor_plan=tensor_plan)
 
 
 def _epoch_batches(data, batch_size: int) -> int | None:
@@ -277,6 +277,9 @@ def _fit(model, train_data, objective, cfg, eval_data, run_dir, resume, console,
     eval_first = check_data(eval_data, "eval_data", cfg.train.micro_batch_size) if eval_data is not None else None
     seed_everything(cfg.train.seed)  # dropout and any init the model does lazily draw from here
     precision = resolve_mode(cfg.precision.mode, device)
+    linears = [(cfg.train.micro_batch_size, m.in_features, m.out_features) for m in model.modules()
+               if type(m) is nn.Linear]  # (rows: a sample a row, as for an MLP)
+    cfg = replace(cfg, train=recorded_cpu_linear(cfg.train, device, precision, linears, world))
     loader = BatchLoader(train_data, cfg.train.micro_batch_size, cfg.train.seed, device, world.dp_rank, world.dp_size)
     state = build_state(model, objective, loader, device=device, precision=precision, precision_cfg=cfg.precision,
                         optim=cfg.optim, plan=_plan(cfg, model, precision, device, extras.tensor_plan), world=world)

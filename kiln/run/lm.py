@@ -126,17 +126,16 @@ def recorded_compile(cfg: Config, device: torch.device):
     return replace(tc, compile=on, compile_decided_by=why)
 
 
-def recorded_cpu_linear(cfg: Config, device: torch.device, world):
-    """The train section with train.cpu_linear resolved to onednn or torch (auto: measured once per machine,
-    kiln.perf.cpu_linear) and why, as config.toml records them: a resume runs the products the run ran."""
-    tc = cfg.train
+def recorded_cpu_linear(tc, device: torch.device, precision: str, shapes: list[tuple[int, int, int]], world):
+    """The train section `tc` with train.cpu_linear resolved to onednn or torch (auto: measured once per machine at
+    the largest of `shapes`, the model's linears as (rows, in, out); kiln.perf.cpu_linear) and why, as config.toml
+    records them: a resume runs the products the run ran."""
     if tc.cpu_linear != "auto" and tc.cpu_linear_decided_by.startswith(f"auto: {tc.cpu_linear},"):
         return tc  # a resumed run's choice, with its reason
-    rows = tc.micro_batch_size * cfg.data.seq_len
 
     def decide():
-        return decide_cpu_linear(tc.cpu_linear, device, cfg.precision.mode, linear_shapes(cfg.model, rows),
-                                 compiled=tc.compile is True)
+        compiled = compile_setting(tc.compile) == "true"
+        return decide_cpu_linear(tc.cpu_linear, device, precision, shapes, compiled=compiled)
 
     if tc.cpu_linear == "auto":  # rank 0 measures and decides (auto never raises): every rank runs its products
         on, why = world.broadcast_object(decide() if world.main else None)
@@ -266,7 +265,8 @@ def _build_lm(cfg: Config, run_dir, log, device: torch.device, with_data: bool, 
                                         tc.micro_batch_size * tc.grad_accum_steps, tc.grad_accum_steps)
     layout = world.plan if world.plan is not None and world.plan.pp > 1 else None  # stages: kiln.parallel.pipeline
     cfg = replace(cfg, train=recorded_compile(cfg, device))
-    cfg = replace(cfg, train=recorded_cpu_linear(cfg, device, world))
+    rows = cfg.train.micro_batch_size * cfg.data.seq_len
+    cfg = replace(cfg, train=recorded_cpu_linear(cfg.train, device, precision, linear_shapes(cfg.model, rows), world))
     model = build_model(cfg.model, "cpu" if device.type == "meta" else device)
     if initial is not None:
         missing, unexpected = model.load_state_dict(initial, strict=False)

@@ -116,6 +116,7 @@ def tp_config(source: str, arch: str, strategy: str, tp: int, steps: int, sequen
         cfg.model = ModelConfig(preset="llama-125m", n_layer=2, n_head=4, n_kv_head=2, d_model=64, d_ff=96,
                                 max_seq_len=64, vocab_size=256)
     cfg.train.micro_batch_size = 2
+    cfg.train.cpu_linear = "torch"  # a tp rank's linears hold DTensors, which take F.linear: the reference too
     cfg.parallel.tp, cfg.parallel.sequence_parallel = tp, sequence_parallel
     cfg.checkpoint.interval = interval
     return cfg

@@ -69,16 +69,19 @@ def test_rank_peak_matches_the_estimate(measured, name):
     release its buffers after the step's next allocation; a step's peak can then carry up to one block's gathered
     parameters more (on the loaded 2-core machine: fsdp fp32 8.13 MB most steps, 8.26 or 8.92 MB in some; fsdp
     bf16 6.93-7.52 MB). The first step has one sample: it may exceed the estimate by that block beyond the
-    tolerance, never fall short of it."""
+    tolerance, never fall short of it; so may the steady state when all four later steps carried one (fsdp bf16 in
+    a clean-clone CI run, 2026-11-27: 7.52 MB each, 6.96 MB predicted)."""
     cfg = load_config(None, overrides(name))
     plan, jobs = rank_jobs(cfg, get_device("cpu"), 2)
     for rank in (0, 1) if plan.pp > 1 else (0,):  # a pipeline's ranks differ; data parallel: rank 0, below
         job = jobs[plan.coords(rank)["pp"]]
         b = estimate(job)
         first, *later = measured[rank][name]
-        assert peak_allocated(b) == pytest.approx(min(later), rel=RTOL), rank
         comm = _comm_buffers(job, _block_parameters([(n, math.prod(s)) for n, s in local_parameter_shapes(job)]))
         late_free = max(comm.gathered.values(), default=0)
+        steady, predicted = min(later), peak_allocated(b)
+        assert steady == pytest.approx(predicted, rel=RTOL) or (
+            predicted <= steady <= predicted * (1 + RTOL) + late_free), rank
         assert first * (1 - RTOL) <= b.first_step_peak <= first * (1 + RTOL) or (
             b.first_step_peak <= first <= b.first_step_peak * (1 + RTOL) + late_free), rank
     if plan.pp == 1:  # rank 0 holds the larger shards (tp: the same); rank 1's four later steps may all carry a

@@ -131,7 +131,7 @@ def _measure(m: int, k: int, n: int) -> dict:
     return {"torch_s": _seconds(torch_step), "onednn_s": _seconds(onednn_step)}
 
 
-def measured(m: int, k: int, n: int) -> dict:
+def timings(m: int, k: int, n: int) -> dict:
     """_measure of this shape, once per machine (kiln.perf.measured)."""
     return remembered("cpu_linear", f"fp32 linear fwd+bwd {m}x{k}x{n}", lambda: _measure(m, k, n))
 
@@ -160,7 +160,7 @@ def decide_cpu_linear(value: str, device: torch.device, precision: str, shapes: 
         return False, "auto: torch, the model has no linear layers"
     m, k, n = max(shapes, key=lambda s: s[0] * s[1] * s[2])
     m = min(m, max(64, int(2e9 // (2 * k * n))))  # a product of at most ~2 GFLOP is timed
-    times = measured(m, k, n)
+    times = timings(m, k, n)
     ratio = times["torch_s"] / times["onednn_s"]
     on = ratio >= GAIN
     return on, (f"auto: {'onednn' if on else 'torch'}, oneDNN's fp32 linear forward + backward "

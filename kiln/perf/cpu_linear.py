@@ -5,17 +5,18 @@
     swap_linears(model)                             the model's nn.Linear layers and LM head through `linear`
     linear(x, weight, bias=None)                    F.linear, through oneDNN for plain fp32 CPU tensors
 
-torch's F.linear in fp32 on an x86 CPU calls MKL's sgemm. MKL picks its code by CPU vendor, and on an AMD CPU it
-does not take its AVX512 path: on a 2-core AMD EPYC (Zen 5, AVX512) F.linear ran the tiny model's linears at 111-113
-GFLOP/s a core, the oneDNN library that torch also ships (its bf16 linears already run there) at 226-248, the
-backward's products 1.7-2.2× faster too. The same arithmetic in fp32 (a product of K terms accumulated in fp32; the
-order differs, so results differ in the last bits, as between two BLAS libraries). On an Intel CPU the two are
-about equal. So `auto` times both, forward and backward, on the model's largest linear once per machine (kept in
-kiln.perf.measured) and takes oneDNN when it is at least GAIN faster.
+torch's F.linear in fp32 on an x86 CPU calls MKL's sgemm, which picks its code by CPU vendor: on a 2-core AMD EPYC
+(Zen 5, AVX512) F.linear ran the tiny model's linears at 111-113 GFLOP/s a core, the oneDNN library that torch also
+ships (its bf16 linears already run there) at 226-248, the backward's products 1.7-2.2× faster too. The same
+arithmetic in fp32 (a product of K terms accumulated in fp32; the order differs, so results differ in the last
+bits, as between two BLAS libraries). Other CPUs (an Intel one, where MKL takes its AVX512 path) were not measured,
+so `auto` decides by measurement: it times both, forward and backward, on the model's largest linear once per
+machine (kept in kiln.perf.measured) and takes oneDNN when it is at least GAIN faster.
 
 The products go through `torch.ops.mkldnn._linear_pointwise`, the op inductor's CPU backend emits for a linear,
-inside an autograd Function with its own backward (dX = dY·W, dW = dYᵀ·X: the same op with transposed operands, no
-copies). Anything else (bf16 under autocast, which torch already sends to oneDNN; DTensors; a compiled graph; other
+inside an autograd Function with its own backward (dX = dY·W, dW = dYᵀ·X: the same op with transposed operands;
+the op first copies a transposed input, dYᵀ, to contiguous memory: 51 ms of an 859 ms tiny-model step on one
+thread). Anything else (bf16 under autocast, which torch already sends to oneDNN; DTensors; a compiled graph; other
 dtypes and devices) goes to F.linear, call by call, so a swapped model stays correct everywhere.
 """
 from __future__ import annotations
@@ -136,17 +137,25 @@ def timings(m: int, k: int, n: int) -> dict:
     return remembered("cpu_linear", f"fp32 linear fwd+bwd {m}x{k}x{n}", lambda: _measure(m, k, n))
 
 
+def _blocked(device: torch.device, precision: str, compiled: bool) -> str | None:
+    """Why this run's linears cannot go through oneDNN, or None."""
+    if device.type != "cpu":
+        return f"the run is on {device.type}"
+    if precision != "fp32":
+        return f"precision.mode={precision} (its linears are not fp32 products; bf16 ones already run in oneDNN)"
+    if compiled:
+        return "train.compile is on (inductor chooses the compiled graph's kernels)"
+    if not onednn_available():
+        return "this torch build has no oneDNN linear (torch.ops.mkldnn._linear_pointwise)"
+    return None
+
+
 def decide_cpu_linear(value: str, device: torch.device, precision: str, shapes: list[tuple[int, int, int]],
                       compiled: bool) -> tuple[bool, str]:
     """(oneDNN or not, why) for train.cpu_linear=`value`; `shapes` the model's linears as (rows, in, out), the
     largest timed by auto."""
     setting = cpu_linear_setting(value)
-    blocked = (f"the run is on {device.type}" if device.type != "cpu" else
-               f"precision.mode={precision} (its linears are not fp32 products; bf16 ones already run in oneDNN)"
-               if precision != "fp32" else
-               "train.compile is on (inductor chooses the compiled graph's kernels)" if compiled else
-               "this torch build has no oneDNN linear (torch.ops.mkldnn._linear_pointwise)"
-               if not onednn_available() else None)
+    blocked = _blocked(device, precision, compiled)
     if setting == "torch":
         return False, "train.cpu_linear=torch"
     if setting == "onednn":

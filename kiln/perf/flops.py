@@ -13,8 +13,7 @@ import torch
 
 from kiln.models.config import ModelConfig
 from kiln.models.registry import family
-from kiln.perf import cpu_linear
-from kiln.perf.cpu_linear import onednn_available
+from kiln.perf.cpu_linear import linear, onednn_available
 
 # Dense (no sparsity) peak FLOP/s from vendor datasheets: {name: {dtype: flops}}.
 DEVICE_PEAKS = {
@@ -73,7 +72,7 @@ def _matmul_seconds(a: torch.Tensor, b: torch.Tensor) -> float:
     train.cpu_linear=onednn runs: the rate this CPU reaches in fp32 through either library."""
     products = [lambda: a @ b]
     if a.dtype == torch.float32 and a.device.type == "cpu" and onednn_available():
-        products.append(lambda: cpu_linear.linear(a, b))
+        products.append(lambda: linear(a, b))
     times = []
     for product in products:
         start = time.perf_counter()

@@ -123,7 +123,9 @@ def _score_batch(model, rows, vocab: int, device, autocast) -> torch.Tensor:
     sums = torch.empty(len(rows), dtype=torch.float64, device=logits.device)
     for b, (tokens, n, _) in enumerate(rows):
         end = len(tokens) - 1  # positions end - n .. end - 1 predict the last n tokens
-        logp = F.log_softmax(logits[b, end - n:end, :vocab].float(), dim=-1)  # (n, vocab)
+        row = logits[b, end - n:end, :vocab]
+        # at least fp32 (a bf16 / fp16 forward's logits are widened); an fp64 model keeps its fp64
+        logp = F.log_softmax(row.float() if row.element_size() < 4 else row, dim=-1)  # (n, vocab)
         target = torch.tensor(tokens[-n:], device=logp.device)
         sums[b] = logp.gather(1, target[:, None]).sum().double()
     return sums

@@ -8,7 +8,8 @@ given by --harness-python. Without --run, a small GPT-2 with a BPE tokenizer is 
 modules (a bytes-tokenizer run exports no tokenizer file the harness could load). The model is exported with
 `kiln export`; the tasks are made from 12 other modules: a multiple-choice JSONL (which of four lines follows three
 lines of code; the right one at a random place) and a text JSONL for perplexity, each read by the harness through
-a local YAML task (dataset_path: json, fields named as they are; nothing is downloaded). Both sides score in fp32 on the CPU.
+a local YAML task (dataset_path: json, fields named as they are; nothing is downloaded). Both sides score in fp32
+on the CPU.
 """
 from __future__ import annotations
 

@@ -53,7 +53,8 @@ def test_encode_pair_moves_trailing_spaces_and_keeps_merges_across_the_boundary(
     source = load_source(f"hf:{exported}", device="cpu")
     enc = source.tokenizer.encode
     pair = encode_pair(enc, "Answer:  ", "def", source.eot_id)  # two trailing spaces go to the continuation
-    assert pair.context == tuple(enc("Answer:")) and pair.continuation == tuple(enc("Answer:  def"))[len(enc("Answer:")):]
+    head = enc("Answer:")
+    assert pair.context == tuple(head) and pair.continuation == tuple(enc("Answer:  def"))[len(head):]
     # a context ending inside a word: the continuation's tokens are the whole text's, not encode(continuation)
     whole, head = enc("import collections"), enc("import coll")
     assert encode_pair(enc, "import coll", "ections", 0).continuation == tuple(whole[len(head):])

@@ -55,7 +55,8 @@ def test_hellaswag_and_arc_rows_as_the_harness_preprocesses_them(tmp_path):
     h, a, k = task.items
     assert h.context == ("Removing ice from car: Then, the man writes over the snow covering the window of a car, "
                          "and a woman wearing winter clothes smiles. Then")
-    assert h.choices == (", the man adds wax to the windshield and cuts it.", " Remove the ice. Scrape",  # strip first: "[title]" has no space before it
+    # the second ending: stripped first, so "[title]" has no space before it and goes with the other [...] markers
+    assert h.choices == (", the man adds wax to the windshield and cuts it.", " Remove the ice. Scrape",
                          "a person board a ski lift.", ", the man continued removing the snow on his car.")
     assert h.gold == 3 and a.gold == 2 and k.gold == 0 and task.name == "mixed" and task.kind == "multiple_choice"
     assert a.context == ("Question: An astronomer observes that a planet rotates faster after a meteorite impact. "

@@ -4,12 +4,13 @@ errors, word/byte perplexity and bits per byte, and the largest difference of an
     .venv/bin/python benchmarks/eval_vs_harness.py --harness-python LMEVAL_VENV/bin/python [--run RUN_DIR]
 
 The harness runs in its own virtual environment (`pip install torch==<kiln's> lm_eval transformers accelerate`),
-given by --harness-python. Without --run, a small GPT-2 with a BPE tokenizer is trained first on 24 standard-library
-modules (a bytes-tokenizer run exports no tokenizer file the harness could load). The model is exported with
-`kiln export`; the tasks are made from 12 other modules: a multiple-choice JSONL (which of four lines follows three
-lines of code; the right one at a random place) and a text JSONL for perplexity, each read by the harness through
-a local YAML task (dataset_path: json, fields named as they are; nothing is downloaded). Both sides score in fp32
-on the CPU.
+given by --harness-python. Without --run, a small GPT-2 with a BPE tokenizer is trained first on 24
+standard-library modules (a bytes-tokenizer run exports no tokenizer file the harness could load). The model is
+exported with `kiln export`; the tasks are made from 12 other modules: a multiple-choice JSONL (which of four lines
+follows three lines of code; the right one at a random place), the same items as HellaSwag rows (read on the
+harness's side by its own hellaswag preprocessing, copied from its installed package at run time) and a text JSONL
+for perplexity, each read by the harness through a local YAML task (dataset_path: json; nothing is downloaded).
+Both sides score in fp32 on the CPU.
 """
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ import argparse
 import json
 import os
 import random
+import shutil
 import subprocess
 import sys
 import sysconfig
@@ -55,6 +57,25 @@ metric_list:
     aggregation: mean
     higher_is_better: true
 """
+HELLASWAG_YAML = """task: kiln_hellaswag
+dataset_path: json
+dataset_kwargs:
+  data_files:
+    validation: {path}
+validation_split: validation
+output_type: multiple_choice
+process_docs: !function utils.process_docs
+doc_to_text: "{{{{query}}}}"
+doc_to_target: "{{{{label}}}}"
+doc_to_choice: "choices"
+metric_list:
+  - metric: acc
+    aggregation: mean
+    higher_is_better: true
+  - metric: acc_norm
+    aggregation: mean
+    higher_is_better: true
+"""
 PPL_YAML = """task: kiln_text
 dataset_path: json
 dataset_kwargs:
@@ -73,16 +94,30 @@ HARNESS = """
 import json, sys
 import lm_eval
 from lm_eval.tasks import TaskManager
-out = lm_eval.simple_evaluate(model="hf", model_args="pretrained={model},dtype=float32", tasks=["kiln_mc", "kiln_text"],
+out = lm_eval.simple_evaluate(model="hf", model_args="pretrained={model},dtype=float32", tasks=["kiln_mc", "kiln_hellaswag", "kiln_text"],
                               task_manager=TaskManager(include_path="{tasks}"), device="cpu", batch_size=8,
                               log_samples=True, limit={limit})
-lls = [[float(r[0][0]) for r in s["resps"]] for s in sorted(out["samples"]["kiln_mc"], key=lambda s: s["doc_id"])]
+lls = {{t: [[float(r[0][0]) for r in s["resps"]] for s in sorted(out["samples"][t], key=lambda s: s["doc_id"])]
+       for t in ("kiln_mc", "kiln_hellaswag")}}
 json.dump({{"results": out["results"], "lls": lls, "version": lm_eval.__version__ if hasattr(lm_eval, "__version__")
            else "?"}}, open("{dest}", "w"))
 """
 
 
-def make_tasks(directory: Path, n_items: int, n_docs: int, seed: int = 0) -> tuple[Path, Path]:
+def hellaswag_rows(items: list[dict], rng: random.Random) -> list[dict]:
+    """The multiple-choice items as HellaSwag rows, with the WikiHow markers ([title], [step], double spaces) its
+    preprocessing removes sprinkled in, and string labels as the dataset has them."""
+    rows = []
+    for item in items:
+        first, second, third = item["context"].split("\n")
+        marks = ["", " [title]", " [step]", "  "]
+        endings = [c + rng.choice(marks) + (" more" if rng.random() < 0.3 else "") for c in item["choices"]]
+        rows.append({"activity_label": "Python [header]", "ctx_a": first.strip() + rng.choice(marks) + " " +
+                     second.strip(), "ctx_b": third.strip(), "endings": endings, "label": str(item["label"])})
+    return rows
+
+
+def make_tasks(directory: Path, n_items: int, n_docs: int, seed: int = 0) -> tuple[Path, Path, Path]:
     rng = random.Random(seed)
     lines = [line for name in HELD_OUT for line in (STDLIB / name).read_text().splitlines()]
     code = [i for i in range(3, len(lines)) if len(lines[i].strip()) > 20 and all(lines[i - k].strip()
@@ -95,13 +130,16 @@ def make_tasks(directory: Path, n_items: int, n_docs: int, seed: int = 0) -> tup
         items.append({"context": "\n".join(lines[i - 3:i]), "choices": choices, "label": label})
     mc = directory / "kiln_mc.jsonl"
     mc.write_text("".join(json.dumps(r) + "\n" for r in items))
+    hella = directory / "kiln_hellaswag.jsonl"
+    hella.write_text("".join(json.dumps(r) + "\n" for r in hellaswag_rows(items, rng)))
     text = "\n".join((STDLIB / name).read_text() for name in HELD_OUT)
     starts = sorted(rng.sample(range(0, len(text) - 3000), n_docs))
     docs = directory / "kiln_text.jsonl"
     docs.write_text("".join(json.dumps({"text": text[s:s + rng.randrange(300, 3000)]}) + "\n" for s in starts))
     (directory / "kiln_mc.yaml").write_text(MC_YAML.format(path=mc))
     (directory / "kiln_text.yaml").write_text(PPL_YAML.format(path=docs))
-    return mc, docs
+    (directory / "kiln_hellaswag.yaml").write_text(HELLASWAG_YAML.format(path=hella))
+    return mc, hella, docs
 
 
 def kiln(*args: str) -> None:
@@ -129,9 +167,14 @@ def main() -> None:
     kiln("export", str(run), "--hf", str(work / "hf"))
     tasks = work / "tasks"
     tasks.mkdir()
-    mc, docs = make_tasks(tasks, args.items, args.docs)
-    kiln("eval", str(run), "--task", str(mc), "--task", f"text:{docs}", "--device", "cpu", "--batch-size", "8",
-         "--out", str(work / "kiln.json"))
+    mc, hella, docs = make_tasks(tasks, args.items, args.docs)
+    # the harness's own hellaswag preprocessing (its tasks/hellaswag/utils.py, from its installed package) beside
+    # the YAML that names it
+    harness_dir = subprocess.run([args.harness_python, "-c", "import lm_eval, os; print(os.path.dirname("
+                                  "lm_eval.__file__))"], capture_output=True, text=True, check=True).stdout.strip()
+    shutil.copy(Path(harness_dir) / "tasks" / "hellaswag" / "utils.py", tasks / "utils.py")
+    kiln("eval", str(run), "--task", str(mc), "--task", str(hella), "--task", f"text:{docs}", "--device", "cpu",
+         "--batch-size", "8", "--out", str(work / "kiln.json"))
     script = HARNESS.format(model=work / "hf", tasks=tasks, limit=None, dest=work / "harness.json")
     env = dict(os.environ, HF_DATASETS_OFFLINE="1", HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false")
     subprocess.run([args.harness_python, "-c", script], check=True, env=env, cwd=work)
@@ -139,20 +182,22 @@ def main() -> None:
     theirs = json.loads((work / "harness.json").read_text())
     # every choice's log-likelihood from kiln's API, against the harness's logged responses
     source = load_source(str(run), device="cpu")
-    prepared = prepare(load_task(str(mc)), source.tokenizer, source.max_seq_len)
-    lls, _ = loglikelihoods(source.model, prepared.pairs, source.model_cfg.vocab_size, source.max_seq_len, 8)
-    flat = torch.tensor([x for item in theirs["lls"] for x in item], dtype=torch.float64)
-    print(f"lm_eval {theirs['version']}, torch {torch.__version__}; {args.items} items, {len(flat)} choices, "
+    print(f"lm_eval {theirs['version']}, torch {torch.__version__}; {args.items} items per multiple-choice task, "
           f"{args.docs} documents; work dir {work}")
-    print(f"largest |log-likelihood difference| over the choices: {(lls - flat).abs().max().item():.3g} nats")
-    print(f"{'task':<10} {'metric':<28} {'kiln':>14} {'harness':>14}")
-    for task, name in (("kiln_mc", mc.stem), ("kiln_text", docs.stem)):
+    for name, path in (("kiln_mc", mc), ("kiln_hellaswag", hella)):
+        prepared = prepare(load_task(str(path)), source.tokenizer, source.max_seq_len)
+        lls, _ = loglikelihoods(source.model, prepared.pairs, source.model_cfg.vocab_size, source.max_seq_len, 8)
+        flat = torch.tensor([x for item in theirs["lls"][name] for x in item], dtype=torch.float64)
+        print(f"{name}: largest |log-likelihood difference| over its {len(flat)} choices: "
+              f"{(lls - flat).abs().max().item():.3g} nats")
+    print(f"{'task':<15} {'metric':<28} {'kiln':>14} {'harness':>14}")
+    for task, name in (("kiln_mc", mc.stem), ("kiln_hellaswag", hella.stem), ("kiln_text", docs.stem)):
         for key, value in ours[name].items():
             if key == "alias":
                 continue
             other = theirs["results"][task].get(key, "-")
             show = (lambda v: f"{v:.6f}" if isinstance(v, float) else str(v))
-            print(f"{task:<10} {key:<28} {show(value):>14} {show(other):>14}")
+            print(f"{task:<15} {key:<28} {show(value):>14} {show(other):>14}")
 
 
 if __name__ == "__main__":

@@ -95,7 +95,8 @@ import json, sys
 import lm_eval
 from lm_eval.tasks import TaskManager
 out = lm_eval.simple_evaluate(model="hf", model_args="pretrained={model},dtype=float32",
-                              tasks=["kiln_mc", "kiln_hellaswag", "kiln_text"], task_manager=TaskManager(include_path="{tasks}"), device="cpu", batch_size=8,
+                              tasks=["kiln_mc", "kiln_hellaswag", "kiln_text"],
+                              task_manager=TaskManager(include_path="{tasks}"), device="cpu", batch_size=8,
                               log_samples=True, limit={limit})
 lls = {{t: [[float(r[0][0]) for r in s["resps"]] for s in sorted(out["samples"][t], key=lambda s: s["doc_id"])]
        for t in ("kiln_mc", "kiln_hellaswag")}}

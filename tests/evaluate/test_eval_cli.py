@@ -4,12 +4,10 @@ import json
 import re
 
 import pytest
-import torch
 
 from kiln.cli.main import main
 from tests.evaluate.test_loglik import LONG, reference
 
-transformers = pytest.importorskip("transformers", reason="transformers is not installed (the test extra has it)")
 
 ITEMS = [{"context": "def f(x):\n    return", "choices": ["x", "banana split", "é"], "label": 0},
          {"context": "import", "choices": [" os", "sys", "日本語"], "label": 1},
@@ -26,15 +24,14 @@ def tasks(tmp_path):
     return mc, doc
 
 
-def test_kiln_eval_scores_as_transformers_and_writes_the_harness_layout(exported, tasks, tmp_path, capsys):
+def test_kiln_eval_scores_as_transformers_and_writes_the_harness_layout(exported, hf, tasks, tmp_path, capsys):
     mc, doc = tasks
     out = tmp_path / "r" / "results.json"
     assert main(["eval", f"hf:{exported}", "--task", str(mc), "--task", f"text:{doc}", "--device", "cpu",
                  "--batch-size", "4", "--out", str(out)]) == 0
     printed = capsys.readouterr().out
     saved = json.loads(out.read_text())
-    model = transformers.AutoModelForCausalLM.from_pretrained(exported, dtype=torch.float64).eval()
-    tokenizer = transformers.AutoTokenizer.from_pretrained(exported)
+    model, tokenizer = hf
     acc, norm = [], []
     for item in ITEMS:
         lls = [reference(model, tokenizer, item["context"], " " + c, 32)[0] for c in item["choices"]]

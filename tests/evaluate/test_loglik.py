@@ -6,17 +6,10 @@ import torch
 from kiln.evaluate.loglik import Pair, encode_pair, loglikelihoods, rolling_loglikelihoods, rolling_windows
 from kiln.run.source import load_source
 
-transformers = pytest.importorskip("transformers", reason="transformers is not installed (the test extra has it)")
 
 LONG = "def heappush(heap, item):\n    heap.append(item)\n    _siftdown(heap, 0, len(heap) - 1)\n" * 2
 REQUESTS = [("def f(x):\n    return", " x"), ("Question: which keyword? ", " def"), ("", " import os"),
             ("import sys\n", " é ünïcode"), (LONG, " pop")]  # LONG: more than the 32-token window
-
-
-@pytest.fixture(scope="module")
-def hf(exported):
-    return (transformers.AutoModelForCausalLM.from_pretrained(exported, dtype=torch.float64).eval(),
-            transformers.AutoTokenizer.from_pretrained(exported))
 
 
 def reference(model, tokenizer, context: str, continuation: str, window: int) -> tuple[float, bool]:

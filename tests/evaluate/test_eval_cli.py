@@ -82,6 +82,9 @@ def test_train_eval_tasks_log_the_scores_kiln_eval_gives(small_config, tasks, tm
     mc, doc = tasks
     cfg = small_config(train={"max_steps": 3, "eval_tasks": (str(mc), f"text:{doc}"), "eval_task_limit": 3})
     result = train(cfg, tmp_path / "run")
+    said = capsys.readouterr().out
+    assert "eval task mc: 3 of 4 items (multiple_choice, 9 rows) at every evaluation\n" in said
+    assert "eval task doc: 1 of 1 items (perplexity, " in said
     records = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     (final,) = [r for r in records if r["kind"] == "eval"]
     assert set(final) >= {"task_mc_acc", "task_mc_acc_norm", "task_mc_acc_stderr", "task_doc_bpb"}

@@ -2,7 +2,8 @@
 
     restarts(world)                     how many times torchrun has restarted the worker group (0: first start)
     last_logged_step(run_dir)           the newest step metrics.jsonl holds (what the failed attempt reached)
-    restart_record(run_dir, step, world)  the `restart` event of a resumed (or restarted-fresh) attempt, or None
+    restart_record(run_dir, step, world, resumed_world)   the `restart` event of a restarted attempt, or None
+    batch_after_resharding(dp_before, dp, tc)   the line a resume on another number of data-parallel ranks prints
     round_store(rank, size, timeout)    the store a worker group bootstraps its process group from: a namespace of
                                         its own in torchrun's agent store (TORCHELASTIC_USE_AGENT_STORE)
 
@@ -134,7 +135,7 @@ def round_store(rank: int, size: int, timeout: timedelta) -> dist.Store:
     random token; every other rank registers a token of its own under the leader's and waits for rank 0 to
     acknowledge it by name. A rank that read the previous round's leader token is never acknowledged there (that
     leader is gone) and registers again when the token changes; an acknowledgement cannot be stale (its key is
-    the rank's own fresh token). Returns PrefixStore("kiln/round/TOKEN/", agent store)."""
+    the rank's own fresh token). Returns PrefixStore("kiln/round/TOKEN", agent store): keys kiln/round/TOKEN/KEY."""
     store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), None, False, timeout)
     deadline = time.monotonic() + timeout.total_seconds()
 
@@ -149,11 +150,11 @@ def round_store(rank: int, size: int, timeout: timedelta) -> dist.Store:
     if rank == 0:
         token = uuid.uuid4().hex
         store.set(leader_key, token)
-        while store.add(f"kiln/round/{token}/joined", 0) < size - 1:
-            wait(f"{store.add(f'kiln/round/{token}/joined', 0)} of {size - 1} other ranks arrived")
+        while (joined := store.add(f"kiln/round/{token}/joined", 0)) < size - 1:
+            wait(f"{joined} of the {size - 1} other ranks arrived")
         for i in range(1, size):
             store.set(f"kiln/round/ack/{store.get(f'kiln/round/{token}/joiner/{i}').decode()}", token)
-        return dist.PrefixStore(f"kiln/round/{token}/", store)
+        return dist.PrefixStore(f"kiln/round/{token}", store)
     me, token = uuid.uuid4().hex, None
     ack = f"kiln/round/ack/{me}"
     while not store.check([ack]):
@@ -162,4 +163,4 @@ def round_store(rank: int, size: int, timeout: timedelta) -> dist.Store:
             token = current
             store.set(f"kiln/round/{token}/joiner/{store.add(f'kiln/round/{token}/joined', 1)}", me)
         wait("rank 0 never acknowledged this rank")
-    return dist.PrefixStore(f"kiln/round/{store.get(ack).decode()}/", store)
+    return dist.PrefixStore(f"kiln/round/{store.get(ack).decode()}", store)

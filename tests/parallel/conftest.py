@@ -6,6 +6,7 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 
 from kiln.run.lm import train
 from tests.parallel.scenarios import fit_run, lm_config, moe_config
@@ -45,9 +46,15 @@ def reference(tmp_path_factory, source, kiln_cache):
 
 @pytest.fixture(scope="session")
 def moe_reference(tmp_path_factory, source, kiln_cache):
-    """tests/parallel/worker.py's mixture of experts (scenarios.moe_config) in this one process."""
+    """tests/parallel/worker.py's mixture of experts (scenarios.moe_config) in this one process, on one thread as
+    each torchrun rank runs (torch's products sum in another order on more threads)."""
     out = tmp_path_factory.mktemp("single-moe") / "moe"
-    train(moe_config(source, "none"), out)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        train(moe_config(source, "none"), out)
+    finally:
+        torch.set_num_threads(threads)
     return out
 
 

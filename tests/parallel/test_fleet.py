@@ -247,3 +247,68 @@ def test_a_collective_error_names_what_it_knows():
     assert str(e).startswith("rank 0: all_reduce in step 3 failed: rank 1 never reached it (dead or hung); "
                              "parallel.timeout=3 s (Timed out)")
     assert "missing rank is unknown" in str(CollectiveError(1, "after step 2", "barrier", None, 300, "reset"))
+
+
+def test_a_restarted_group_meets_in_a_namespace_of_its_own(monkeypatch):
+    """round_store against a store that holds the previous round's leader token and keys (as torchrun's shared
+    agent store does after a restart), rank 1 starting before rank 0: both ranks get the new round's namespace,
+    which holds none of the old keys."""
+    from datetime import timedelta
+    from threading import Thread
+
+    import torch.distributed as dist
+
+    from kiln.parallel.elastic import round_store
+
+    server = dist.TCPStore("127.0.0.1", 0, None, True, timedelta(seconds=10))
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", str(server.port))
+    server.set("kiln/round/leader", "old")  # the dead round's leader and what its process group wrote
+    server.set("kiln/round/old/joined", "1")
+    server.set("kiln/round/old/0/rank_0", "127.0.0.1:1 (dead)")
+    got = {}
+
+    def rank(r: int, delay: float):
+        time.sleep(delay)
+        got[r] = round_store(r, 2, timedelta(seconds=10))
+
+    threads = [Thread(target=rank, args=(1, 0.0)), Thread(target=rank, args=(0, 0.5))]  # rank 1 reads "old" first
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    token = server.get("kiln/round/leader").decode()
+    assert token != "old"
+    got[0].set("0/rank_0", "new")
+    assert got[1].get("0/rank_0") == b"new"  # one namespace for both ranks, the new round's
+    assert server.get(f"kiln/round/{token}/0/rank_0") == b"new"
+    with pytest.raises(TimeoutError, match=r"rank 1: the 2 workers of this torchrun round did not meet .* within "
+                                           r"parallel.timeout=0.3 s \(rank 0 never acknowledged this rank\)"):
+        round_store(1, 2, timedelta(seconds=0.3))  # no rank 0 this time
+
+
+def test_a_resume_on_another_world_says_what_happens_to_the_batch():
+    from kiln.parallel.elastic import batch_after_resharding
+    from kiln.train.loop import TrainConfig
+
+    kept = TrainConfig(micro_batch_size=4, grad_accum_steps=2, global_batch_size=8)  # resolved for 1 rank
+    assert batch_after_resharding(2, 2, kept) is None
+    assert batch_after_resharding(2, 1, kept) == ("resumed on 1 data-parallel rank, the checkpoint's world had 2: "
+                                                  "grad_accum_steps 1 → 2 keeps train.global_batch_size=8")
+    per_rank = TrainConfig(micro_batch_size=4, grad_accum_steps=1)
+    assert batch_after_resharding(2, 1, per_rank) == (
+        "resumed on 1 data-parallel rank, the checkpoint's world had 2: grad_accum_steps 1 kept "
+        "(train.global_batch_size is not set), so a step takes 4 sequences, was 8; --train.global_batch_size=8 "
+        "keeps it")
+    assert batch_after_resharding(1, 2, per_rank).startswith("resumed on 2 data-parallel ranks, the checkpoint's "
+                                                             "world had 1: grad_accum_steps 1 kept")
+
+
+def test_tokens_seen_is_stored_global_and_old_checkpoints_are_read_with_their_world():
+    from kiln.train.checkpoint import global_tokens_seen, saved_world
+
+    new = {"tokens_seen": 2048, "world": {"size": 4, "dp": 2}, "data": {"world": 2}}
+    assert global_tokens_seen(new) == 2048 and saved_world(new) == {"size": 4, "dp": 2}
+    old = {"tokens_seen": 1024, "data": {"batches_served": 4, "world": 2}}  # one rank's count, 2 dp ranks
+    assert global_tokens_seen(old) == 2048 and saved_world(old) == {"size": 2, "dp": 2}
+    assert global_tokens_seen({"tokens_seen": 96}) == 96  # one process, no data state

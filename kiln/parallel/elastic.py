@@ -111,7 +111,7 @@ def batch_after_resharding(resumed_dp: int, dp: int, tc) -> str | None:
 
 
 def agent_store_in_use() -> bool:
-    """torchrun hands its workers the agent's own TCP store (torch ≥ 2.4's default with the c10d rendezvous and
+    """torchrun hands its workers the agent's own TCP store (torch ≥ 2.5's default with the c10d rendezvous and
     --standalone; TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 turns it off): the store outlives the workers, and every
     rendezvous round of the agent reuses it."""
     return os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"

@@ -19,6 +19,9 @@ from kiln.train import checkpoint, loop
 
 faulthandler.register(signal.SIGUSR2)  # `kill -USR2 PID` prints where a hung rank is
 rank, attempt = int(os.environ.get("RANK", "0")), int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+if "TORCHELASTIC_USE_AGENT_STORE" in os.environ:  # under torchrun: which store the workers bootstrap from
+    print(f"elastic_entry: rank {rank} TORCHELASTIC_USE_AGENT_STORE={os.environ['TORCHELASTIC_USE_AGENT_STORE']}",
+          flush=True)
 
 if os.environ.get("KILN_TEST_KILL") and attempt == 0:
     who, at = map(int, os.environ["KILN_TEST_KILL"].split("@"))

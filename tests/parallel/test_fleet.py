@@ -96,6 +96,7 @@ def test_standalone_survives_a_killed_worker_with_torchruns_defaults(elastic, re
     namespace of its own in the agent's store, resumes at step 2 and trains as one process does."""
     out, codes, logs = elastic
     assert codes["standalone"] == [0], logs["standalone"][0][-3000:]
+    assert "elastic_entry: rank 1 TORCHELASTIC_USE_AGENT_STORE=True" in logs["standalone"][0]  # torch's default
     run = out / "standalone" / "run"
     assert [r["step"] for r in records(run, "train")] == [1, 2, 3, 4, 5]
     assert_close_curves(losses(run), {s: v for s, v in losses(reference / "lm").items() if s <= 5})
@@ -131,6 +132,7 @@ def test_two_nodes_survive_a_killed_worker_then_one_node_goes_on_alone(elastic, 
     assert sorted(p.name for p in (run / "checkpoints").glob("step_*")) == ["step_000004", "step_000008",
                                                                           "step_000012"]
     survivor = logs["two_nodes"][0]
+    assert "TORCHELASTIC_USE_AGENT_STORE=True" in survivor and "TORCHELASTIC_USE_AGENT_STORE=False" not in survivor
     assert "all_reduce in step 7 failed: rank 1 never reached it (dead or hung)" in "".join(logs["two_nodes"])
     assert ("resumed on 1 data-parallel rank, the checkpoint's world had 2: grad_accum_steps 1 → 2 keeps "
             "train.global_batch_size=8") in survivor

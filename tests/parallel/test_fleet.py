@@ -1,9 +1,10 @@
-"""Runs that survive: 2 "nodes" on 127.0.0.1 under torchrun --max-restarts with a worker killed, a rank that hangs,
-a rank preempted alone, a straggler (CPU, gloo).
+"""Runs that survive: torchrun --max-restarts with a worker killed (one agent, --standalone; and 2 "nodes" on
+127.0.0.1), a node lost for good (the other goes on alone, resharded), a rank that hangs, a rank preempted alone,
+a straggler (CPU, gloo), all with torchrun's defaults (its shared agent store).
 
-Two launch groups: the 2-node elastic launch here (two torchrun agents, c10d rendezvous, one worker each), and
-tests/parallel/worker.py's 2-process launch (conftest's `launched`), whose last scenarios are the hang, the preemption
-and the straggler.
+Two launch groups: the elastic launches here (`elastic`: the --standalone one and the two agents, in flight
+together), and tests/parallel/worker.py's 2-process launch (conftest's `launched`), whose last scenarios are the
+hang, the preemption and the straggler.
 """
 import json
 import os

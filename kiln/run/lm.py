@@ -23,7 +23,7 @@ from kiln.data import PreparedData, TokenLoader, prepare_data, val_batches
 from kiln.data.batches import to_device
 from kiln.evaluate import Prepared, load_tasks, prepare, score_task
 from kiln.parallel import ParallelPlan, device_for, init_world, launched_by_torchrun
-from kiln.parallel.elastic import restart_record
+from kiln.parallel.elastic import batch_after_resharding, restart_record
 from kiln.interop.hf import read_hf
 from kiln.memory.devices import get_device, local_device
 from kiln.memory.estimate import fmt_bytes, parse_bytes
@@ -356,7 +356,11 @@ def _train(lm: LMRun, cfg: Config, run_dir: Path, resume: bool, con: Console, ca
     if resume:
         path = trainer.resume()
         con.print(f"resumed from {path} at step {lm.state.step}", highlight=False)
-    restart = restart_record(run_dir, lm.state.step, lm.state.world)  # torchrun restarted this group (--auto-resume)
+        resharded = batch_after_resharding(lm.state.resumed_world["dp"], lm.state.world.dp_size, lm.cfg.train)
+        if resharded:
+            con.print(resharded, highlight=False)
+    # torchrun restarted this group (--auto-resume)
+    restart = restart_record(run_dir, lm.state.step, lm.state.world, lm.state.resumed_world)
     if restart is not None:
         trainer.events.append(restart)
         trainer.resumed_at = lm.state.step  # the failed attempt's records past it move aside (trained again)

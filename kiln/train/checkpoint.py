@@ -67,6 +67,23 @@ class CheckpointConfig:
             raise ValueError(f"checkpoint.keep_last must be ≥ 1 (otherwise nothing could resume), got {self.keep_last}")
 
 
+def saved_world(state: dict) -> dict:
+    """The world a checkpoint's state was written by: {"size": processes, "dp": data-parallel copies}. A checkpoint
+    from before kiln recorded it says only its data position's world (the dp ranks), which serves for both."""
+    if "world" in state:
+        return dict(state["world"])
+    dp = int(state.get("data", {}).get("world", 1))
+    return {"size": dp, "dp": dp}
+
+
+def global_tokens_seen(state: dict) -> int:
+    """The tokens (or samples) every data-parallel copy saw together, as the state stores them. A checkpoint from
+    before kiln recorded its world counted one rank's share: times its own dp ranks, not the resuming run's."""
+    if "world" in state:
+        return int(state["tokens_seen"])
+    return int(state["tokens_seen"]) * saved_world(state)["dp"]
+
+
 def rng_state() -> dict:
     """Every RNG stream training draws from: python, numpy, torch CPU and CUDA."""
     kind, keys, pos, has_gauss, gauss = np.random.get_state()

@@ -279,7 +279,7 @@ class Trainer:
             if self.stragglers is not None:
                 self.stragglers.step_ended(began)
             state.step += 1
-            state.tokens_seen += units
+            state.tokens_seen += units * state.world.dp_size  # global: every data-parallel copy saw as many
             logger.advance(state.step)
             if budget.budgeted and state.step == budget.sized_at:
                 self._size_run()

@@ -7,7 +7,7 @@ import sys
 import time
 from pathlib import Path
 
-from tests.parallel.scenarios import fit_run, lm_config, measured_state_bytes
+from tests.parallel.scenarios import fit_run, lm_config, measured_state_bytes, moe_config
 from kiln.parallel.watchdog import CollectiveError
 from kiln.run.lm import train
 from kiln.train import loop
@@ -38,6 +38,8 @@ for strategy in ("ddp", "zero1", "fsdp"):
     fit_run(strategy, out / f"fit_{strategy}")
 if os.environ["RANK"] == "0":
     (out / "state_bytes.json").write_text(json.dumps(measured))
+for strategy in ("ddp", "fsdp"):  # a mixture of experts (every expert replicated, or sharded by FSDP2)
+    train(moe_config(source, strategy), out / f"moe_{strategy}")
 train(lm_config(source, "fsdp", steps=5), out / "resume_fsdp")  # resumed by one process with ddp
 for strategy in ("fsdp", "zero1"):  # written by one process before the launch
     train(lm_config(source, strategy, steps=10), out / f"from_one_{strategy}", resume=True)

@@ -18,6 +18,7 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 
 from kiln.data import DataConfig
+from kiln.errors import KilnError
 from kiln.parallel import ParallelConfig
 from kiln.parallel.strategy import strategy
 from kiln.memory.levers import MemoryConfig
@@ -36,7 +37,7 @@ from kiln.train.schedule import ScheduleConfig
 from kiln.util import closest
 
 
-class ConfigError(ValueError):
+class ConfigError(KilnError):
     pass
 
 
@@ -203,6 +204,8 @@ def load_config(path: str | Path | None = None, overrides: typing.Iterable[str] 
     validate(cfg)
     try:
         refuse_replaced(cfg.model, given, PRESETS)
+    except KilnError as e:
+        raise ConfigError(e.message, **e.fields()) from e
     except ValueError as e:
         raise ConfigError(str(e)) from None
     return cfg
@@ -218,6 +221,8 @@ def validate(cfg: Config) -> None:
         _cross_checks(cfg)
     except ConfigError:
         raise
+    except KilnError as e:  # a section's own check: the same key, value and fix, as a ConfigError
+        raise ConfigError(e.message, **e.fields()) from e
     except ValueError as e:
         raise ConfigError(str(e)) from None
 

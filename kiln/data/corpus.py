@@ -11,13 +11,15 @@ import os
 import sysconfig
 from pathlib import Path
 
+from kiln.errors import KilnError
+
 STDLIB = "stdlib"
 # Directories of the standard library that are not "the standard library" as prose: installed third-party
 # packages, and test suites / IDLE, which on 3.11 would add ~900 files of repetitive fixtures to the 674 we keep.
 STDLIB_EXCLUDED_DIRS = frozenset({"site-packages", "dist-packages", "test", "tests", "idlelib"})
 
 
-class CorpusError(ValueError):
+class CorpusError(KilnError):
     """The source cannot be read as configured (missing path, no matching files, malformed JSONL)."""
 
 

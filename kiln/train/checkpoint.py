@@ -43,6 +43,7 @@ import numpy as np
 import torch
 import xxhash
 
+from kiln.errors import KilnError
 from kiln.parallel.strategy import STRATEGIES
 from kiln.parallel.tensor import canonical, from_canonical, fused_rows
 
@@ -117,7 +118,7 @@ class CheckpointWriteError(OSError):
     """A checkpoint could not be written (full disk, quota, read-only directory); earlier ones are intact."""
 
 
-class CheckpointCorrupt(ValueError):
+class CheckpointCorrupt(KilnError):
     """A checkpoint whose files do not match its manifest, or that does not load."""
 
 

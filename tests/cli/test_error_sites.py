@@ -1,0 +1,215 @@
+"""Every place kiln raises a KilnError (or a subclass) reaches the user as one line, and each is accounted for.
+
+kiln/errors.py's KilnError carries `key`, `value` and `fix`; the `kiln` command prints it once as
+`kiln CMD: error: ...` and exits 2. Two checks:
+
+- `test_every_raise_site_is_in_the_table`: the sources are parsed (ast, no imports) for `raise KilnError(...)` and
+  `raise <subclass>(...)`; each site, named `path:qualname` of the function it is in, must be in SITES (one row
+  per raise in that function) or in ALLOWED with a reason. A row or allowance for a site that no longer raises
+  fails too, so the table cannot go stale.
+- `test_site_is_one_line`: each row runs the real entry point in this process: exit status 2, one stderr line
+  holding the fragments and naming the key, no traceback; then again with `--traceback`, which must raise, and the
+  innermost KilnError of the chain must come from the row's site (the row really reaches that raise).
+"""
+from __future__ import annotations
+
+import ast
+import os
+from pathlib import Path
+
+import pytest
+
+from kiln.cli.main import main
+from kiln.errors import KilnError
+
+ROOT = Path(__file__).resolve().parents[2]
+KILN = ROOT / "kiln"
+M = ["memory", "--out=", "--model.preset=tiny"]  # `kiln memory` validates the whole config and builds the layout
+P2 = [*M, "--ranks=2", "--parallel.strategy=fsdp"]
+
+# (site, argv, fragments of the one line). The key a site's error carries must be in the line as well.
+SITES = [
+    # kiln/models/config.py
+    ("kiln/models/config.py:ModelConfig.validate", [*M, "--model.preset=gpt5"], ["model.preset", "gpt5", "Presets:"]),
+    ("kiln/models/config.py:ModelConfig.validate", [*M, "--model.n_layer=0"], ["model.n_layer", "≥ 1"]),
+    ("kiln/models/config.py:ModelConfig.validate", [*M, "--model.n_kv_head=3"], ["model.n_head=", "n_kv_head=3"]),
+    ("kiln/models/config.py:ModelConfig.validate", [*M, "--model.init=weights"], ["model.init='weights'", "hf:DIR"]),
+    ("kiln/models/config.py:ModelConfig.validate", [*M, "--model.dropout=1.5"], ["model.dropout", "1.5"]),
+    # kiln/memory/levers.py
+    ("kiln/memory/levers.py:MemoryConfig.validate", [*M, "--memory.recompute=al"], ["memory.recompute='al'"]),
+    ("kiln/memory/levers.py:MemoryConfig.validate", [*M, "--memory.recompute_every=0"], ["memory.recompute_every"]),
+    ("kiln/memory/levers.py:MemoryConfig.validate", [*M, "--memory.recompute=budget"],
+     ["memory.recompute_budget", "6GiB"]),
+    ("kiln/memory/levers.py:MemoryConfig.validate", [*M, "--memory.chunked_loss=-1"], ["memory.chunked_loss", "-1"]),
+    ("kiln/memory/levers.py:device_mode", [*M, "--device=V100-32GB", "--precision.mode=fp8"],
+     ["precision.mode='fp8'", "use bf16"]),
+    ("kiln/memory/levers.py:device_mode", [*M, "--device=V100-32GB", "--precision.mode=bf16"],
+     ["precision.mode='bf16'", "V100", "or auto"]),
+    ("kiln/memory/levers.py:_activations", [*P2, "--parallel.cp=2", "--data.seq_len=15"],
+     ["parallel.cp=2", "data.seq_len=15", "divides"]),
+    # kiln/numerics/config.py
+    ("kiln/numerics/config.py:NumericsConfig.validate", [*M, "--numerics.spike_policy=panic"],
+     ["numerics.spike_policy='panic'", "use one of"]),
+    ("kiln/numerics/config.py:NumericsConfig.validate", [*M, "--numerics.rollback_from=tape"],
+     ["numerics.rollback_from='tape'", "'disk'"]),
+    ("kiln/numerics/config.py:NumericsConfig.validate", [*M, "--numerics.spike_threshold=0"], ["spike_threshold"]),
+    ("kiln/numerics/config.py:NumericsConfig.validate", [*M, "--numerics.spike_window=2"], ["spike_window", "≥ 3"]),
+    ("kiln/numerics/config.py:NumericsConfig.validate", [*M, "--numerics.rollback_lr_factor=2"],
+     ["numerics.rollback_lr_factor", "(0, 1]"]),
+    ("kiln/numerics/config.py:NumericsConfig.validate", [*M, "--numerics.max_rollbacks=0"],
+     ["numerics.max_rollbacks", "≥ 1"]),
+    ("kiln/numerics/config.py:NumericsConfig.validate", [*M, "--numerics.max_nonfinite_steps=-1"],
+     ["numerics.max_nonfinite_steps", "≥ 0"]),
+    # kiln/train/schedule.py
+    ("kiln/train/schedule.py:ScheduleConfig.validate", [*M, "--schedule.name=zigzag"], ["schedule.name='zigzag'"]),
+    ("kiln/train/schedule.py:ScheduleConfig.validate", [*M, "--schedule.warmup_steps=-1"],
+     ["schedule.warmup_steps", "-1"]),
+    ("kiln/train/schedule.py:ScheduleConfig.validate", [*M, "--schedule.min_lr_ratio=2"], ["schedule.min_lr_ratio"]),
+    ("kiln/train/schedule.py:ScheduleConfig.validate", [*M, "--schedule.decay_fraction=0"],
+     ["schedule.decay_fraction"]),
+    ("kiln/train/schedule.py:ScheduleConfig.validate", [*M, "--schedule.total_steps=-1"], ["schedule.total_steps"]),
+    ("kiln/train/schedule.py:ScheduleConfig.validate", [*M, "--schedule.gamma=0"], ["schedule.step_size"]),
+    # kiln/train/optim.py
+    ("kiln/train/optim.py:OptimConfig.validate", [*M, "--optim.name=adamz"], ["optim.name='adamz'"]),
+    ("kiln/train/optim.py:OptimConfig.validate", [*M, "--optim.lr=0"], ["optim.lr", "> 0"]),
+    ("kiln/train/optim.py:OptimConfig.validate", [*M, "--optim.beta2=1"], ["optim.beta2", "[0, 1)"]),
+    ("kiln/train/optim.py:OptimConfig.validate", [*M, "--optim.eps=0"], ["optim.weight_decay", "optim.eps > 0"]),
+    ("kiln/train/optim.py:OptimConfig.validate", [*M, "--optim.clip_mode=hard"], ["optim.clip_mode='hard'"]),
+    ("kiln/train/optim.py:OptimConfig.validate", [*M, "--optim.clip_percentile=0"], ["optim.clip_percentile"]),
+    ("kiln/train/optim.py:OptimConfig.validate", [*M, "--optim.clip_history=0"], ["optim.clip_history"]),
+    ("kiln/train/optim.py:OptimConfig.validate", [*M, "--optim.implementation=fast"],
+     ["optim.implementation='fast'", "foreach"]),
+    ("kiln/train/optim.py:OptimConfig.validate", [*M, "--optim.lr_scaling=cubic"], ["optim.lr_scaling='cubic'"]),
+    ("kiln/train/optim.py:OptimConfig.validate", [*M, "--optim.lr_scaling=linear", "--optim.reference_batch_tokens=0"],
+     ["optim.reference_batch_tokens"]),
+    ("kiln/train/optim.py:OptimConfig.validate", [*M, "--optim.offload=disk"], ["optim.offload='disk'"]),
+    # kiln/parallel/layout.py
+    ("kiln/parallel/layout.py:ParallelPlan.from_config", [*M, "--parallel.tp=0"], ["parallel.tp=0", "≥ 1"]),
+    ("kiln/parallel/layout.py:ParallelPlan.from_config", [*P2, "--parallel.tp=3"],
+     ["2 processes", "parallel.tp=3", "multiple of 3"]),
+    ("kiln/parallel/layout.py:ParallelPlan.from_config", [*M, "--ranks=2", "--parallel.strategy=none"],
+     ["parallel.strategy=none", "--parallel.strategy=ddp"]),
+    ("kiln/parallel/layout.py:ParallelPlan.from_config",
+     [*M, "--ranks=2", "--parallel.strategy=none", "--parallel.cp=2"], ["parallel.cp=2", "--parallel.strategy=fsdp"]),
+    ("kiln/parallel/layout.py:ParallelPlan.from_config", [*M, "--parallel.sequence_parallel=true"],
+     ["parallel.sequence_parallel", "--parallel.tp > 1"]),
+    ("kiln/parallel/layout.py:ParallelPlan.from_config", [*M, "--ranks=2", "--parallel.strategy=zero1",
+                                                          "--parallel.tp=2"], ["parallel.strategy=zero1", "fsdp or ddp"]),
+    ("kiln/parallel/layout.py:ParallelPlan.from_config", [*M, "--ranks=2", "--parallel.strategy=zero1",
+                                                          "--parallel.pp=2"], ["parallel.pp", "zero1"]),
+    ("kiln/parallel/layout.py:ParallelPlan.from_config", [*M, "--parallel.pp_schedule=zigzag"],
+     ["parallel.pp_schedule='zigzag'"]),
+    ("kiln/parallel/layout.py:ParallelPlan.from_config", [*P2, "--parallel.pp=2", "--parallel.pp_microbatches=3",
+                                                          "--train.micro_batch_size=4"], ["parallel.pp_microbatches=3"]),
+    ("kiln/parallel/layout.py:ParallelPlan.from_config", [*P2, "--parallel.pp=2", "--parallel.pp_schedule=1f1b",
+                                                          "--parallel.pp_microbatches=1"], ["1f1b", "gpipe"]),
+    ("kiln/parallel/layout.py:_check_model", [*P2, "--parallel.pp=2", "--model.n_layer=1"],
+     ["parallel.pp splits 1 blocks"]),
+    ("kiln/parallel/layout.py:_check_model", [*M, "--model.preset=qwen3-moe-tiny", "--ranks=2", "--parallel.tp=2"],
+     ["parallel.tp=2", "mixture of experts"]),
+    ("kiln/parallel/layout.py:_check_model", [*P2, "--parallel.tp=2", "--model.n_head=3", "--model.d_model=48"],
+     ["parallel.tp=2 does not divide"]),
+]
+
+# Sites with no row here, each with the reason.
+ALLOWED = {
+    "kiln/config.py:load_config": "re-raises a section's KilnError as a ConfigError with the same key, value, fix",
+    "kiln/config.py:validate": "re-raises a section's KilnError as a ConfigError with the same key, value, fix",
+}
+# Files whose typed errors (ConfigError, SourceError, ...) were typed before KilnError existed: their refusals are
+# tested by the test files named here (and tests/cli/test_bad_input.py), message by message. A row added above for
+# one of their sites is still checked.
+ALLOWED_FILES = {
+    "kiln/config.py": "ConfigError: tests/test_config.py and tests/cli/test_bad_input.py",
+}
+
+
+def _family(files: list[Path]) -> set[str]:
+    """KilnError and every class in kiln that derives from it, by name (bases read from the source)."""
+    bases: dict[str, set[str]] = {}
+    for path in files:
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ClassDef):
+                bases.setdefault(node.name, set()).update(ast.unparse(b).split(".")[-1] for b in node.bases)
+    family = {"KilnError"}
+    while True:
+        more = {name for name, b in bases.items() if b & family} - family
+        if not more:
+            return family
+        family |= more
+
+
+def raise_sites(root: Path = KILN) -> dict[str, int]:
+    """{"kiln/x.py:Class.function": how many KilnError raises it holds}."""
+    files = sorted(root.rglob("*.py"))
+    family = _family(files)
+    sites: dict[str, int] = {}
+
+    def visit(node, path, scope):
+        for child in ast.iter_child_nodes(node):
+            if isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+                visit(child, path, scope + [child.name])
+                continue
+            if isinstance(child, ast.Raise) and isinstance(child.exc, ast.Call):
+                name = ast.unparse(child.exc.func).split(".")[-1]
+                if name in family:
+                    site = f"{path}:{'.'.join(scope) or '<module>'}"
+                    sites[site] = sites.get(site, 0) + 1
+            visit(child, path, scope)
+
+    for path in files:
+        visit(ast.parse(path.read_text()), path.relative_to(root.parent).as_posix(), [])
+    return sites
+
+
+def test_every_raise_site_is_in_the_table():
+    sites = raise_sites()
+    rows: dict[str, int] = {}
+    for site, _, _ in SITES:
+        rows[site] = rows.get(site, 0) + 1
+    missing = [f"{site}: {n} raise(s), {rows.get(site, 0)} row(s) in SITES" for site, n in sorted(sites.items())
+               if rows.get(site, 0) < n and site not in ALLOWED and site.split(":")[0] not in ALLOWED_FILES]
+    stale = [f"{site}: in the table, but it raises no KilnError" for site in sorted({*rows, *ALLOWED}) if site not in sites]
+    stale += [f"{path}: in ALLOWED_FILES, but it raises no KilnError" for path in ALLOWED_FILES
+              if not any(site.startswith(path + ":") for site in sites)]
+    assert not missing and not stale, "\n".join(
+        ["each `raise KilnError(...)` (or a subclass) needs a row in SITES (a bad input that reaches it) or an "
+         "entry in ALLOWED with the reason:", *missing, *stale])
+    assert len(sites) > 50, sites  # the scan finds the sites that exist (it is not looking at nothing)
+
+
+def _innermost(e: BaseException) -> BaseException:
+    """The deepest KilnError in the chain: a section's error re-raised as a ConfigError is where it came from."""
+    while isinstance(e.__cause__, KilnError):
+        e = e.__cause__
+    return e
+
+
+def _site_of(e: BaseException) -> str:
+    tb = e.__traceback__
+    while tb.tb_next is not None:
+        tb = tb.tb_next
+    path = Path(tb.tb_frame.f_code.co_filename).resolve().relative_to(ROOT).as_posix()
+    return f"{path}:{tb.tb_frame.f_code.co_qualname}"
+
+
+@pytest.mark.parametrize("site, argv, fragments", SITES, ids=[f"{s[0].split(':')[0][5:]}:{' '.join(s[1][3:])}"
+                                                             for s in SITES])
+def test_site_is_one_line(site, argv, fragments, capsys, monkeypatch, tmp_path):
+    monkeypatch.chdir(tmp_path)
+    for name in ("KILN_TRACEBACK", "KILN_DEBUG"):
+        monkeypatch.delenv(name, raising=False)
+    status = main(argv)
+    out, err = capsys.readouterr()
+    lines = err.strip().splitlines()
+    assert status == 2, f"exit status {status}\nstdout: {out}\nstderr: {err}"
+    assert len(lines) == 1 and lines[0].startswith(f"kiln {argv[0]}: error: "), err
+    assert "Traceback" not in out + err
+    for fragment in fragments:
+        assert fragment in lines[0], f"{fragment!r} not in: {lines[0]}"
+
+    with pytest.raises(KilnError) as info:
+        main(["--traceback", *argv])
+    deep = _innermost(info.value)
+    assert _site_of(deep) == site, f"the row reaches {_site_of(deep)}, not {site}: {deep}"
+    assert deep.key and deep.key.split("=")[0] in lines[0], f"key {deep.key!r} is not named in: {lines[0]}"

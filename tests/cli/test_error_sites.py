@@ -30,22 +30,23 @@ P2 = [*M, "--ranks=2", "--parallel.strategy=fsdp"]
 # (site, argv, fragments of the one line). The key a site's error carries must be in the line as well.
 SITES = [
     # kiln/models/config.py
-    ("kiln/models/config.py:ModelConfig.validate", [*M, "--model.preset=gpt5"], ["model.preset", "gpt5", "Presets:"]),
-    ("kiln/models/config.py:ModelConfig.validate", [*M, "--model.n_layer=0"], ["model.n_layer", "≥ 1"]),
-    ("kiln/models/config.py:ModelConfig.validate", [*M, "--model.n_kv_head=3"], ["model.n_head=", "n_kv_head=3"]),
-    ("kiln/models/config.py:ModelConfig.validate", [*M, "--model.init=weights"], ["model.init='weights'", "hf:DIR"]),
-    ("kiln/models/config.py:ModelConfig.validate", [*M, "--model.dropout=1.5"], ["model.dropout", "1.5"]),
+    ("kiln/models/config.py:ModelConfig.resolve", [*M, "--model.preset=gpt5"], ["model.preset", "gpt5", "Presets:"]),
+    ("kiln/models/config.py:ModelConfig.check", [*M, "--model.n_layer=-1"], ["model.n_layer", "≥ 1"]),
+    ("kiln/models/config.py:ModelConfig.check", [*M, "--model.preset=llama-125m", "--model.n_kv_head=5"],
+     ["model.n_head=12", "n_kv_head=5"]),
+    ("kiln/models/config.py:ModelConfig.check", [*M, "--model.init=weights"], ["model.init='weights'", "hf:DIR"]),
+    ("kiln/models/config.py:ModelConfig.check", [*M, "--model.dropout=1.5"], ["model.dropout", "1.5"]),
     # kiln/memory/levers.py
     ("kiln/memory/levers.py:MemoryConfig.validate", [*M, "--memory.recompute=al"], ["memory.recompute='al'"]),
     ("kiln/memory/levers.py:MemoryConfig.validate", [*M, "--memory.recompute_every=0"], ["memory.recompute_every"]),
     ("kiln/memory/levers.py:MemoryConfig.validate", [*M, "--memory.recompute=budget"],
      ["memory.recompute_budget", "6GiB"]),
     ("kiln/memory/levers.py:MemoryConfig.validate", [*M, "--memory.chunked_loss=-1"], ["memory.chunked_loss", "-1"]),
-    ("kiln/memory/levers.py:device_mode", [*M, "--device=V100-32GB", "--precision.mode=fp8"],
+    ("kiln/memory/levers.py:precision_for", [*M, "--device=V100-32GB", "--precision.mode=fp8"],
      ["precision.mode='fp8'", "use bf16"]),
-    ("kiln/memory/levers.py:device_mode", [*M, "--device=V100-32GB", "--precision.mode=bf16"],
+    ("kiln/memory/levers.py:precision_for", [*M, "--device=V100-32GB", "--precision.mode=bf16"],
      ["precision.mode='bf16'", "V100", "or auto"]),
-    ("kiln/memory/levers.py:_activations", [*P2, "--parallel.cp=2", "--data.seq_len=15"],
+    ("kiln/memory/levers.py:for_rank", [*P2, "--parallel.cp=2", "--data.seq_len=15"],
      ["parallel.cp=2", "data.seq_len=15", "divides"]),
     # kiln/numerics/config.py
     ("kiln/numerics/config.py:NumericsConfig.validate", [*M, "--numerics.spike_policy=panic"],
@@ -84,28 +85,28 @@ SITES = [
      ["optim.reference_batch_tokens"]),
     ("kiln/train/optim.py:OptimConfig.validate", [*M, "--optim.offload=disk"], ["optim.offload='disk'"]),
     # kiln/parallel/layout.py
-    ("kiln/parallel/layout.py:ParallelPlan.from_config", [*M, "--parallel.tp=0"], ["parallel.tp=0", "≥ 1"]),
-    ("kiln/parallel/layout.py:ParallelPlan.from_config", [*P2, "--parallel.tp=3"],
+    ("kiln/parallel/layout.py:ParallelPlan.build", [*M, "--parallel.tp=0"], ["parallel.tp=0", "≥ 1"]),
+    ("kiln/parallel/layout.py:ParallelPlan.build", [*P2, "--parallel.tp=3"],
      ["2 processes", "parallel.tp=3", "multiple of 3"]),
-    ("kiln/parallel/layout.py:ParallelPlan.from_config", [*M, "--ranks=2", "--parallel.strategy=none"],
+    ("kiln/parallel/layout.py:ParallelPlan.build", [*M, "--ranks=2", "--parallel.strategy=none"],
      ["parallel.strategy=none", "--parallel.strategy=ddp"]),
-    ("kiln/parallel/layout.py:ParallelPlan.from_config",
+    ("kiln/parallel/layout.py:ParallelPlan.build",
      [*M, "--ranks=2", "--parallel.strategy=none", "--parallel.cp=2"], ["parallel.cp=2", "--parallel.strategy=fsdp"]),
-    ("kiln/parallel/layout.py:ParallelPlan.from_config", [*M, "--parallel.sequence_parallel=true"],
+    ("kiln/parallel/layout.py:ParallelPlan.build", [*M, "--parallel.sequence_parallel=true"],
      ["parallel.sequence_parallel", "--parallel.tp > 1"]),
-    ("kiln/parallel/layout.py:ParallelPlan.from_config", [*M, "--ranks=2", "--parallel.strategy=zero1",
+    ("kiln/parallel/layout.py:ParallelPlan.build", [*M, "--ranks=2", "--parallel.strategy=zero1",
                                                           "--parallel.tp=2"], ["parallel.strategy=zero1", "fsdp or ddp"]),
-    ("kiln/parallel/layout.py:ParallelPlan.from_config", [*M, "--ranks=2", "--parallel.strategy=zero1",
+    ("kiln/parallel/layout.py:ParallelPlan.build", [*M, "--ranks=2", "--parallel.strategy=zero1",
                                                           "--parallel.pp=2"], ["parallel.pp", "zero1"]),
-    ("kiln/parallel/layout.py:ParallelPlan.from_config", [*M, "--parallel.pp_schedule=zigzag"],
+    ("kiln/parallel/layout.py:ParallelPlan.build", [*M, "--parallel.pp_schedule=zigzag"],
      ["parallel.pp_schedule='zigzag'"]),
-    ("kiln/parallel/layout.py:ParallelPlan.from_config", [*P2, "--parallel.pp=2", "--parallel.pp_microbatches=3",
+    ("kiln/parallel/layout.py:ParallelPlan.build", [*P2, "--parallel.pp=2", "--parallel.pp_microbatches=3",
                                                           "--train.micro_batch_size=4"], ["parallel.pp_microbatches=3"]),
-    ("kiln/parallel/layout.py:ParallelPlan.from_config", [*P2, "--parallel.pp=2", "--parallel.pp_schedule=1f1b",
+    ("kiln/parallel/layout.py:ParallelPlan.build", [*P2, "--parallel.pp=2", "--parallel.pp_schedule=1f1b",
                                                           "--parallel.pp_microbatches=1"], ["1f1b", "gpipe"]),
     ("kiln/parallel/layout.py:_check_model", [*P2, "--parallel.pp=2", "--model.n_layer=1"],
      ["parallel.pp splits 1 blocks"]),
-    ("kiln/parallel/layout.py:_check_model", [*M, "--model.preset=qwen3-moe-tiny", "--ranks=2", "--parallel.tp=2"],
+    ("kiln/parallel/layout.py:_check_model", [*M, "--model.preset=qwen3-moe-nano", "--ranks=2", "--parallel.tp=2"],
      ["parallel.tp=2", "mixture of experts"]),
     ("kiln/parallel/layout.py:_check_model", [*P2, "--parallel.tp=2", "--model.n_head=3", "--model.d_model=48"],
      ["parallel.tp=2 does not divide"]),
@@ -113,22 +114,45 @@ SITES = [
 
 # Sites with no row here, each with the reason.
 ALLOWED = {
-    "kiln/config.py:load_config": "re-raises a section's KilnError as a ConfigError with the same key, value, fix",
-    "kiln/config.py:validate": "re-raises a section's KilnError as a ConfigError with the same key, value, fix",
+    "kiln/config.py:load_config": "holds 6 ConfigErrors of the config file (tests/cli/test_bad_input.py) and the "
+                                  "re-raise of a section's KilnError as a ConfigError (same key, value and fix)",
+    "kiln/config.py:validate": "re-raises a section's KilnError as a ConfigError with the same key, value and fix",
+    "kiln/models/config.py:ModelConfig.padded_vocab": "`kiln` sets model.vocab_size from the tokenizer before any "
+                                                      "caller asks for it: a library caller's ModelConfig reaches it",
+    "kiln/train/optim.py:_implementation": "kiln's own models hold floating-point parameters on CPU or CUDA; a "
+                                           "fit() model elsewhere reaches it",
+    "kiln/train/optim.py:AdaptiveClip.load_state_dict": "a resume with another optim.clip_history (a run and a "
+                                                        "resume: kept out of this table's time)",
 }
-# Files whose typed errors (ConfigError, SourceError, ...) were typed before KilnError existed: their refusals are
-# tested by the test files named here (and tests/cli/test_bad_input.py), message by message. A row added above for
-# one of their sites is still checked.
+# Files whose errors were typed (ConfigError, SourceError, ...) before KilnError existed, with how many raises
+# each held then: their refusals are tested message by message by the files named. A raise added to one of them
+# beyond that count needs a row above (or the count raised here, with the test that covers it).
 ALLOWED_FILES = {
-    "kiln/config.py": "ConfigError: tests/test_config.py and tests/cli/test_bad_input.py",
+    "kiln/config.py": (16, "ConfigError: tests/test_config.py, tests/cli/test_bad_input.py"),
+    **{f"kiln/cli/{name}.py": (n, "the command's own flags and files: tests/cli/test_bad_input.py, tests/cli/")
+       for name, n in [("checkpoints", 1), ("common", 1), ("data", 1), ("estimate", 4), ("eval", 4), ("export", 3),
+                       ("memory", 1), ("plan", 3), ("profile", 2), ("report", 1), ("sample", 3), ("train", 6)]},
+    "kiln/data/__init__.py": (9, "CorpusError, ShardError: tests/data/"),
+    "kiln/data/corpus.py": (4, "CorpusError: tests/data/test_data_corpus.py, tests/data/test_data_stream.py"),
+    "kiln/data/prepare.py": (10, "CorpusError, ShardError: tests/data/test_data_prepare.py"),
+    "kiln/data/pretokenized.py": (7, "ShardError: tests/data/"),
+    "kiln/data/records.py": (8, "BadRecord: tests/data/test_data_corpus.py"),
+    "kiln/data/shards.py": (8, "ShardError: tests/data/test_data_shards.py, tests/data/test_data_prepare.py"),
+    "kiln/evaluate/tasks.py": (17, "TaskError: tests/evaluate/test_tasks_and_metrics.py"),
+    "kiln/evaluate/score.py": (1, "TaskError: tests/evaluate/"),
+    "kiln/run/fit.py": (8, "FitInputError: tests/run/test_fit.py, tests/parallel/test_fit_tensor_parallel.py"),
+    "kiln/run/fit_checks.py": (13, "FitInputError: tests/run/test_fit.py"),
+    "kiln/run/predict.py": (7, "MetricError: tests/run/test_fit.py (metrics=)"),
+    "kiln/run/source.py": (8, "SourceError: tests/run/test_source.py"),
+    "kiln/train/checkpoint.py": (9, "CheckpointCorrupt: tests/train/test_reliability.py, test_damaged_files.py"),
 }
 
 
-def _family(files: list[Path]) -> set[str]:
+def _family(trees: list[ast.Module]) -> set[str]:
     """KilnError and every class in kiln that derives from it, by name (bases read from the source)."""
     bases: dict[str, set[str]] = {}
-    for path in files:
-        for node in ast.walk(ast.parse(path.read_text())):
+    for tree in trees:
+        for node in ast.walk(tree):
             if isinstance(node, ast.ClassDef):
                 bases.setdefault(node.name, set()).update(ast.unparse(b).split(".")[-1] for b in node.bases)
     family = {"KilnError"}
@@ -142,7 +166,8 @@ def _family(files: list[Path]) -> set[str]:
 def raise_sites(root: Path = KILN) -> dict[str, int]:
     """{"kiln/x.py:Class.function": how many KilnError raises it holds}."""
     files = sorted(root.rglob("*.py"))
-    family = _family(files)
+    trees = [ast.parse(path.read_text()) for path in files]
+    family = _family(trees)
     sites: dict[str, int] = {}
 
     def visit(node, path, scope):
@@ -157,8 +182,8 @@ def raise_sites(root: Path = KILN) -> dict[str, int]:
                     sites[site] = sites.get(site, 0) + 1
             visit(child, path, scope)
 
-    for path in files:
-        visit(ast.parse(path.read_text()), path.relative_to(root.parent).as_posix(), [])
+    for path, tree in zip(files, trees):
+        visit(tree, path.relative_to(root.parent).as_posix(), [])
     return sites
 
 
@@ -167,8 +192,17 @@ def test_every_raise_site_is_in_the_table():
     rows: dict[str, int] = {}
     for site, _, _ in SITES:
         rows[site] = rows.get(site, 0) + 1
-    missing = [f"{site}: {n} raise(s), {rows.get(site, 0)} row(s) in SITES" for site, n in sorted(sites.items())
-               if rows.get(site, 0) < n and site not in ALLOWED and site.split(":")[0] not in ALLOWED_FILES]
+    unlisted: dict[str, list[str]] = {}  # file -> its sites' raises without a row, one entry per raise
+    for site, n in sorted(sites.items()):
+        if site not in ALLOWED:
+            unlisted.setdefault(site.split(":")[0], []).extend([site] * max(0, n - rows.get(site, 0)))
+    missing = []
+    for path, left in unlisted.items():
+        allowed = ALLOWED_FILES.get(path, (0, ""))[0]
+        if len(left) > allowed:
+            missing += [f"{site}: {sites[site]} raise(s), {rows.get(site, 0)} row(s) in SITES" for site in sorted(set(left))]
+            if allowed:
+                missing.append(f"  ({path} may hold {allowed} raises without rows, ALLOWED_FILES; it holds {len(left)})")
     stale = [f"{site}: in the table, but it raises no KilnError" for site in sorted({*rows, *ALLOWED}) if site not in sites]
     stale += [f"{path}: in ALLOWED_FILES, but it raises no KilnError" for path in ALLOWED_FILES
               if not any(site.startswith(path + ":") for site in sites)]

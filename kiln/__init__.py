@@ -12,8 +12,8 @@ The library API (the `kiln` command is kiln.cli):
     parts: build_state (TrainState), Trainer, TrainResult, ModelPlan / prepare_model
 """
 from kiln.config import Config, load_config
-from kiln.errors import KilnError, at_boundary
-from kiln.run.fit import fit
+from kiln.errors import KilnError
+from kiln.run.entry import fit
 from kiln.run.fit_checks import FitInputError, FitWarning
 from kiln.run.predict import predict
 from kiln.train.loop import Trainer, TrainResult
@@ -23,10 +23,6 @@ from kiln.train.pipeline import ModelPlan, prepare_model
 from kiln.train.state import TrainState, build_state
 
 __version__ = "0.1.0"
-
-# The library's entry: a KilnError (bad input: a config key, an argument, a file) reaches the caller with the
-# traceback cut at their call, its key, value and fix as attributes; KILN_TRACEBACK=1 keeps the whole traceback.
-fit = at_boundary(fit)
 
 # (kiln's own language-model run is kiln.run.lm.train: exported here it would hide the kiln.train package.)
 __all__ = ["fit", "predict", "KilnError", "FitInputError", "FitWarning", "Config", "load_config", "CrossEntropy", "MSE", "Huber", "BCEWithLogits", "NTXent",

@@ -50,7 +50,7 @@ from kiln.perf.compile import compile_setting
 from kiln.perf.hardware import precision_notice, resolve_kernels, resolve_mode
 from kiln.run.fit_checks import (FitInputError, FitWarning, check_data, check_first_loss, first_batch, given_keys,
                                  ignored_keys, recorded, schedule_change)
-from kiln.run.lm import pick_device, recorded_cpu_linear
+from kiln.run.lm import device_levers, pick_device, recorded_cpu_linear
 from kiln.run.predict import check_metrics, evaluate_metrics, remember
 from kiln.train.callbacks import Callbacks
 from kiln.train.checkpoint import Checkpointer, RunLock
@@ -269,6 +269,7 @@ def _fit(model, train_data, objective, cfg, eval_data, run_dir, resume, console,
     if not world.main:
         con = Console(quiet=True)  # rank 0 speaks for the run
     device = device_for(world, pick_device(cfg.train.device))
+    device_notes = device_levers(cfg, device)  # a lever this device cannot run: refused here, before the data
     # the tp ranks of one copy see the same batches: data is shared by the dp_size copies
     cfg = replace(cfg, train=replace(cfg.train, grad_accum_steps=accumulation_for(cfg.train, world.dp_size)))
     cfg, length_note = _run_length(cfg, train_data, extras.epochs, extras.given, world.dp_size)
@@ -315,7 +316,7 @@ def _fit(model, train_data, objective, cfg, eval_data, run_dir, resume, console,
     con.print(f"model: {type(model).__name__} {format_count(state.n_params)} parameters | device {device} | "
               f"precision {precision} | {objective!r} | {tc.micro_batch_size}×{tc.grad_accum_steps} per step",
               highlight=False)
-    for line in (length_note, defaults_note, scaled, precision_notice(cfg.precision.mode, device)):
+    for line in (length_note, defaults_note, scaled, precision_notice(cfg.precision.mode, device), *device_notes):
         if line:
             con.print(line, highlight=False)
     result = trainer.run()

@@ -19,8 +19,9 @@ def load_model(run_dir: Path, device: str = "auto"):
         raise FileNotFoundError(f"{run_dir} has no config.toml; pass a run directory written by `kiln train`")
     cfg = load_config(run_dir / "config.toml")
     dev = pick_device(device)
+    weights = Checkpointer(CheckpointConfig(), run_dir).load_weights(map_location=dev)  # first: "has no checkpoint"
     model = build_model(cfg.model, dev)
-    model.load_state_dict(Checkpointer(CheckpointConfig(), run_dir).load_weights(map_location=dev))
+    model.load_state_dict(weights)
     model.to(torch.float32).eval()
     return model, load_tokenizer(run_dir), dev
 

@@ -25,6 +25,15 @@ COMPRESSIONS = {".gz": "gz", ".zst": "zst"}  # read for JSONL only (a stream: no
 FORMAT_NAMES = {"jsonl": "JSONL", "parquet": "Parquet", "arrow": "Arrow"}
 
 
+def by_extension() -> str:
+    """data.format=auto's rule in words, from EXTENSIONS: '.jsonl, .json, .ndjson (.gz, .zst too): jsonl; ...'."""
+    rules = []
+    for fmt in dict.fromkeys(EXTENSIONS.values()):
+        packed = f" ({', '.join(COMPRESSIONS)} too)" if fmt == "jsonl" else ""
+        rules.append(f"{', '.join(ext for ext, f in EXTENSIONS.items() if f == fmt)}{packed}: {fmt}")
+    return "; ".join(rules) + "; any other: text"
+
+
 def sources() -> str:
     """What data.source accepts, in words: the forms source_files and token_files take, and the file kinds of
     EXTENSIONS."""

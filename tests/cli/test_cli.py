@@ -95,7 +95,7 @@ def test_help_says_what_the_code_accepts():
     from pathlib import Path
 
     from kiln.config import SECTIONS, describe
-    from kiln.data.corpus import EXTENSIONS, FORMAT_NAMES, sources
+    from kiln.data.corpus import EXTENSIONS, FORMAT_NAMES, by_extension, sources
     from kiln.data.prepare import file_kind
     from kiln.interop.hf import hf_config
     from kiln.models.registry import FAMILIES
@@ -118,10 +118,10 @@ def test_help_says_what_the_code_accepts():
         if line.startswith("  --"):
             key, _, text = line.strip().partition("  ")
             keys[key.split("=")[0]] = text
-    assert keys["--data.source"] == sources()
+    assert keys["--data.source"] == sources() and f"auto (by extension: {by_extension()})" in keys["--data.format"]
     for ext, fmt in EXTENSIONS.items():  # each extension the help names is read as that format
         assert file_kind(Path(f"corpus{ext}"), "auto")[0] == fmt
-        assert ext in sources() and FORMAT_NAMES[fmt] in sources()
+        assert ext in sources() and FORMAT_NAMES[fmt] in sources() and f"{ext}" in by_extension()
     assert file_kind(Path("corpus.jsonl.zst"), "auto") == ("jsonl", "zst")
     assert file_kind(Path("notes.md"), "auto")[0] == "text"
     for form in ("'stdlib'", "a text file", "a directory", "`datasets` save_to_disk directory", "data.format=tokens"):

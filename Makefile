@@ -6,7 +6,7 @@ PIP := $(PY) -m pip
 # Pinned so pip picks the CPU wheel; an unpinned torch pulls several GB of CUDA wheels.
 TORCH_PIN ?= torch==2.13.0
 
-.PHONY: train test install install-test clean bench gpu-check gpu-merge gpu-wheels
+.PHONY: train test install install-test clean bench gpu-preflight gpu-check gpu-merge gpu-wheels
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -28,8 +28,14 @@ install-test: $(VENV)/.installed-test
 train: install
 	$(VENV)/bin/kiln train
 
+# The suite, without the gpu_preflight tests (docs/testing.md: ≤ 12 min on the slowest CPU measured).
 test: install-test
-	$(PY) -m pytest -q --durations=15 tests
+	$(PY) -m pytest -q --durations=15 -m "not gpu_preflight" tests
+
+# Step 1 before any GPU window, on this CPU: every GPU launch of the kernels compiled with ptxas, the GPU suite's dry
+# run and its merge into docs/benchmarks.md (the pytest marker gpu_preflight; docs/benchmarks.md, "GPU suite").
+gpu-preflight: install-test
+	$(PY) -m pytest -q --durations=5 -m gpu_preflight tests
 
 bench: install
 	$(PY) benchmarks/throughput.py

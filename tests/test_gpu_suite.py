@@ -15,6 +15,9 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
+# The dry run takes 14-109 s on 2 CPU cores: `make gpu-preflight` runs this file before a GPU window, `make test`
+# leaves it out (docs/testing.md).
+pytestmark = pytest.mark.gpu_preflight
 
 
 @pytest.fixture(scope="module")

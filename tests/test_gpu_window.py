@@ -7,7 +7,12 @@ import sys
 import tarfile
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parent.parent
+# A dry run of the suite's profile part through the window script (78 s on the loaded 2-core Xeon): `make gpu-preflight`
+# runs this file before a GPU window, `make test` leaves it out (docs/testing.md).
+pytestmark = pytest.mark.gpu_preflight
 
 
 def window(verb: str, tmp_path: Path, wait_s: int) -> subprocess.CompletedProcess:

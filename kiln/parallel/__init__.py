@@ -33,6 +33,7 @@ import torch.nn as nn
 from torch.distributed.tensor import DTensor
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
+from kiln.parallel.elastic import agent_store_in_use, round_store
 from kiln.parallel.layout import ParallelPlan
 from kiln.parallel.strategy import Strategy, strategy
 from kiln.parallel.tensor import apply_tensor_parallel
@@ -250,7 +251,11 @@ def init_world(cfg: ParallelConfig, device_type: str) -> World:
                          f"independent copies; set --parallel.strategy=ddp, zero1 or fsdp")
     plan = ParallelPlan.build(cfg, size)
     if not dist.is_initialized():
-        _init(backend, timeout)
+        rank = int(os.environ["RANK"])
+        if agent_store_in_use():  # torchrun's store, shared by its rounds: a namespace of this round's own
+            _init(backend, timeout, store=round_store(rank, size, timeout), rank=rank, world_size=size)
+        else:
+            _init(backend, timeout)
     elif hasattr(dist.distributed_c10d, "_set_pg_timeout"):  # a later run in this process: its own timeout
         dist.distributed_c10d._set_pg_timeout(timeout)
     return World(int(os.environ["RANK"]), size, int(os.environ["LOCAL_RANK"]), cfg.strategy, timeout=cfg.timeout,

@@ -76,7 +76,9 @@ def missing_ranks(world, grace: float = GRACE_S) -> list[int] | None:
     `grace` seconds; None when the store cannot be reached."""
     try:
         store = dist.distributed_c10d._get_default_store()
-        prefix = f"kiln/failed/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/"
+        # The default store is this round's own (kiln.parallel.elastic.round_store, or a fresh one per round);
+        # not TORCHELASTIC_RESTART_COUNT, which differs between the nodes of one round.
+        prefix = "kiln/failed/"
         store.set(prefix + str(world.rank), b"1")
         others = [r for r in range(world.size) if r != world.rank]
         deadline = time.monotonic() + grace

@@ -75,7 +75,9 @@ class OneDnnLinearFunction(torch.autograd.Function):
 
 def _through_onednn(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
     tensors = (x, weight) if bias is None else (x, weight, bias)
-    return (all(type(t) in PLAIN and t.dtype == torch.float32 and t.device.type == "cpu" for t in tensors)
+    # no rows (an MoE expert no token of the micro-batch chose): oneDNN's inner product refuses a zero-sized
+    # dimension ("could not create a primitive descriptor", forward and backward); torch's handles it
+    return (x.numel() > 0 and all(type(t) in PLAIN and t.dtype == torch.float32 and t.device.type == "cpu" for t in tensors)
             and not torch.is_autocast_enabled("cpu") and not torch.compiler.is_compiling())
 
 

@@ -6,4 +6,5 @@ look at it (the doctor's checklist, measured memory).
     kiln.run.doctor   `kiln doctor`'s checks
     kiln.run.measure  `kiln memory --measure` / `kiln plan --verify`
     kiln.run.sample   `kiln sample`
+    kiln.run.source   RUN_DIR, RUN_DIR/checkpoints/step_N or hf:DIR loaded for `kiln eval` and `kiln sample`
 """

@@ -67,6 +67,23 @@ class CheckpointConfig:
             raise ValueError(f"checkpoint.keep_last must be ≥ 1 (otherwise nothing could resume), got {self.keep_last}")
 
 
+def saved_world(state: dict) -> dict:
+    """The world a checkpoint's state was written by: {"size": processes, "dp": data-parallel copies}. A checkpoint
+    from before kiln recorded it says only its data position's world (the dp ranks), which serves for both."""
+    if "world" in state:
+        return dict(state["world"])
+    dp = int(state.get("data", {}).get("world", 1))
+    return {"size": dp, "dp": dp}
+
+
+def global_tokens_seen(state: dict) -> int:
+    """The tokens (or samples) every data-parallel copy saw together, as the state stores them. A checkpoint from
+    before kiln recorded its world counted one rank's share: times its own dp ranks, not the resuming run's."""
+    if "world" in state:
+        return int(state["tokens_seen"])
+    return int(state["tokens_seen"]) * saved_world(state)["dp"]
+
+
 def rng_state() -> dict:
     """Every RNG stream training draws from: python, numpy, torch CPU and CUDA."""
     kind, keys, pos, has_gauss, gauss = np.random.get_state()
@@ -533,10 +550,13 @@ class Checkpointer:
         return FileNotFoundError(f"{run} has {len(found)} checkpoint(s) and none verifies (`kiln checkpoints "
                                  f"{run}` says what is wrong with each)")
 
-    def load_weights(self, map_location="cpu") -> dict:
-        """The newest checkpoint's model weights: state.pt's (one process), or the consolidated model.safetensors
-        rank 0 wrote from every rank's shards (data, tensor parallelism), in the model's own layout either way."""
-        state = self.load(map_location=map_location)
+    def load_weights(self, map_location="cpu", path: Path | None = None) -> dict:
+        """The newest checkpoint's model weights (`path`: that checkpoint's): state.pt's (one process), or the
+        consolidated model.safetensors rank 0 wrote from every rank's shards (data, tensor parallelism), in the
+        model's own layout either way."""
+        state = self.load(map_location=map_location, path=path)
+        if path is not None:
+            self.loaded = path
         if "model" in state:
             return state["model"]
         exported = self.loaded / "model.safetensors"

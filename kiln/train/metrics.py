@@ -73,7 +73,7 @@ class StepMetrics:
             # the global-norm threshold in force (norm: optim.grad_clip; adaptive: this step's percentile)
             "clip_threshold": threshold if math.isfinite(threshold) and threshold > 0 else None,
             f"{self.unit}_per_s": rate, "step_time_s": elapsed / self.window_steps,
-            f"{self.unit}_seen": state.tokens_seen * state.world.dp_size,
+            f"{self.unit}_seen": state.tokens_seen,  # global (the state counts every data-parallel copy)
             "peak_mem_bytes": peak_memory_bytes(state.device),
             "mfu": mfu if self.flops_per_unit else None, "hfu": hfu if self.flops_per_unit else None,
             "mfu_peak_flops": peak if self.flops_per_unit else None,  # the peak this record's MFU divides by

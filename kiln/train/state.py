@@ -22,7 +22,7 @@ import torch
 import torch.nn as nn
 
 from kiln.parallel import World
-from kiln.train.checkpoint import rng_state, set_rng_state
+from kiln.train.checkpoint import global_tokens_seen, rng_state, saved_world, set_rng_state
 from kiln.train.optim import AdaptiveClip, OptimConfig, build_optimizer, param_groups
 from kiln.train.pipeline import ModelPlan, prepare_model
 from kiln.train.precision import LossScaler, MasterWeights, Precision, PrecisionConfig
@@ -72,12 +72,13 @@ class TrainState:
     loader: object | None  # batches: next(), batches_served, skip(n), state_dict(), close(); None to measure only
     applied: dict = field(default_factory=dict)  # what the model pipeline did
     step: int = 0
-    tokens_seen: int = 0  # tokens (language models) or samples seen
+    tokens_seen: int = 0  # tokens (language models) or samples seen, by every data-parallel copy together
     best_val: float = math.inf
     evals_since_best: int = 0
     numerics: object | None = None  # the numerics monitor, attached by the Trainer; its state is saved too
     world: World = field(default_factory=World)  # this process's place in data parallelism (a world of one)
     adaptive_clip: AdaptiveClip | None = None  # optim.clip_mode=adaptive: the norm history the threshold comes from
+    resumed_world: dict | None = None  # the world ({"size", "dp"}) that wrote the checkpoint this state resumed
 
     def state_dict(self) -> dict:
         """Everything, in one process's hands (a world of one, and the in-memory rollback snapshot)."""
@@ -101,7 +102,8 @@ class TrainState:
         state = {
             "scaler": self.scaler.state_dict(),
             "step": self.step,
-            "tokens_seen": self.tokens_seen,
+            "tokens_seen": self.tokens_seen,  # global (kiln.train.checkpoint.global_tokens_seen)
+            "world": {"size": self.world.size, "dp": self.world.dp_size},
             "best_val": self.best_val,
             "evals_since_best": self.evals_since_best,
         }
@@ -119,7 +121,7 @@ class TrainState:
         self.scaler.load_state_dict(state["scaler"])
         if self.masters is not None:
             self.masters.load_state_dict(state["masters"])
-        self.step, self.tokens_seen = state["step"], state["tokens_seen"]
+        self.step, self.tokens_seen, self.resumed_world = state["step"], global_tokens_seen(state), saved_world(state)
         self.best_val, self.evals_since_best = state["best_val"], state["evals_since_best"]
         if self.loader is not None:
             self.loader.load_state_dict(state["data"])

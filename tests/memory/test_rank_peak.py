@@ -55,7 +55,7 @@ def overrides(name: str) -> list[str]:
 @pytest.fixture(scope="module")
 def measured(tmp_path_factory):
     out = tmp_path_factory.mktemp("rank-peaks")
-    env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1", TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1")
+    env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
     proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
                            str(ROOT / "tests" / "memory" / "rank_peak_worker.py"), str(out)],
                           cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)

@@ -6,9 +6,10 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 
 from kiln.run.lm import train
-from tests.parallel.scenarios import fit_run, lm_config
+from tests.parallel.scenarios import fit_run, lm_config, moe_config
 from tests.train.test_golden_curve import corpus_text
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -40,6 +41,20 @@ def reference(tmp_path_factory, source, kiln_cache):
     out = tmp_path_factory.mktemp("single")
     train(lm_config(source, "none", steps=10), out / "lm")
     fit_run("none", out / "fit")
+    return out
+
+
+@pytest.fixture(scope="session")
+def moe_reference(tmp_path_factory, source, kiln_cache):
+    """tests/parallel/worker.py's mixture of experts (scenarios.moe_config) in this one process, on one thread as
+    each torchrun rank runs (torch's products sum in another order on more threads)."""
+    out = tmp_path_factory.mktemp("single-moe") / "moe"
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        train(moe_config(source, "none"), out)
+    finally:
+        torch.set_num_threads(threads)
     return out
 
 

@@ -16,11 +16,11 @@ from kiln.train.losses import CrossEntropy
 
 
 def lm_config(source: str, strategy: str, steps: int, global_batch_size: int = 8, nan_forward: str = "",
-              nan_rank: int = -1, trace: bool = False):
-    """A 2-layer GPT on a small corpus, fp32, global batch 8 sequences of 32 tokens: 2 micro-batches of 4 on one
-    process, 1 on each of two."""
-    cfg = make_config(model=ModelConfig(preset="tiny", n_layer=2, n_head=2, d_model=64, max_seq_len=64),
-                      data=DataConfig(source=source, seq_len=32, prefetch=0))
+              nan_rank: int = -1, trace: bool = False, model: ModelConfig | None = None):
+    """A 2-layer GPT (or `model`) on a small corpus, fp32, global batch 8 sequences of 32 tokens: 2 micro-batches
+    of 4 on one process, 1 on each of two."""
+    model = model or ModelConfig(preset="tiny", n_layer=2, n_head=2, d_model=64, max_seq_len=64)
+    cfg = make_config(model=model, data=DataConfig(source=source, seq_len=32, prefetch=0))
     tc = cfg.train
     tc.max_steps, tc.micro_batch_size, tc.global_batch_size, tc.eval_batches = steps, 4, global_batch_size, 4
     tc.sample_tokens, tc.device = 0, "cpu"
@@ -31,6 +31,16 @@ def lm_config(source: str, strategy: str, steps: int, global_batch_size: int = 8
     tc.cpu_linear = "onednn" if onednn_available() else "torch"
     cfg.parallel.strategy = strategy
     cfg.numerics.trace, cfg.faults.nan_forward, cfg.faults.rank = trace, nan_forward, nan_rank
+    return cfg
+
+
+def moe_config(source: str, strategy: str):
+    """Qwen3-MoE's nano preset (2 blocks of 8 SwiGLU experts, 2 per token; its load-balancing loss on) as lm_config
+    trains it, for 6 steps."""
+    cfg = lm_config(source, strategy, steps=6, model=ModelConfig(preset="qwen3-moe-nano"))
+    # torch's products: train.cpu_linear=onednn fails in the backward of an expert that got no token in a
+    # micro-batch (oneDNN cannot build an inner product over 0 rows)
+    cfg.train.cpu_linear = "torch"
     return cfg
 
 

@@ -45,8 +45,13 @@ def assert_same_run(got_dir, want_dir):
         assert got[step] == pytest.approx(want[step], rel=RTOL), step
     wg, ww = weights(got_dir), weights(want_dir)
     assert wg.keys() == ww.keys()
-    for key in ww:  # the consolidated export is in the model's own row order (fused rows put back)
-        torch.testing.assert_close(wg[key], ww[key], rtol=RTOL, atol=1e-6, msg=key)
+    # the consolidated export is in the model's own row order (fused rows put back). Weights to 1e-5 absolute, as
+    # tests/parallel/test_dist.py's MoE parity: AdamW turns the last-bit differences of a gradient near optim.eps
+    # into a larger step (its update is ~lr whatever the gradient's size). Measured on the 2-core Intel Xeon with AMX
+    # (2026-11-27): llama_fsdp's blocks.0.mlp.proj.weight 1.17e-6 off in one element, every other tensor ≤ 6.1e-7;
+    # a wrong split or normalisation moves the losses above by far more than their 1e-5.
+    for key in ww:
+        torch.testing.assert_close(wg[key], ww[key], rtol=RTOL, atol=1e-5, msg=key)
 
 
 @pytest.mark.parametrize("run,arch", [("llama_fsdp", "llama"), ("gpt2_ddp_sp", "gpt2")])

@@ -40,6 +40,20 @@ def test_forward_and_backward_match_float64(bias):
 
 
 @needs_onednn
+@needs_onednn
+def test_no_rows_trains_as_torchs():
+    """An MoE expert that no token chose gets (0, C) inputs: forward and backward give torch's empty output and
+    zero weight gradient (oneDNN's backward refused the zero-sized product)."""
+    w = torch.randn(8, 4, requires_grad=True)
+    b = torch.randn(8, requires_grad=True)
+    x = torch.randn(0, 4, requires_grad=True)
+    y = linear(x, w, b)
+    assert y.shape == (0, 8)
+    (y.sum() + (w * 0).sum()).backward()
+    assert torch.equal(w.grad, torch.zeros_like(w)) and torch.equal(b.grad, torch.zeros_like(b))
+    assert x.grad.shape == (0, 4)
+
+
 def test_other_dtypes_and_autocast_take_torchs_linear(monkeypatch):
     calls = []
     monkeypatch.setattr(cpu_linear.OneDnnLinearFunction, "apply", lambda *a: calls.append(a) or F.linear(*a))

@@ -50,7 +50,8 @@ from kiln.perf.compile import compile_setting
 from kiln.perf.hardware import precision_notice, resolve_kernels, resolve_mode
 from kiln.run.fit_checks import (FitInputError, FitWarning, check_data, check_first_loss, first_batch, given_keys,
                                  ignored_keys, recorded, schedule_change)
-from kiln.run.lm import device_levers, pick_device, recorded_cpu_linear
+from kiln.run.device_levers import device_levers
+from kiln.run.lm import pick_device, recorded_cpu_linear
 from kiln.run.predict import check_metrics, evaluate_metrics, remember
 from kiln.train.callbacks import Callbacks
 from kiln.train.checkpoint import Checkpointer, RunLock

@@ -39,6 +39,7 @@ from kiln.perf.flops import recompute_flops_per_token
 from kiln.perf.cpu_linear import decide_cpu_linear
 from kiln.perf.peak import linear_shapes, model_peak_flops
 from kiln.perf.hardware import decide_mode, precision_notice, resolve_kernels
+from kiln.run.device_levers import device_levers
 from kiln.run.oom import OomContext, OutOfMemory, oom_report, ram_check
 from kiln.train.checkpoint import Checkpointer, RunLock, full_weights
 from kiln.train.loop import TrainResult, Trainer, accumulation_for
@@ -241,6 +242,8 @@ def build_lm(cfg: Config, run_dir: Path | None = None, log=print, device: torch.
     with_data=False builds without data (vocabulary from the config, 256 for bytes): for measuring memory on
     random tokens.
     """
+    for note in device_levers(cfg, device or pick_device(cfg.train.device)):
+        log(note)
     world = init_world(cfg.parallel, (device or pick_device(cfg.train.device)).type)
     try:
         return _build_lm(cfg, run_dir, log, device_for(world, device or pick_device(cfg.train.device)), with_data,

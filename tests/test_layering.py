@@ -20,7 +20,7 @@ LAYERS = [  # bottom to top; a package imports only from packages in lower layer
     ("models", "data"),
     ("perf", "parallel", "interop"),
     ("kernels",),
-    ("memory", "numerics"),
+    ("memory", "numerics", "evaluate"),
     ("train",),
     ("config",),
     ("run", "report"),

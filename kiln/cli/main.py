@@ -14,6 +14,7 @@ from kiln.config import ConfigError
 COMMANDS = {
     "train": "kiln.cli.train",
     "sample": "kiln.cli.sample",
+    "eval": "kiln.cli.eval",
     "memory": "kiln.cli.memory",
     "plan": "kiln.cli.plan",
     "doctor": "kiln.cli.doctor",

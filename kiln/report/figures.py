@@ -167,6 +167,9 @@ def build_charts(runs: list[Run], clip_thresholds: list[float | None]) -> list[C
     skipped = Chart("skipped_steps", "steps skipped so far (update withheld)", "step", "steps")
     gap = Chart("gap", "generalisation gap (val loss − train loss since the previous evaluation)", "step", "gap")
     per_source = Chart("val_loss_sources", "validation loss per data source ([[data.mix]])", "step", loss_step.ylabel)
+    tasks = Chart("task_accuracy", "task accuracy (train.eval_tasks): acc (solid), acc_norm (dashed), acc ± its "
+                  "standard error (dotted)", "step", "accuracy")
+    bpb = Chart("task_bpb", "task bits per byte (train.eval_tasks, text:)", "step", "bits per byte")
     extra: dict[str, Chart] = {}
     for i, run in enumerate(runs):
         x, y = series(run.train, "loss")
@@ -203,19 +206,54 @@ def build_charts(runs: list[Run], clip_thresholds: list[float | None]) -> list[C
             per_source.lines.append(Line(i if multi else j, name(run, key.removeprefix("val_loss/")),
                                          *series(run.eval, key), "solid" if not multi else ("solid", "dashed",
                                                                                             "dotted")[j % 3]))
+        task_lines(run, i, multi, tasks, bpb)
         for records, charted, kind in ((run.train, CHARTED_TRAIN, "train"), (run.eval, CHARTED_EVAL, "eval")):
             for key in dict.fromkeys(k for r in records for k in r if k not in charted
-                                     and not k.startswith("val_loss/")):
+                                     and not k.startswith("val_loss/") and task_name(k) is None):
                 x, y = series(records, key)
                 if x:
                     chart = extra.setdefault(key, Chart(f"{kind}_{key}", f"{key} ({kind} records)", "step", key))
                     chart.lines.append(Line(i, run.name, x, y))
-    charts = [loss_step, loss_seen, per_source, gap, lr, grad, rate, step_time, util, scale, mem, skipped, *extra.values()]
+    charts = [loss_step, loss_seen, per_source, tasks, bpb, gap, lr, grad, rate, step_time, util, scale, mem, skipped, *extra.values()]
     for c in charts:
         c.lines = [line for line in c.lines if line.x]
     shown = {"solid": "MFU (solid)", "dashed": "HFU (dashed)", "dotted": "device busy (dotted)"}
     util.title = ", ".join(shown[s] for s in shown if any(line.style == s for line in util.lines)) or util.title
     return [c for c in charts if not c.empty]
+
+
+TASK_SCORES = ("_acc_norm", "_acc_stderr", "_acc", "_bpb")  # task_<name><suffix>; longest suffixes first
+
+
+def task_name(key: str) -> str | None:
+    """"hellaswag" for task_hellaswag_acc_norm; None for a key that is not a task score."""
+    if key.startswith("task_"):
+        for suffix in TASK_SCORES:
+            if key.endswith(suffix) and len(key) > len("task_") + len(suffix):
+                return key[len("task_"):-len(suffix)]
+    return None
+
+
+def task_lines(run: Run, index: int, multi: bool, accuracy: Chart, bpb: Chart) -> None:
+    """train.eval_tasks' scores of one run: each task's acc, acc_norm and acc ± stderr, or its bits per byte; one
+    colour per task (per run when comparing runs)."""
+    names = dict.fromkeys(task_name(k) for r in run.eval for k in r if task_name(k))
+    for j, task in enumerate(names):
+        colour = index if multi else j
+        label = f"{run.name}: {task}" if multi else task
+        x, acc = series(run.eval, f"task_{task}_acc")
+        if x:
+            accuracy.lines.append(Line(colour, f"{label} acc", x, acc, "solid"))
+            accuracy.lines.append(Line(colour, f"{label} acc_norm", *series(run.eval, f"task_{task}_acc_norm"),
+                                       "dashed"))
+            sx, se = series(run.eval, f"task_{task}_acc_stderr")
+            at = dict(zip(x, acc))
+            for sign, word in ((1, "+"), (-1, "−")):
+                accuracy.lines.append(Line(colour, f"{label} acc {word} stderr", sx,
+                                           [at[s] + sign * e for s, e in zip(sx, se)], "dotted"))
+        x, y = series(run.eval, f"task_{task}_bpb")
+        if x:
+            bpb.lines.append(Line(colour, label, x, y, "points"))
 
 
 def _g(value, fmt: str = ".4g") -> str:

@@ -12,7 +12,7 @@ from __future__ import annotations
 import itertools
 import os
 import signal
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import torch
@@ -21,6 +21,7 @@ from rich.console import Console
 from kiln.config import Config, checked, to_toml
 from kiln.data import PreparedData, TokenLoader, prepare_data, val_batches
 from kiln.data.batches import to_device
+from kiln.evaluate import Prepared, load_tasks, prepare, score_task
 from kiln.parallel import ParallelPlan, device_for, init_world, launched_by_torchrun
 from kiln.parallel.elastic import restart_record
 from kiln.interop.hf import read_hf
@@ -149,19 +150,37 @@ class LMRun:
     cfg: Config  # resolved: model shape and vocabulary filled in, the plan applied
     state: TrainState
     data: PreparedData | None  # None when built to measure (random tokens)
+    tasks: list[Prepared] = field(default_factory=list)  # train.eval_tasks, tokenized once
 
     @property
     def model_cfg(self) -> ModelConfig:
         return self.cfg.model
 
     def evaluate(self, model) -> float | dict[str, float]:
-        """The validation loss; for a [[data.mix]], {"val_loss": mix-weighted mean, "val_loss/<name>": each}."""
+        """The validation loss; for a [[data.mix]], {"val_loss": mix-weighted mean, "val_loss/<name>": each}; with
+        train.eval_tasks also task_<name>_acc, _acc_norm, _acc_stderr (multiple choice) or _bpb (text:)."""
         if self.data.sources:
             losses = {f"val_loss/{name}": self._evaluate_on(model, part.val) for name, _, part in self.data.sources}
             weights = {f"val_loss/{name}": w for name, w, _ in self.data.sources}
             mean = sum(weights[k] * v for k, v in losses.items()) / sum(weights.values())
-            return {**losses, "val_loss": mean}
-        return self._evaluate_on(model, self.data.val)
+            loss = {**losses, "val_loss": mean}
+        else:
+            loss = self._evaluate_on(model, self.data.val)
+        if not self.tasks:
+            return loss
+        return {**(loss if isinstance(loss, dict) else {"val_loss": loss}), **self._task_scores(model)}
+
+    def _task_scores(self, model) -> dict[str, float]:
+        """Every train.eval_tasks task scored as `kiln eval` scores it, its items split over the data-parallel
+        copies and the log-likelihoods summed (every rank gets the same scores)."""
+        c, state, world = self.cfg, self.state, self.state.world
+        scores = {}
+        for prepared in self.tasks:
+            result = score_task(model, prepared, vocab=c.model.vocab_size, max_length=c.model.max_seq_len,
+                                batch_size=c.train.micro_batch_size, device=state.device,
+                                autocast=state.precision.autocast, world=world if world.size > 1 else None)
+            scores.update({f"task_{result.name}_{k}": v for k, v in result.scalars.items()})
+        return scores
 
     def _evaluate_on(self, model, tokens) -> float:
         c, world = self.cfg, self.state.world
@@ -284,10 +303,22 @@ def _build_lm(cfg: Config, run_dir, log, device: torch.device, with_data: bool, 
             raise ValueError(f"data.source={cfg.data.source!r}: the validation split holds {len(data.val)} tokens, "
                              f"fewer than one sequence of data.seq_len + 1 = {cfg.data.seq_len + 1}; raise "
                              f"data.val_fraction, lower data.seq_len, or use more text")
+    tasks = _eval_tasks(cfg, data, world)
     state = build_state(model, LanguageModeling(), loader, device=device, precision=precision,
                         precision_cfg=cfg.precision, optim=cfg.optim,
                         plan=model_plan(cfg, cfg.model, precision, device, layout), world=world)
-    return LMRun(cfg, state, data)
+    return LMRun(cfg, state, data, tasks)
+
+
+def _eval_tasks(cfg: Config, data: PreparedData | None, world) -> list[Prepared]:
+    """train.eval_tasks read and tokenized before the first step: a bad row stops the run before it trains."""
+    tc = cfg.train
+    if not tc.eval_tasks or data is None:
+        return []
+    if world.plan is not None and world.plan.model_parallel:
+        raise ValueError("train.eval_tasks is scored under data parallelism only (ddp, fsdp, zero): parallel.tp "
+                         "and parallel.pp split the forward it needs; score the checkpoints with `kiln eval` instead")
+    return [prepare(t, data.tokenizer, cfg.model.max_seq_len, tc.eval_task_limit) for t in load_tasks(tc.eval_tasks)]
 
 
 def train(cfg: Config, run_dir: Path, resume: bool = False, console: Console | None = None,

@@ -3,26 +3,15 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import torch
-
-from kiln.config import load_config
-from kiln.data import load_tokenizer
-from kiln.models import build_model
-from kiln.train.checkpoint import CheckpointConfig, Checkpointer
-from kiln.run.lm import generate_text, pick_device
+from kiln.run.lm import generate_text
+from kiln.run.source import load_source
 
 
 def load_model(run_dir: Path, device: str = "auto"):
-    """The latest checkpoint's model (eval mode) and the run's tokenizer."""
-    run_dir = Path(run_dir)
-    if not (run_dir / "config.toml").exists():
-        raise FileNotFoundError(f"{run_dir} has no config.toml; pass a run directory written by `kiln train`")
-    cfg = load_config(run_dir / "config.toml")
-    dev = pick_device(device)
-    model = build_model(cfg.model, dev)
-    model.load_state_dict(Checkpointer(CheckpointConfig(), run_dir).load_weights(map_location=dev))
-    model.to(torch.float32).eval()
-    return model, load_tokenizer(run_dir), dev
+    """The model (eval mode) and tokenizer of a run's latest checkpoint (or of RUN_DIR/checkpoints/step_N, hf:DIR:
+    kiln.run.source), and its device."""
+    source = load_source(run_dir, device)
+    return source.model, source.tokenizer, source.device
 
 
 def sample_from_run(run_dir: Path, prompt: str, max_new_tokens: int, temperature: float, top_k: int,

@@ -494,10 +494,13 @@ class Checkpointer:
         return FileNotFoundError(f"{run} has {len(found)} checkpoint(s) and none verifies (`kiln checkpoints "
                                  f"{run}` says what is wrong with each)")
 
-    def load_weights(self, map_location="cpu") -> dict:
-        """The newest checkpoint's model weights: state.pt's (one process), or the consolidated model.safetensors
-        rank 0 wrote from every rank's shards (data, tensor parallelism), in the model's own layout either way."""
-        state = self.load(map_location=map_location)
+    def load_weights(self, map_location="cpu", path: Path | None = None) -> dict:
+        """The newest checkpoint's model weights (`path`: that checkpoint's): state.pt's (one process), or the
+        consolidated model.safetensors rank 0 wrote from every rank's shards (data, tensor parallelism), in the
+        model's own layout either way."""
+        state = self.load(map_location=map_location, path=path)
+        if path is not None:
+            self.loaded = path
         if "model" in state:
             return state["model"]
         exported = self.loaded / "model.safetensors"

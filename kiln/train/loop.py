@@ -60,6 +60,8 @@ class TrainConfig:
     global_batch_size: int = 0  # sequences per optimizer step over all ranks; sets grad_accum_steps (0: off)
     eval_interval: int = 0  # steps between validation passes (0: only at the end)
     eval_batches: int = 20  # validation micro-batches per evaluation
+    eval_tasks: tuple[str, ...] = ()  # task files scored at every evaluation, as `kiln eval --task` takes them (multiple-choice .jsonl, text:FILE); logged as task_<stem>_acc, _acc_norm, _acc_stderr or _bpb
+    eval_task_limit: int = 0  # items per task per evaluation, the file's first ones (0: all)
     early_stop_patience: int = 0  # stop after this many evaluations without a better val loss (0: never)
     early_stop_min_delta: float = 0.0  # a val loss must beat the best by more than this to count as better
     gap_patience: int = 3  # warn once when val − train loss grew this many evals in a row as train fell (0: off)
@@ -80,7 +82,7 @@ class TrainConfig:
             if getattr(self, key) < 1:
                 raise ValueError(f"train.{key} must be ≥ 1, got {getattr(self, key)}")
         for key in ("max_steps", "time_budget", "eval_interval", "early_stop_patience", "sample_tokens",
-                    "early_stop_min_delta", "global_batch_size", "gap_patience"):
+                    "early_stop_min_delta", "global_batch_size", "gap_patience", "eval_task_limit"):
             if getattr(self, key) < 0:
                 raise ValueError(f"train.{key} must be ≥ 0, got {getattr(self, key)}")
         if self.max_steps == 0 and self.time_budget == 0:
@@ -92,6 +94,9 @@ class TrainConfig:
             raise ValueError(f"train.global_batch_size={self.global_batch_size} is not a multiple of "
                              f"train.micro_batch_size={self.micro_batch_size}")
         parse_duration(self.max_time)
+        if not all(isinstance(t, str) and t for t in self.eval_tasks):
+            raise ValueError(f"train.eval_tasks={list(self.eval_tasks)!r} must list task files, e.g. "
+                             f"--train.eval_tasks='[\"hellaswag.jsonl\", \"text:val.txt\"]'")
         compile_setting(self.compile)
         if self.kernels not in KERNELS:
             raise ValueError(f"train.kernels={self.kernels!r} is unknown; use one of {KERNELS}")

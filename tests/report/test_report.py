@@ -283,3 +283,19 @@ def test_a_profile_directory_is_called_a_profile(tmp_path, capsys):
                                                    "of 16 run, 0.25 s/step, compute-bound")
     assert main(["report", str(path), "--out", str(tmp_path / "r.html")]) == 0
     assert "profile-1: profile (`kiln profile`, not a training run)" in capsys.readouterr().out
+
+
+def test_task_scores_are_charted_together(tmp_path):
+    """train.eval_tasks' task_<name>_* keys: acc, acc_norm and acc ± stderr of each task on one chart, bits per
+    byte on another; none gets a chart of its own."""
+    evals = [{"kind": "eval", "step": s, "val_loss": 2.0, "task_hella_swag_acc": a, "task_hella_swag_acc_norm": a + 0.1,
+              "task_hella_swag_acc_stderr": 0.05, "task_wiki_bpb": 3.0 - a} for s, a in ((50, 0.25), (100, 0.5))]
+    run = read_run(make_run(tmp_path, train=[train_record(s, 1.0) for s in (50, 100)], eval=evals))
+    charts = build_charts([run], [None])
+    accuracy = {line.label: line.y for line in _chart(charts, "task_accuracy").lines}
+    assert accuracy == {"hella_swag acc": [0.25, 0.5], "hella_swag acc_norm": [0.35, 0.6],
+                        "hella_swag acc + stderr": pytest.approx([0.3, 0.55]),
+                        "hella_swag acc − stderr": pytest.approx([0.2, 0.45])}
+    assert [(line.label, line.x, line.y) for line in _chart(charts, "task_bpb").lines] == [
+        ("wiki", [50, 100], [2.75, 2.5])]
+    assert not [c.key for c in charts if c.key.startswith("eval_task")]

@@ -28,12 +28,12 @@ def add_parser(sub) -> None:
     p.add_argument("--task", action="append", required=True, metavar="FILE",
                    help="a multiple-choice .jsonl file, or text:FILE for perplexity (.jsonl: one document per "
                         "row's --text-field; other files: one document); repeat for several tasks")
-    p.add_argument("--limit", type=int, default=0, help="score the first N items of each task (0: all)")
-    p.add_argument("--max-length", type=int, default=0,
+    p.add_argument("--limit", type=int, default=0, metavar="N", help="score the first N items of each task (0: all)")
+    p.add_argument("--max-length", type=int, default=0, metavar="N",
                    help="tokens the model reads at once (0: the model's max_seq_len); longer contexts lose their "
                         "start, perplexity documents are read in windows of this many tokens")
-    p.add_argument("--batch-size", type=int, default=16, help="rows per forward pass")
-    p.add_argument("--text-field", default="text", help="the field of a text:FILE.jsonl row that holds its text")
+    p.add_argument("--batch-size", type=int, default=16, metavar="N", help="rows per forward pass")
+    p.add_argument("--text-field", default="text", metavar="NAME", help="the field of a text:FILE.jsonl row that holds its text")
     p.add_argument("--device", default="auto", help="auto | cpu | cuda")
     p.add_argument("--out", metavar="FILE.json",
                    help="also write the results in lm-evaluation-harness's layout, with the model, checkpoint step "
@@ -43,10 +43,9 @@ def add_parser(sub) -> None:
 def run(args, overrides) -> int:
     if overrides:
         raise ConfigError(f"unrecognized arguments: {' '.join(overrides)}")
-    for flag in ("limit", "max_length"):
+    for flag, zero in (("limit", "all items"), ("max_length", "the model's max_seq_len")):
         if getattr(args, flag) < 0:
-            raise ConfigError(f"--{flag.replace('_', '-')}={getattr(args, flag)} must be ≥ 0 (0: "
-                              f"{'all items' if flag == 'limit' else 'the model max_seq_len'})")
+            raise ConfigError(f"--{flag.replace('_', '-')}={getattr(args, flag)} must be ≥ 0 (0: {zero})")
     if args.batch_size < 1:
         raise ConfigError(f"--batch-size={args.batch_size} must be ≥ 1")
     tasks = load_tasks(args.task, args.text_field)  # a bad row is found before the model loads

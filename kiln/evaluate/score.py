@@ -45,6 +45,12 @@ class Prepared:
     items: list  # the first `limit` items (0: all)
     pairs: list  # every item's pairs, in item order
     sizes: list[int]  # pairs per item
+    max_length: int
+
+    @property
+    def truncated(self) -> int:
+        """Pairs whose context loses its start to fit max_length + 1 tokens (kiln.evaluate.loglik)."""
+        return sum(len(p.context) + len(p.continuation) > self.max_length + 1 for p in self.pairs)
 
 
 def prepare(task: Task, tokenizer, max_length: int, limit: int = 0) -> Prepared:
@@ -65,7 +71,7 @@ def prepare(task: Task, tokenizer, max_length: int, limit: int = 0) -> Prepared:
                                 f"{max_length} (the window, --max-length)")
             pairs.append(pair)
         sizes.append(len(item.choices))
-    return Prepared(task, items, pairs, sizes)
+    return Prepared(task, items, pairs, sizes, max_length)
 
 
 def score_task(model, prepared: Prepared, *, vocab: int, max_length: int, batch_size: int = 16,

@@ -214,7 +214,8 @@ def build_charts(runs: list[Run], clip_thresholds: list[float | None]) -> list[C
                 if x:
                     chart = extra.setdefault(key, Chart(f"{kind}_{key}", f"{key} ({kind} records)", "step", key))
                     chart.lines.append(Line(i, run.name, x, y))
-    charts = [loss_step, loss_seen, per_source, tasks, bpb, gap, lr, grad, rate, step_time, util, scale, mem, skipped, *extra.values()]
+    charts = [loss_step, loss_seen, per_source, tasks, bpb, gap, lr, grad, rate, step_time, util, scale, mem, skipped,
+              *extra.values()]
     for c in charts:
         c.lines = [line for line in c.lines if line.x]
     shown = {"solid": "MFU (solid)", "dashed": "HFU (dashed)", "dotted": "device busy (dotted)"}

@@ -7,4 +7,5 @@ look at it (the doctor's checklist, measured memory).
     kiln.run.measure  `kiln memory --measure` / `kiln plan --verify`
     kiln.run.sample   `kiln sample`: prompt files, chat templates
     kiln.run.generate text generation (KV cache, stop strings), shared by `kiln sample` and the train-end sample
+    kiln.run.source   RUN_DIR, RUN_DIR/checkpoints/step_N or hf:DIR loaded for `kiln eval` and `kiln sample`
 """

@@ -307,22 +307,29 @@ def _build_lm(cfg: Config, run_dir, log, device: torch.device, with_data: bool, 
             raise ValueError(f"data.source={cfg.data.source!r}: the validation split holds {len(data.val)} tokens, "
                              f"fewer than one sequence of data.seq_len + 1 = {cfg.data.seq_len + 1}; raise "
                              f"data.val_fraction, lower data.seq_len, or use more text")
-    tasks = _eval_tasks(cfg, data, world)
+    tasks = _eval_tasks(cfg, data, world, log if world.main else lambda msg: None)
     state = build_state(model, LanguageModeling(), loader, device=device, precision=precision,
                         precision_cfg=cfg.precision, optim=cfg.optim,
                         plan=model_plan(cfg, cfg.model, precision, device, layout), world=world)
     return LMRun(cfg, state, data, tasks)
 
 
-def _eval_tasks(cfg: Config, data: PreparedData | None, world) -> list[Prepared]:
-    """train.eval_tasks read and tokenized before the first step: a bad row stops the run before it trains."""
+def _eval_tasks(cfg: Config, data: PreparedData | None, world, log) -> list[Prepared]:
+    """train.eval_tasks read and tokenized before the first step: a bad row stops the run before it trains. One
+    line per task says what is scored, and how many contexts lose their start to the model's window."""
     tc = cfg.train
     if not tc.eval_tasks or data is None:
         return []
     if world.plan is not None and world.plan.model_parallel:
         raise ValueError("train.eval_tasks is scored under data parallelism only (ddp, fsdp, zero): parallel.tp "
                          "and parallel.pp split the forward it needs; score the checkpoints with `kiln eval` instead")
-    return [prepare(t, data.tokenizer, cfg.model.max_seq_len, tc.eval_task_limit) for t in load_tasks(tc.eval_tasks)]
+    tasks = [prepare(t, data.tokenizer, cfg.model.max_seq_len, tc.eval_task_limit) for t in load_tasks(tc.eval_tasks)]
+    for p in tasks:
+        cut = f"; {p.truncated} context(s) longer than model.max_seq_len={cfg.model.max_seq_len} lose their start " \
+              f"(truncated from the left, as the harness does)" if p.truncated else ""
+        log(f"eval task {p.task.name}: {len(p.items)} of {len(p.task.items)} items ({p.task.kind}, "
+            f"{len(p.pairs)} rows) at every evaluation{cut}")
+    return tasks
 
 
 def train(cfg: Config, run_dir: Path, resume: bool = False, console: Console | None = None,

@@ -71,10 +71,6 @@ def _from_run(path: Path, dev: torch.device, dtype: torch.dtype) -> ModelSource:
     checkpoint = None
     if STEP_DIR.fullmatch(path.name) and path.parent.name == "checkpoints":  # one checkpoint of a run
         checkpoint, run_dir = path, path.parent.parent
-        if not path.is_dir():
-            have = sorted(p.name for p in path.parent.glob("step_*") if p.is_dir())
-            raise SourceError(path, f"no such checkpoint; the run has {', '.join(have) or 'none'} (`kiln "
-                                    f"checkpoints {run_dir}` lists them)")
     else:
         run_dir = path
     if not run_dir.is_dir():
@@ -83,6 +79,10 @@ def _from_run(path: Path, dev: torch.device, dtype: torch.dtype) -> ModelSource:
     if not (run_dir / "config.toml").is_file():
         raise SourceError(run_dir, "has no config.toml; pass a run directory written by `kiln train`, one of its "
                                    "checkpoints (RUN_DIR/checkpoints/step_NNNNNN) or hf:DIR")
+    if checkpoint is not None and not checkpoint.is_dir():
+        have = sorted(p.name for p in checkpoint.parent.glob("step_*") if p.is_dir())
+        raise SourceError(checkpoint, f"no such checkpoint; the run has {', '.join(have) or 'none'} (`kiln "
+                                      f"checkpoints {run_dir}` lists them)")
     weights, checkpoint = _run_weights(run_dir, checkpoint, dev)
     # the checkpoint's own config.toml: the model as it was at that step (a resume may have changed the run's)
     cfg = load_config(checkpoint / "config.toml" if (checkpoint / "config.toml").is_file() else run_dir / "config.toml")

@@ -162,6 +162,9 @@ class MetricsLogger:
             # fit(metrics=...): val_<name>
             parts += [f"{k} {_fmt(v)}" for k, v in r.items() if k.startswith("val_") and k not in ("val_loss", "val_ppl")
                       and isinstance(v, float)]
+            # train.eval_tasks: each task's acc and acc_norm, or bits per byte (the stderr is in the record)
+            parts += [f"{k.removeprefix('task_')} {_fmt(v)}" for k, v in r.items() if k.startswith("task_")
+                      and not k.endswith("_stderr")]
         if "lr" in r:
             parts.append(f"lr {r['lr']:.2e}")
         if "tokens_per_s" in r:

@@ -27,3 +27,11 @@ def exported(tmp_path_factory, corpus_file):
     (directory / "tokenizer_config.json").write_text(json.dumps({"tokenizer_class": "PreTrainedTokenizerFast",
                                                                  "eos_token": eos, "bos_token": eos}))
     return directory
+
+
+@pytest.fixture(scope="session")
+def hf(exported):
+    """transformers' model (float64) and tokenizer of the export: the reference."""
+    transformers = pytest.importorskip("transformers", reason="transformers is not installed (the test extra has it)")
+    return (transformers.AutoModelForCausalLM.from_pretrained(exported, dtype=torch.float64).eval(),
+            transformers.AutoTokenizer.from_pretrained(exported))

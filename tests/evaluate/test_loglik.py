@@ -6,17 +6,10 @@ import torch
 from kiln.evaluate.loglik import Pair, encode_pair, loglikelihoods, rolling_loglikelihoods, rolling_windows
 from kiln.run.source import load_source
 
-transformers = pytest.importorskip("transformers", reason="transformers is not installed (the test extra has it)")
 
 LONG = "def heappush(heap, item):\n    heap.append(item)\n    _siftdown(heap, 0, len(heap) - 1)\n" * 2
 REQUESTS = [("def f(x):\n    return", " x"), ("Question: which keyword? ", " def"), ("", " import os"),
             ("import sys\n", " é ünïcode"), (LONG, " pop")]  # LONG: more than the 32-token window
-
-
-@pytest.fixture(scope="module")
-def hf(exported):
-    return (transformers.AutoModelForCausalLM.from_pretrained(exported, dtype=torch.float64).eval(),
-            transformers.AutoTokenizer.from_pretrained(exported))
 
 
 def reference(model, tokenizer, context: str, continuation: str, window: int) -> tuple[float, bool]:
@@ -53,7 +46,8 @@ def test_encode_pair_moves_trailing_spaces_and_keeps_merges_across_the_boundary(
     source = load_source(f"hf:{exported}", device="cpu")
     enc = source.tokenizer.encode
     pair = encode_pair(enc, "Answer:  ", "def", source.eot_id)  # two trailing spaces go to the continuation
-    assert pair.context == tuple(enc("Answer:")) and pair.continuation == tuple(enc("Answer:  def"))[len(enc("Answer:")):]
+    head = enc("Answer:")
+    assert pair.context == tuple(head) and pair.continuation == tuple(enc("Answer:  def"))[len(head):]
     # a context ending inside a word: the continuation's tokens are the whole text's, not encode(continuation)
     whole, head = enc("import collections"), enc("import coll")
     assert encode_pair(enc, "import coll", "ections", 0).continuation == tuple(whole[len(head):])

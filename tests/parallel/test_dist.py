@@ -141,3 +141,22 @@ def test_per_rank_state_bytes_equal_the_estimate(launched, strategy, source):
     assert measured == rank_state(job)
     if strategy != "ddp":  # sharding really saves: less than one replica's state
         assert measured["optimizer_states"] < rank_state(replace(job, world=1))["optimizer_states"]
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_eval_tasks_split_over_ranks_score_as_one_process(launched, strategy):
+    """train.eval_tasks under torchrun: each rank scored its share of the rows and the log-likelihoods were summed;
+    the final eval record equals the tasks scored again in this one process on the run's final checkpoint."""
+    from kiln.evaluate import load_tasks, prepare, score_task
+    from kiln.run.source import load_source
+
+    run = launched / f"lm_{strategy}"
+    logged = records(run, "eval")[-1]
+    source = load_source(run, device="cpu")
+    tasks = load_tasks([str(launched / "eval_tasks" / "mc.jsonl"), f"text:{launched / 'eval_tasks' / 'doc.txt'}"])
+    mc, doc = (score_task(source.model, prepare(t, source.tokenizer, 64), vocab=source.model_cfg.vocab_size,
+                          max_length=64) for t in tasks)
+    assert logged["task_mc_acc"] == mc.results["acc,none"]
+    assert logged["task_mc_acc_norm"] == mc.results["acc_norm,none"]
+    assert logged["task_mc_acc_stderr"] == pytest.approx(mc.results["acc_stderr,none"], rel=1e-12)
+    assert logged["task_doc_bpb"] == pytest.approx(doc.results["bits_per_byte,none"], rel=1e-6)

@@ -15,9 +15,25 @@ from kiln.train.loop import Trainer
 
 out, source = Path(sys.argv[1]), sys.argv[2]
 
+
+def with_eval_tasks(cfg):
+    """train.eval_tasks scored at the run's end, their rows split over the 2 ranks (test_dist.py scores them again
+    in one process): 7 multiple-choice items of 2-4 choices (uneven shares) and a 5-window text."""
+    tasks = out / "eval_tasks"
+    tasks.mkdir(exist_ok=True)
+    items = [{"context": f"def f{i}(x):\n    return", "choices": [" x", " x * 2", " None", " f(x)"][:2 + i % 3],
+              "label": i % 2} for i in range(7)]
+    files = {"mc.jsonl": "".join(json.dumps(r) + "\n" for r in items), "doc.txt": "import os\nimport sys\n" * 15}
+    for name, text in files.items():  # every rank writes the same bytes: the rename makes it whole
+        (tasks / f"{name}.{os.environ['RANK']}").write_text(text)
+        os.replace(tasks / f"{name}.{os.environ['RANK']}", tasks / name)
+    cfg.train.eval_tasks = (str(tasks / "mc.jsonl"), f"text:{tasks / 'doc.txt'}")
+    return cfg
+
+
 measured = {}
 for strategy in ("ddp", "zero1", "fsdp"):
-    result = train(lm_config(source, strategy, steps=10), out / f"lm_{strategy}")
+    result = train(with_eval_tasks(lm_config(source, strategy, steps=10)), out / f"lm_{strategy}")
     measured[strategy] = measured_state_bytes(result.state)
     fit_run(strategy, out / f"fit_{strategy}")
 if os.environ["RANK"] == "0":

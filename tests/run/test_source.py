@@ -78,3 +78,18 @@ def test_names_that_cannot_be_loaded_are_one_line_naming_the_path(run_dir, tmp_p
         load_source(f"hf:{tmp_path / 'hf'}", device="cpu")
     with pytest.raises(SourceError, match=f"^{tmp_path / 'nope'}: does not exist; hf:DIR names"):
         load_source(f"hf:{tmp_path / 'nope'}", device="cpu")
+
+
+def test_an_hf_directory_without_a_tokenizer_reads_bytes_only_at_256_tokens(tmp_path):
+    """`kiln export` of a bytes run writes no tokenizer file: 256 tokens read as bytes; any other size is refused."""
+    from kiln.interop.hf import write_hf
+    from kiln.models import build_model
+    from tests.conftest import small_model
+
+    for vocab in (256, 300):
+        cfg = small_model(vocab_size=vocab).resolve()
+        write_hf(cfg, build_model(cfg).state_dict(), vocab, tmp_path / str(vocab), eos=255)
+    source = load_source(f"hf:{tmp_path / '256'}", device="cpu")
+    assert source.tokenizer.kind == "bytes" and source.eos_ids == (255,)
+    with pytest.raises(SourceError, match=f"^{tmp_path / '300'}: has no tokenizer.json; copy the model's"):
+        load_source(f"hf:{tmp_path / '300'}", device="cpu")

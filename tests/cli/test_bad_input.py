@@ -39,6 +39,7 @@ def world(tmp_path_factory, corpus_file):
         "short.txt": ("abc", "text"),
         "binary.bin": (bytes(range(256)) * 64, "bytes"),
         "a file": ("not a directory", "text"),
+        "bad prompts.jsonl": ('{"prompt": "a"}\n{"prompt": "b",\n', "text"),
     }
     for name, (content, kind) in files.items():
         path = root / name
@@ -143,6 +144,14 @@ def _cases():
         ("sample: not a run", ["sample", "{root}/not a run"], ["not a run"]),
         ("sample: negative tokens", ["sample", "{run}", "--max-new-tokens=-3"], ["--max-new-tokens"]),
         ("sample: nan temperature", ["sample", "{run}", "--temperature=nan"], ["--temperature"]),
+        ("sample: top-p above 1", ["sample", "{run}", "--top-p=1.5"], ["--top-p=1.5", "[0, 1]"]),
+        ("sample: prompt file not JSON", ["sample", "{run}", "--prompt-file={root}/bad prompts.jsonl"],
+         ["bad prompts.jsonl:2", "not a JSON object"]),
+        ("sample: missing prompt file", ["sample", "{run}", "--prompt-file={root}/nowhere.jsonl"], ["nowhere.jsonl"]),
+        ("sample: prompt and prompt file", ["sample", "{run}", "--prompt=a", "--prompt-file={root}/bad prompts.jsonl"],
+         ["--prompt-file"]),
+        ("sample: chat without a template", ["sample", "{run}", "--chat"], ["no chat template", "--chat-template"]),
+        ("sample: missing checkpoint", ["sample", "{run}/checkpoints/step_000009"], ["step_000009"]),
         ("checkpoints: missing run", ["checkpoints", "{root}/nowhere"], ["nowhere"]),
         ("estimate: zero GPUs", ["estimate", "--tokens=1B", "--device=H100", "--gpus=0"], ["--gpus"]),
         ("estimate: unknown device", ["estimate", "--tokens=1B", "--device=H1000"], ["H1000", "H100"]),

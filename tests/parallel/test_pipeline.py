@@ -235,7 +235,7 @@ def test_tp2_pp2_dp2_trains_as_one_process(pp3d_launched, single, strategy, arch
     assert_same_weights(run, single / arch)
     got, want = records(run, "eval")[-1]["val_loss"], records(single / arch, "eval")[-1]["val_loss"]
     assert got == pytest.approx(want, rel=RTOL)
-    event = [e for e in records(run, "event") if e["event"] == "layout"][-1]  # llama: resumed from one process
+    (event,) = [e for e in records(run, "event") if e["event"] == "layout"]
     assert event["mesh"] == {"pp": 2, "dp": 2, "tp": 2} and event["sequence_parallel"] == (arch == "gpt2")
     (first, last), whole = stage_bytes(arch, tp=2)
     held = event["param_bytes_per_rank"]  # rank = 4·pp + 2·dp + tp

@@ -27,6 +27,19 @@ KILN = ROOT / "kiln"
 M = ["memory", "--out=", "--model.preset=tiny"]  # `kiln memory` validates the whole config and builds the layout
 P2 = [*M, "--ranks=2", "--parallel.strategy=fsdp"]
 
+# Config files the rows name, written into the test's working directory: [[data.mix]] is a list of tables, which
+# only a file can give.
+FILES = {
+    "mix_and_source.toml": '[data]\nsource = "a.txt"\n[[data.mix]]\nsource = "b.txt"\n',
+    "mix_not_table.toml": '[data]\nmix = [1]\n',
+    "mix_unknown_key.toml": '[[data.mix]]\nsource = "a.txt"\nwieght = 2\n',
+    "mix_no_source.toml": '[[data.mix]]\nweight = 2\n',
+    "mix_zero_weight.toml": '[[data.mix]]\nsource = "a.txt"\nweight = 0\n',
+    "mix_name_number.toml": '[[data.mix]]\nsource = "a.txt"\nname = 3\n',
+    "mix_bpe_tokens.toml": '[data]\ntokenizer = "bpe"\n[[data.mix]]\nsource = "a.bin"\nformat = "tokens"\n',
+    "mix_same_name.toml": '[[data.mix]]\nsource = "a.txt"\n[[data.mix]]\nsource = "x/a.txt"\n',
+}
+
 # (site, argv, fragments of the one line). The key a site's error carries must be in the line as well.
 SITES = [
     # kiln/models/config.py
@@ -58,6 +71,15 @@ SITES = [
      ["data.on_bad_record='ignore'"]),
     ("kiln/data/__init__.py:DataConfig.validate", [*M, "--data.format=tokens", "--data.vocab_size=1"],
      ["data.vocab_size=1", "data.format=tokens"]),
+    # kiln/data/mix.py
+    ("kiln/data/mix.py:check_mix", [*M, "mix_and_source.toml"], ["data.source='a.txt' and [[data.mix]]"]),
+    ("kiln/data/mix.py:check_mix", [*M, "mix_not_table.toml"], ["[[data.mix]] entry 1 is 1", "a table"]),
+    ("kiln/data/mix.py:check_mix", [*M, "mix_unknown_key.toml"], ["[[data.mix]] entry 1", "['wieght']"]),
+    ("kiln/data/mix.py:check_mix", [*M, "mix_no_source.toml"], ["[[data.mix]] entry 1 has no source"]),
+    ("kiln/data/mix.py:check_mix", [*M, "mix_zero_weight.toml"], ["[[data.mix]] entry 1: weight=0"]),
+    ("kiln/data/mix.py:check_mix", [*M, "mix_name_number.toml"], ["[[data.mix]] entry 1: name=3"]),
+    ("kiln/data/mix.py:check_mix", [*M, "mix_bpe_tokens.toml"], ["data.tokenizer=bpe", "hf:DIR"]),
+    ("kiln/data/mix.py:check_mix", [*M, "mix_same_name.toml"], ["[[data.mix]]: the name(s) ['a']"]),
     # kiln/train/precision.py, logging.py, checkpoint.py
     ("kiln/train/precision.py:PrecisionConfig.validate", [*M, "--precision.mode=fp12"], ["precision.mode='fp12'"]),
     ("kiln/train/precision.py:PrecisionConfig.validate", [*M, "--precision.growth_factor=1"],
@@ -288,6 +310,8 @@ def test_site_is_one_line(site, argv, fragments, capsys, monkeypatch, tmp_path):
     monkeypatch.chdir(tmp_path)
     for name in ("KILN_TRACEBACK", "KILN_DEBUG", "TRITON_INTERPRET"):  # (tests/kernels sets the interpreter)
         monkeypatch.delenv(name, raising=False)
+    for name, text in FILES.items():
+        (tmp_path / name).write_text(text)
     status = main(argv)
     out, err = capsys.readouterr()
     lines = err.strip().splitlines()

@@ -62,7 +62,7 @@ class ModelConfig:
             if isinstance(value, int) and not isinstance(value, bool) and value < 0:
                 also = f", or {SENTINEL_MEANING[f.name]}" if f.name in SENTINEL_MEANING else ""
                 raise KilnError(f"model.{f.name} must be ≥ 1 (0: the preset's{also}), got {value}",
-                                key=f"model.{f.name}", value=value, fix="give a whole number ≥ 1")
+                                key=f"model.{f.name}", value=value)
         base = PRESETS[self.preset]
         if self.arch and self.arch != base.arch:
             fam = family(self.arch)  # raises for an unknown arch, naming the known ones

@@ -36,13 +36,11 @@ class NumericsConfig:
         if self.spike_threshold <= 0 or self.spike_grad_norm_threshold < 0 or self.spike_rel_floor < 0:
             raise KilnError("numerics.spike_threshold must be > 0, numerics.spike_grad_norm_threshold and "
                             "numerics.spike_rel_floor ≥ 0",
-                            key="numerics.spike_threshold",
-                            fix="set spike_threshold > 0, spike_grad_norm_threshold and spike_rel_floor ≥ 0")
+                            key="numerics.spike_threshold")
         if self.spike_window < 3 or not 1 <= self.spike_min_history <= self.spike_window:
             raise KilnError(f"numerics: need numerics.spike_window ≥ 3 and 1 ≤ numerics.spike_min_history ≤ spike_window, got "
                             f"{self.spike_window} and {self.spike_min_history}",
-                            key="numerics.spike_window", value=self.spike_window,
-                            fix="set spike_window ≥ 3 and spike_min_history between 1 and it")
+                            key="numerics.spike_window", value=self.spike_window)
         if not 0 < self.rollback_lr_factor <= 1:
             raise KilnError(f"numerics.rollback_lr_factor must be in (0, 1], got {self.rollback_lr_factor}",
                             key="numerics.rollback_lr_factor", value=self.rollback_lr_factor,

@@ -30,8 +30,7 @@ class PrecisionConfig:
         if self.init_scale <= 0 or self.growth_factor <= 1 or not 0 < self.backoff_factor < 1:
             raise KilnError("precision.init_scale > 0, precision.growth_factor > 1 and 0 < precision.backoff_factor < 1 "
                             "are required",
-                            key="precision.init_scale",
-                            fix="set init_scale > 0, growth_factor > 1 and 0 < backoff_factor < 1")
+                            key="precision.init_scale")
         if self.growth_interval < 1:
             raise KilnError(f"precision.growth_interval must be ≥ 1, got {self.growth_interval}",
                             key="precision.growth_interval", value=self.growth_interval,

@@ -98,6 +98,26 @@ SITES = [
     ("kiln/perf/hardware.py:resolve_kernels", ["train", "--model.preset=tiny", "--train.device=cpu",
                                                "--data.source=nowhere.txt", "--train.kernels=triton"],
      ["train.kernels='triton' runs on CUDA", "TRITON_INTERPRET=1"]),
+    # kiln/models/values.py
+    ("kiln/models/values.py:check_values", [*M, "--model.preset=llama-125m", "--model.rope_theta=-1"],
+     ["model.rope_theta=-1", "10000"]),
+    ("kiln/models/values.py:check_values", [*M, "--model.norm_eps=-1"], ["model.norm_eps=-1", "1e-5"]),
+    ("kiln/models/values.py:refuse_replaced", [*M, "--model.n_layer=0"], ["--model.n_layer=0 would be ignored"]),
+    # kiln/memory: offload, devices, planner, recompute
+    ("kiln/memory/offload.py:parse_blocks", [*M, "--memory.offload_blocks=abc"], ["memory.offload_blocks='abc'"]),
+    ("kiln/memory/offload.py:parse_blocks", [*M, "--memory.offload_blocks=0-99"], ["memory.offload_blocks='0-99'",
+                                                                                   "blocks run 0..5"]),
+    ("kiln/memory/devices.py:get_device", [*M, "--device=H900"], ["unknown device 'H900'", "Known:"]),
+    ("kiln/memory/planner.py:PlanConfig.validate", [*M, "--plan.global_batch_tokens=-1"],
+     ["plan.global_batch_tokens", "-1"]),
+    ("kiln/memory/planner.py:search", ["plan", "--model.preset=tiny", "--gpus=2", "--interconnect=carrier-pigeon"],
+     ["interconnect 'carrier-pigeon'", "nvlink4"]),
+    ("kiln/memory/planner.py:search", ["plan", "--model.preset=tiny", "--global-batch-tokens=100"],
+     ["--global-batch-tokens=100", "data.seq_len=256"]),
+    ("kiln/memory/planner.py:search", ["plan", "--model.preset=tiny", "--gpus=3", "--no-model-parallel",
+                                       "--global-batch-tokens=512"], ["--global-batch-tokens=512", "3 GPUs"]),
+    ("kiln/memory/recompute.py:solve_budget", [*M, "--memory.recompute=budget", "--memory.recompute_budget=1KiB"],
+     ["memory.recompute_budget=1.00 KiB", "raise the budget"]),
     # kiln/memory/levers.py
     ("kiln/memory/levers.py:MemoryConfig.validate", [*M, "--memory.recompute=al"], ["memory.recompute='al'"]),
     ("kiln/memory/levers.py:MemoryConfig.validate", [*M, "--memory.recompute_every=0"], ["memory.recompute_every"]),
@@ -188,6 +208,11 @@ ALLOWED = {
     "kiln/models/config.py:ModelConfig.check": (
         1, "a size below 1: resolve() names a negative one first (row above) and fills 0 from the preset; a direct "
            "check() reaches it"),
+    "kiln/models/values.py:check_values": (
+        1, "a negative model.vocab_size: resolve() names every negative size first (row above)"),
+    "kiln/memory/recompute.py:plan_for": (
+        ALL, "memory.recompute and memory.recompute_budget are checked by MemoryConfig.validate first (rows above); a "
+             "library caller of the estimator reaches it"),
     "kiln/data/tokenizer.py:build_tokenizer": (
         ALL, "data.tokenizer is checked by DataConfig.validate first (rows above); a library caller reaches it"),
     "kiln/kernels/utils.py:check_device": (

@@ -32,7 +32,6 @@ def test_fields_and_message():
 def test_every_typed_input_error_is_a_kiln_error():
     from kiln.config import ConfigError
     from kiln.data.corpus import CorpusError
-    from kiln.data.records import BadRecord
     from kiln.data.shards import ShardError
     from kiln.evaluate.tasks import TaskError
     from kiln.run.fit_checks import FitInputError
@@ -40,7 +39,7 @@ def test_every_typed_input_error_is_a_kiln_error():
     from kiln.run.source import SourceError
     from kiln.train.checkpoint import CheckpointCorrupt
 
-    for cls in (ConfigError, CorpusError, BadRecord, ShardError, TaskError, FitInputError, MetricError, SourceError,
+    for cls in (ConfigError, CorpusError, ShardError, TaskError, FitInputError, MetricError, SourceError,
                 CheckpointCorrupt):
         assert issubclass(cls, KilnError) and issubclass(cls, ValueError), cls
     assert FitInputError("epochs", "epochs=0").key == "epochs"

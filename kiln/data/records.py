@@ -32,8 +32,6 @@ from hashlib import sha1 as _sha1
 
 import numpy as np
 
-from kiln.errors import KilnError
-
 SUB_CHUNK = 1 << 20  # BPE encodes a long document in line-aligned pieces of about 1 MiB: bounded Encoding objects
 FLUSH_TOKENS = 1 << 22  # buffered tokens per split before they are appended to the output file (4-16 MB)
 READ_BYTES = 1 << 20  # a JSONL piece is read and decoded this many bytes at a time
@@ -42,8 +40,9 @@ MAX_EXAMPLES = 3  # skipped-record messages kept per piece for the summary
 _scan = json.JSONDecoder().scan_once  # json.loads less its Python wrapper: (value, end) of the value at an index
 
 
-class BadRecord(KilnError):
-    """A record that cannot be read: the message names the file, the line or row, and the fix."""
+class BadRecord(ValueError):
+    """A record that cannot be read: the message names the file, the line or row, and the fix. A ValueError, not a
+    KilnError: a worker runs this file importing nothing from kiln; kiln.data.prepare raises it on as a CorpusError."""
 
 
 def split_hash(key: str | bytes) -> int:

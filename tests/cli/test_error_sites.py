@@ -238,7 +238,6 @@ ALLOWED_FILES = {
     "kiln/data/corpus.py": (4, "CorpusError: tests/data/test_data_corpus.py, tests/data/test_data_stream.py"),
     "kiln/data/prepare.py": (10, "CorpusError, ShardError: tests/data/test_data_prepare.py"),
     "kiln/data/pretokenized.py": (7, "ShardError: tests/data/"),
-    "kiln/data/records.py": (8, "BadRecord: tests/data/test_data_corpus.py"),
     "kiln/data/shards.py": (8, "ShardError: tests/data/test_data_shards.py, tests/data/test_data_prepare.py"),
     "kiln/evaluate/tasks.py": (17, "TaskError: tests/evaluate/test_tasks_and_metrics.py"),
     "kiln/evaluate/score.py": (1, "TaskError: tests/evaluate/"),

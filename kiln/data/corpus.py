@@ -11,6 +11,8 @@ import os
 import sysconfig
 from pathlib import Path
 
+from kiln.errors import KilnError
+
 STDLIB = "stdlib"
 # Directories of the standard library that are not "the standard library" as prose: installed third-party
 # packages, and test suites / IDLE, which on 3.11 would add ~900 files of repetitive fixtures to the 674 we keep.
@@ -49,7 +51,7 @@ def sources() -> str:
     return ", ".join(forms[:-1]) + ", or " + forms[-1]
 
 
-class CorpusError(ValueError):
+class CorpusError(KilnError):
     """The source cannot be read as configured (missing path, no matching files, malformed JSONL)."""
 
 

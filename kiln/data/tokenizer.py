@@ -16,6 +16,8 @@ from typing import Iterable, Protocol
 
 import numpy as np
 
+from kiln.errors import KilnError
+
 TOKENIZER_FILE = "tokenizer.json"
 EOT_TEXT = "<|endoftext|>"
 EOT_FILE = "tokenizer_eot.json"  # beside an imported tokenizer.json: the id that ends a document
@@ -232,4 +234,5 @@ def build_tokenizer(kind: str, train_texts: Iterable[str], vocab_size: int) -> T
         return BPETokenizer.train(train_texts, vocab_size)
     if kind.startswith("hf:"):
         return BPETokenizer.from_hf(Path(kind[3:]))
-    raise ValueError(f"data.tokenizer={kind!r} is unknown; use 'bytes' or 'bpe'")
+    raise KilnError(f"data.tokenizer={kind!r} is unknown; use 'bytes' or 'bpe'",
+                    key="data.tokenizer", value=kind, fix="use 'bytes' or 'bpe'")

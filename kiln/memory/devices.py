@@ -18,6 +18,7 @@ from kiln.memory.measure import rss_bytes
 from kiln.perf.flops import DEVICE_PEAKS, cpu_peak, names_gpu
 from kiln.perf.hardware import FP8_MIN_CAPABILITY
 from kiln.util import closest
+from kiln.errors import KilnError
 
 
 @dataclass(frozen=True)
@@ -135,8 +136,9 @@ def get_device(name: str) -> Device:
     key = ALIASES.get(name.lower(), name)
     if key not in DEVICES:
         hint = closest(name, list(DEVICES) + ["cpu"])
-        raise ValueError(f"unknown device {name!r}" + (f"; did you mean {hint!r}?" if hint else "")
-                         + f" Known: {', '.join(DEVICES)}, cpu")
+        raise KilnError(f"unknown device {name!r}" + (f"; did you mean {hint!r}?" if hint else "")
+                        + f" Known: {', '.join(DEVICES)}, cpu",
+                        key="device", value=name, fix=f"Known: {', '.join(DEVICES)}, cpu")
     return DEVICES[key]
 
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 import torch
 
 from kiln.memory.recompute import Recomputed, swap_class
+from kiln.errors import KilnError
 
 
 class ActivationOffload:
@@ -72,9 +73,11 @@ def parse_blocks(spec: str, n_layer: int | None) -> frozenset[int]:
         try:
             a, b = int(lo), int(hi or lo)
         except ValueError:
-            raise ValueError(f"memory.offload_blocks={spec!r}: write none, all, 0-5 or 0,2,4") from None
+            raise KilnError(f"memory.offload_blocks={spec!r}: write none, all, 0-5 or 0,2,4",
+                            key="memory.offload_blocks", value=spec, fix="write none, all, 0-5 or 0,2,4") from None
         if not 0 <= a <= b < (n_layer if n_layer is not None else b + 1):
-            raise ValueError(f"memory.offload_blocks={spec!r}: blocks run 0..{n_layer - 1}")
+            raise KilnError(f"memory.offload_blocks={spec!r}: blocks run 0..{n_layer - 1}",
+                            key="memory.offload_blocks", value=spec, fix=f"give blocks in 0..{n_layer - 1}")
         out.update(range(a, b + 1))
     return frozenset(out) if n_layer is not None else frozenset()
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, fields, replace
 
+from kiln.errors import KilnError
 from kiln.models.values import SENTINEL_MEANING, check_values
 from kiln.util import closest
 
@@ -52,15 +53,16 @@ class ModelConfig:
         from kiln.models.registry import PRESETS, family  # lazy: the presets live in the family files, which import this module
 
         if self.preset not in PRESETS:
-            raise ValueError(
+            raise KilnError(
                 f"model.preset={self.preset!r} is not a preset; did you mean {closest(self.preset, PRESETS)!r}? "
-                f"Presets: {', '.join(PRESETS)}"
-            )
+                f"Presets: {', '.join(PRESETS)}",
+                key="model.preset", value=self.preset, fix=f"Presets: {', '.join(PRESETS)}")
         for f in fields(self):  # a size given below 0 is named before anything is derived from it (head_dim)
             value = getattr(self, f.name)
             if isinstance(value, int) and not isinstance(value, bool) and value < 0:
                 also = f", or {SENTINEL_MEANING[f.name]}" if f.name in SENTINEL_MEANING else ""
-                raise ValueError(f"model.{f.name} must be ≥ 1 (0: the preset's{also}), got {value}")
+                raise KilnError(f"model.{f.name} must be ≥ 1 (0: the preset's{also}), got {value}",
+                                key=f"model.{f.name}", value=value)
         base = PRESETS[self.preset]
         if self.arch and self.arch != base.arch:
             fam = family(self.arch)  # raises for an unknown arch, naming the known ones
@@ -84,13 +86,19 @@ class ModelConfig:
         fam = family(self.arch)
         for name in ("n_layer", "n_head", "n_kv_head", "head_dim", "d_model", "d_ff", "max_seq_len"):
             if getattr(self, name) < 1:
-                raise ValueError(f"model.{name} must be ≥ 1, got {getattr(self, name)}")
+                raise KilnError(f"model.{name} must be ≥ 1, got {getattr(self, name)}",
+                                key=f"model.{name}", value=getattr(self, name), fix="give a whole number ≥ 1")
         if self.n_head % self.n_kv_head:
-            raise ValueError(f"model.n_head={self.n_head} must be a multiple of model.n_kv_head={self.n_kv_head}")
+            raise KilnError(f"model.n_head={self.n_head} must be a multiple of model.n_kv_head={self.n_kv_head}",
+                            key="model.n_head", value=self.n_head,
+                            fix="pick model.n_head and model.n_kv_head so that n_kv_head divides n_head")
         if self.init and not self.init.startswith("hf:"):
-            raise ValueError(f"model.init={self.init!r}; write hf:DIR, a local directory saved by save_pretrained")
+            raise KilnError(f"model.init={self.init!r}; write hf:DIR, a local directory saved by save_pretrained",
+                            key="model.init", value=self.init,
+                            fix="write hf:DIR, a local directory saved by save_pretrained")
         if not 0.0 <= self.dropout < 1.0:
-            raise ValueError(f"model.dropout must be in [0, 1), got {self.dropout}")
+            raise KilnError(f"model.dropout must be in [0, 1), got {self.dropout}",
+                            key="model.dropout", value=self.dropout, fix="give a value in [0, 1) (0 = off)")
         check_values(self)  # values no family can train with, first: its message names the fix
         fam.check(self)
 
@@ -98,7 +106,8 @@ class ModelConfig:
     def padded_vocab(self) -> int:
         """Vocabulary rounded up to a multiple of 64: tensor-core friendly matmul shapes."""
         if self.vocab_size < 1:
-            raise ValueError("model.vocab_size is unknown: set it, or let `kiln train` take it from the tokenizer")
+            raise KilnError("model.vocab_size is unknown: set it, or let `kiln train` take it from the tokenizer",
+                            key="model.vocab_size", fix="set it, or let `kiln train` take it from the tokenizer")
         return 64 * math.ceil(self.vocab_size / 64)
 
 

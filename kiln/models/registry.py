@@ -9,6 +9,7 @@ from kiln.models import gpt2, llama, qwen3, qwen3_moe
 from kiln.models.config import ModelConfig
 from kiln.models.family import Family
 from kiln.util import closest
+from kiln.errors import KilnError
 
 FAMILIES: dict[str, Family] = {f.name: f for f in (gpt2.FAMILY, llama.FAMILY, qwen3.FAMILY, qwen3_moe.FAMILY)}
 ARCHS = tuple(FAMILIES)
@@ -24,8 +25,9 @@ def family(arch: str) -> Family:
     """The description of the family `arch` (a ModelConfig's model.arch)."""
     if arch not in FAMILIES:
         hint = closest(arch, FAMILIES)
-        raise ValueError(f"model.arch={arch!r} is unknown" + (f"; did you mean {hint!r}?" if hint else "")
-                         + f" Use one of {', '.join(ARCHS)}")
+        raise KilnError(f"model.arch={arch!r} is unknown" + (f"; did you mean {hint!r}?" if hint else "")
+                        + f" Use one of {', '.join(ARCHS)}",
+                        key="model.arch", value=arch, fix=f"Use one of {', '.join(ARCHS)}")
     return FAMILIES[arch]
 
 

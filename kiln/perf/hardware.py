@@ -15,6 +15,7 @@ from pathlib import Path
 
 import torch
 
+from kiln.errors import KilnError
 from kiln.perf.flops import cpu_peak
 
 CPUINFO = Path("/proc/cpuinfo")  # where native_bf16() reads the CPU's flags (x86) or Features (aarch64)
@@ -206,23 +207,27 @@ def resolve_kernels(kernels: str, device: torch.device | str) -> str:
     one line) explains the fix when Triton cannot run there."""
     device = torch.device(device)
     if kernels not in KERNEL_BACKENDS:
-        raise ValueError(f"train.kernels={kernels!r} is unknown; use one of {KERNEL_BACKENDS}")
+        raise KilnError(f"train.kernels={kernels!r} is unknown; use one of {KERNEL_BACKENDS}",
+                        key="train.kernels", value=kernels, fix=f"use one of {KERNEL_BACKENDS}")
     if kernels == "torch":
         return "torch"
     supported, capability = _capability_ok(device)
     if kernels == "auto":
         return "triton" if device.type == "cuda" and supported and triton_available() else "torch"
     if not triton_available():
-        raise ValueError("train.kernels='triton' needs the triton package: pip install 'kiln[triton]' "
-                         "(or use train.kernels='auto', which falls back to torch)")
+        raise KilnError("train.kernels='triton' needs the triton package: pip install 'kiln[triton]' "
+                        "(or use train.kernels='auto', which falls back to torch)",
+                        key="train.kernels", value=kernels, fix="pip install 'kiln[triton]'")
     if not supported:
-        raise ValueError(f"train.kernels='triton' needs compute capability {MIN_CAPABILITY[0]}.{MIN_CAPABILITY[1]} "
-                         f"or newer (Ampere and later GPUs); this GPU is "
-                         f"{capability[0]}.{capability[1]}: use train.kernels='torch' or 'auto'")
+        raise KilnError(f"train.kernels='triton' needs compute capability {MIN_CAPABILITY[0]}.{MIN_CAPABILITY[1]} "
+                        f"or newer (Ampere and later GPUs); this GPU is "
+                        f"{capability[0]}.{capability[1]}: use train.kernels='torch' or 'auto'",
+                        key="train.kernels", value=kernels, fix="use train.kernels='torch' or 'auto'")
     if device.type in ("cuda", "meta"):
         return "triton"
     if device.type == "cpu" and interpret_env():
         return "triton"  # Triton's interpreter: numpy on the CPU, for tests (slow)
-    raise ValueError(f"train.kernels='triton' runs on CUDA; on {device.type} only through Triton's interpreter: "
-                     f"set TRITON_INTERPRET=1 in the environment before starting (slow, meant for tests), or "
-                     f"use train.kernels='auto' or 'torch'")
+    raise KilnError(f"train.kernels='triton' runs on CUDA; on {device.type} only through Triton's interpreter: "
+                    f"set TRITON_INTERPRET=1 in the environment before starting (slow, meant for tests), or "
+                    f"use train.kernels='auto' or 'torch'",
+                    key="train.kernels", value=kernels, fix="use train.kernels='auto' or 'torch'")

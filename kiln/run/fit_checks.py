@@ -24,6 +24,7 @@ from torch.utils.data import default_collate
 
 from kiln.config import Config
 from kiln.data.batches import is_dataset, map_tensors, to_device
+from kiln.errors import KilnError
 from kiln.train.checkpoint import rng_state, set_rng_state
 from kiln.train.losses import CrossEntropy, _FromMean
 from kiln.train.objective import Contrastive, Supervised
@@ -36,11 +37,11 @@ IGNORED_KEYS = ("train.sample_tokens", "train.sample_prompt", "train.eval_batche
 OBJECTIVES_DOC = "docs/library.md, 'Objectives'"
 
 
-class FitInputError(ValueError):
+class FitInputError(KilnError):
     """fit()'s input is unusable: `argument` names which one (train_data, eval_data, loss, epochs, ...)."""
 
-    def __init__(self, argument: str, message: str):
-        super().__init__(message)
+    def __init__(self, argument: str, message: str, *, fix: str | None = None):
+        super().__init__(message, key=argument, fix=fix)
         self.argument = argument
 
 

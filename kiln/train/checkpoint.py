@@ -43,6 +43,7 @@ import numpy as np
 import torch
 import xxhash
 
+from kiln.errors import KilnError
 from kiln.parallel.strategy import STRATEGIES
 from kiln.parallel.tensor import canonical, from_canonical, fused_rows
 
@@ -58,13 +59,17 @@ class CheckpointConfig:
 
     def validate(self):
         if self.interval < 0:
-            raise ValueError(f"checkpoint.interval must be ≥ 0, got {self.interval}")
+            raise KilnError(f"checkpoint.interval must be ≥ 0, got {self.interval}",
+                            key="checkpoint.interval", value=self.interval, fix="give a number of steps ≥ 0 (0: off)")
         if self.every_minutes < 0:
-            raise ValueError(f"checkpoint.every_minutes must be ≥ 0 (0: off), got {self.every_minutes}")
+            raise KilnError(f"checkpoint.every_minutes must be ≥ 0 (0: off), got {self.every_minutes}",
+                            key="checkpoint.every_minutes", value=self.every_minutes, fix="give minutes ≥ 0 (0: off)")
         if self.on_error not in ("stop", "warn"):
-            raise ValueError(f"checkpoint.on_error={self.on_error!r}; use 'stop' or 'warn'")
+            raise KilnError(f"checkpoint.on_error={self.on_error!r}; use 'stop' or 'warn'",
+                            key="checkpoint.on_error", value=self.on_error, fix="use 'stop' or 'warn'")
         if self.keep_last < 1:
-            raise ValueError(f"checkpoint.keep_last must be ≥ 1 (otherwise nothing could resume), got {self.keep_last}")
+            raise KilnError(f"checkpoint.keep_last must be ≥ 1 (otherwise nothing could resume), got {self.keep_last}",
+                            key="checkpoint.keep_last", value=self.keep_last, fix="give a count ≥ 1")
 
 
 def saved_world(state: dict) -> dict:
@@ -117,12 +122,12 @@ class CheckpointWriteError(OSError):
     """A checkpoint could not be written (full disk, quota, read-only directory); earlier ones are intact."""
 
 
-class CheckpointCorrupt(ValueError):
+class CheckpointCorrupt(KilnError):
     """A checkpoint whose files do not match its manifest, or that does not load; `file`: the damaged file's name
     inside the checkpoint, when one file is to blame."""
 
     def __init__(self, message: str, file: str | None = None):
-        super().__init__(message)
+        super().__init__(message, key=file)
         self.file = file
 
 

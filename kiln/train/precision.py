@@ -9,6 +9,8 @@ from dataclasses import dataclass
 
 import torch
 
+from kiln.errors import KilnError
+
 MODES = ("auto", "fp32", "tf32", "bf16", "fp16", "bf16-master", "fp8", "fp64")
 
 
@@ -23,11 +25,16 @@ class PrecisionConfig:
 
     def validate(self):
         if self.mode not in MODES:
-            raise ValueError(f"precision.mode={self.mode!r} is unknown; use one of {MODES}")
+            raise KilnError(f"precision.mode={self.mode!r} is unknown; use one of {MODES}",
+                            key="precision.mode", value=self.mode, fix=f"use one of {MODES}")
         if self.init_scale <= 0 or self.growth_factor <= 1 or not 0 < self.backoff_factor < 1:
-            raise ValueError("precision: init_scale > 0, growth_factor > 1 and 0 < backoff_factor < 1 are required")
+            raise KilnError("precision.init_scale > 0, precision.growth_factor > 1 and 0 < precision.backoff_factor < 1 "
+                            "are required",
+                            key="precision.init_scale")
         if self.growth_interval < 1:
-            raise ValueError(f"precision.growth_interval must be ≥ 1, got {self.growth_interval}")
+            raise KilnError(f"precision.growth_interval must be ≥ 1, got {self.growth_interval}",
+                            key="precision.growth_interval", value=self.growth_interval,
+                            fix="give a number of steps ≥ 1")
 
 
 class Precision:

@@ -47,9 +47,9 @@ def recompute_flops_per_token(cfg: ModelConfig, seq_len: int, plan: tuple[str, .
     block = 2 * (matmul_params(cfg) - cfg.padded_vocab * cfg.d_model) / cfg.n_layer + attention
     fam = family(cfg.arch)
     last = fam.linears(cfg)[-1]  # the MLP's output projection
-    # An MoE weights and scatters its experts' outputs after the projection, saving tensors there: checkpoint
-    # recomputes through every expert's projection.
-    skipped = 0 if fam.mlp == "moe" else 2 * last.n_in * last.n_out * last.active
+    # (an MoE weights and scatters its experts' outputs after the projection, saving tensors there: checkpoint
+    # recomputes through every expert's projection; the MLP part says which)
+    skipped = 2 * last.n_in * last.n_out * last.active if fam.mlp_part.recompute_skips_projection() else 0
     total = 0.0
     for i, policy in enumerate(plan):
         if policy == "selective":

@@ -307,16 +307,26 @@ def _is_tables(value) -> bool:
 
 
 def field_help(cls) -> dict[str, str]:
-    """{field: one-line description} from the `# comment` after each field in the dataclass source."""
+    """{field: description} from the `# comment` after each field in the dataclass source, continued by the
+    comment-only lines right below it (joined: a long comment is one description, never its first line alone);
+    a field whose help is computed (from the table its code dispatches on) gives it as metadata={"help": ...}."""
+    helps = {f.name: f.metadata["help"] for f in fields(cls) if "help" in f.metadata}
+    computed = set(helps)
     try:
         source = inspect.getsource(cls)
     except (OSError, TypeError):
-        return {}
-    helps = {}
+        return helps
+    last = None  # the field whose comment the next comment-only line continues
     for line in source.splitlines():
         m = re.match(r"\s+(\w+)\s*:\s*[^=#]+=.*?#\s*(.+)$", line)
+        more = re.match(r"\s+#\s*(.+)$", line)
         if m:
-            helps[m.group(1)] = m.group(2).strip()
+            last = m.group(1)
+            helps.setdefault(last, m.group(2).strip())
+        elif more and last is not None and last not in computed:
+            helps[last] += " " + more.group(1).strip()
+        else:
+            last = None
     return helps
 
 

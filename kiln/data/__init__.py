@@ -15,13 +15,13 @@ import os
 import resource
 import shutil
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Callable
 
 import numpy as np
 
-from kiln.data.corpus import STDLIB, CorpusError, source_files
+from kiln.data.corpus import STDLIB, CorpusError, by_extension, source_files, sources
 from kiln.data.loader import TokenLoader, val_batches
 from kiln.data.mix import Mixture, check_mix, mix_sources
 from kiln.data import prepare as _prepare
@@ -72,8 +72,11 @@ PIPELINE_VERSION = 3
 class DataConfig:
     """The `data` section: where text comes from, how it is split and tokenized, and how batches are drawn."""
 
-    source: str = STDLIB  # "stdlib" (this Python's standard library .py files), a file, a directory, or a .jsonl file
-    format: str = "auto"  # auto (by extension: .jsonl[.gz|.zst], .parquet, .arrow, else text) | text | jsonl | parquet | arrow (a `datasets` shard; its directory works) | tokens (pre-tokenized nanoGPT train.bin/val.bin or llm.c shards; the model's vocabulary is then data.vocab_size)
+    source: str = field(default=STDLIB, metadata={"help": sources()})  # help: what kiln.data.corpus reads
+    format: str = field(default="auto", metadata={"help": (  # auto's rule from the table file_kind reads
+        f"auto (by extension: {by_extension()}) | text | jsonl | parquet | arrow (a `datasets` shard; its directory "
+        f"works) | tokens (pre-tokenized nanoGPT train.bin/val.bin or llm.c shards; the model's vocabulary is then "
+        f"data.vocab_size)")})
     text_field: str = "text"  # the JSONL field, or the Parquet / `datasets` column, holding each record's text
     pattern: str = "**/*.txt"  # glob of files to read when source is a directory (ignored otherwise)
     tokenizer: str = "bytes"  # "bytes" (256 ids) | "bpe" (byte-level BPE trained on the train split; one for all [[data.mix]] sources) | hf:DIR (its tokenizer.json)
@@ -93,7 +96,7 @@ class DataConfig:
     def validate(self) -> None:
         """Raise ValueError naming the field and the fix for the first bad value."""
         if not self.source:
-            raise ValueError("data.source is empty; use 'stdlib', a text/JSONL file or a directory")
+            raise ValueError(f"data.source is empty; give {sources()}")
         if self.format not in FORMATS:
             raise ValueError(f"data.format={self.format!r} is unknown; use one of {FORMATS}")
         if not self.text_field:

@@ -6,7 +6,8 @@ Each saved CUDA tensor (parameters excepted) is copied device→host on a side s
 the allocator is told (record_stream) that the side stream still reads it, so the device memory returns to the
 pool when the copy ends without the forward waiting for it. In backward the tensor is copied back on the compute
 stream after the copy's event. Blocks under recompute keep nothing worth offloading and are skipped. On a CPU
-device there is no separate host memory: nothing is moved.
+device there is no separate host memory: nothing is moved, and the run says so in one line at start
+(kiln.run.device_levers).
 """
 from __future__ import annotations
 

@@ -10,7 +10,7 @@ import math
 from dataclasses import dataclass, fields, replace
 
 from kiln.models.catalog import PRESETS, family
-from kiln.models.values import check_values
+from kiln.models.values import SENTINEL_MEANING, check_values
 from kiln.util import closest
 
 # What a preset keeps when `model.arch` switches it to another family; every other field is the family's.
@@ -55,6 +55,11 @@ class ModelConfig:
                 f"model.preset={self.preset!r} is not a preset; did you mean {closest(self.preset, PRESETS)!r}? "
                 f"Presets: {', '.join(PRESETS)}"
             )
+        for f in fields(self):  # a size given below 0 is named before anything is derived from it (head_dim)
+            value = getattr(self, f.name)
+            if isinstance(value, int) and not isinstance(value, bool) and value < 0:
+                also = f", or {SENTINEL_MEANING[f.name]}" if f.name in SENTINEL_MEANING else ""
+                raise ValueError(f"model.{f.name} must be ≥ 1 (0: the preset's{also}), got {value}")
         base = PRESETS[self.preset]
         if self.arch and self.arch != base.arch:
             fam = family(self.arch)  # raises for an unknown arch, naming the known ones

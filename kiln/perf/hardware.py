@@ -202,7 +202,8 @@ def _capability_ok(device: torch.device) -> tuple[bool, tuple[int, int] | None]:
 
 
 def resolve_kernels(kernels: str, device: torch.device | str) -> str:
-    """"torch" or "triton" for train.kernels on `device`; explains the fix when Triton cannot run there."""
+    """"torch" or "triton" for train.kernels on `device`; a ValueError (a setting this machine cannot run: the CLI's
+    one line) explains the fix when Triton cannot run there."""
     device = torch.device(device)
     if kernels not in KERNEL_BACKENDS:
         raise ValueError(f"train.kernels={kernels!r} is unknown; use one of {KERNEL_BACKENDS}")
@@ -212,16 +213,16 @@ def resolve_kernels(kernels: str, device: torch.device | str) -> str:
     if kernels == "auto":
         return "triton" if device.type == "cuda" and supported and triton_available() else "torch"
     if not triton_available():
-        raise RuntimeError("train.kernels='triton' needs the triton package: pip install 'kiln[triton]' "
-                           "(or use train.kernels='auto', which falls back to torch)")
+        raise ValueError("train.kernels='triton' needs the triton package: pip install 'kiln[triton]' "
+                         "(or use train.kernels='auto', which falls back to torch)")
     if not supported:
-        raise RuntimeError(f"train.kernels='triton' needs compute capability {MIN_CAPABILITY[0]}.{MIN_CAPABILITY[1]} "
-                           f"or newer (Ampere and later GPUs); this GPU is "
-                           f"{capability[0]}.{capability[1]}: use train.kernels='torch' or 'auto'")
+        raise ValueError(f"train.kernels='triton' needs compute capability {MIN_CAPABILITY[0]}.{MIN_CAPABILITY[1]} "
+                         f"or newer (Ampere and later GPUs); this GPU is "
+                         f"{capability[0]}.{capability[1]}: use train.kernels='torch' or 'auto'")
     if device.type in ("cuda", "meta"):
         return "triton"
     if device.type == "cpu" and interpret_env():
         return "triton"  # Triton's interpreter: numpy on the CPU, for tests (slow)
-    raise RuntimeError(f"train.kernels='triton' runs on CUDA; on {device.type} only through Triton's interpreter: "
-                       f"set TRITON_INTERPRET=1 in the environment before starting (slow, meant for tests), or "
-                       f"use train.kernels='auto' or 'torch'")
+    raise ValueError(f"train.kernels='triton' runs on CUDA; on {device.type} only through Triton's interpreter: "
+                     f"set TRITON_INTERPRET=1 in the environment before starting (slow, meant for tests), or "
+                     f"use train.kernels='auto' or 'torch'")

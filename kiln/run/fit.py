@@ -48,8 +48,9 @@ from kiln.models.transformer import Transformer
 from kiln.perf import device_peak_flops
 from kiln.perf.compile import compile_setting
 from kiln.perf.hardware import precision_notice, resolve_kernels, resolve_mode
-from kiln.run.fit_checks import (FitInputError, FitWarning, check_data, check_first_loss, given_keys, ignored_keys,
-                                 recorded, schedule_change)
+from kiln.run.fit_checks import (FitInputError, FitWarning, check_data, check_first_loss, first_batch, given_keys,
+                                 ignored_keys, recorded, schedule_change)
+from kiln.run.device_levers import device_levers
 from kiln.run.lm import pick_device, recorded_cpu_linear
 from kiln.run.predict import check_metrics, evaluate_metrics, remember
 from kiln.train.callbacks import Callbacks
@@ -269,6 +270,7 @@ def _fit(model, train_data, objective, cfg, eval_data, run_dir, resume, console,
     if not world.main:
         con = Console(quiet=True)  # rank 0 speaks for the run
     device = device_for(world, pick_device(cfg.train.device))
+    device_notes = device_levers(cfg, device)  # a lever this device cannot run: refused here, before the data
     # the tp ranks of one copy see the same batches: data is shared by the dp_size copies
     cfg = replace(cfg, train=replace(cfg.train, grad_accum_steps=accumulation_for(cfg.train, world.dp_size)))
     cfg, length_note = _run_length(cfg, train_data, extras.epochs, extras.given, world.dp_size)
@@ -284,9 +286,9 @@ def _fit(model, train_data, objective, cfg, eval_data, run_dir, resume, console,
     state = build_state(model, objective, loader, device=device, precision=precision, precision_cfg=cfg.precision,
                         optim=cfg.optim, plan=_plan(cfg, model, precision, device, extras.tensor_plan), world=world)
     if not world.dp_strategy.shards_parameters:  # FSDP2's sharded forward is the step's to run
-        for name, batch in (("train_data", first), ("eval_data", eval_first)):
+        for name, data, batch in (("train_data", train_data, first), ("eval_data", eval_data, eval_first)):
             if batch is not None:
-                check_first_loss(state, batch, name)
+                check_first_loss(state, batch, name, first_batch(data, name, cfg.train.micro_batch_size))
     metrics = extras.metrics
     evaluate_fn = None
     if eval_data is not None:
@@ -315,7 +317,7 @@ def _fit(model, train_data, objective, cfg, eval_data, run_dir, resume, console,
     con.print(f"model: {type(model).__name__} {format_count(state.n_params)} parameters | device {device} | "
               f"precision {precision} | {objective!r} | {tc.micro_batch_size}×{tc.grad_accum_steps} per step",
               highlight=False)
-    for line in (length_note, defaults_note, scaled, precision_notice(cfg.precision.mode, device)):
+    for line in (length_note, defaults_note, scaled, precision_notice(cfg.precision.mode, device), *device_notes):
         if line:
             con.print(line, highlight=False)
     result = trainer.run()

@@ -31,6 +31,7 @@ from kiln.memory.levers import runtime_job
 from kiln.memory.planner import search
 from kiln.models import ModelConfig, Transformer, build_model
 from kiln.models.config import with_training_fields
+from kiln.models.generate import Sampling
 from kiln.models.registry import family
 from kiln.numerics.faults import DelayedLoader
 from kiln.perf import flops_per_token
@@ -39,6 +40,8 @@ from kiln.perf.flops import recompute_flops_per_token
 from kiln.perf.cpu_linear import decide_cpu_linear
 from kiln.perf.peak import linear_shapes, model_peak_flops
 from kiln.perf.hardware import decide_mode, precision_notice, resolve_kernels
+from kiln.run.device_levers import device_levers
+from kiln.run.generate import complete
 from kiln.run.oom import OomContext, OutOfMemory, oom_report, ram_check
 from kiln.train.checkpoint import Checkpointer, RunLock, full_weights
 from kiln.train.loop import TrainResult, Trainer, accumulation_for
@@ -191,16 +194,18 @@ class LMRun:
 
     def sample(self, prompt: str, max_new_tokens: int, temperature: float = 0.8, top_k: int | None = 50,
                seed: int = 0) -> str | None:
-        """Text from the trained model on rank 0 (None on the others). When no rank holds the whole model (FSDP,
-        TP, PP), every rank calls this: the weights are gathered into a plain copy on rank 0, which samples alone."""
-        model, world = self.state.model, self.state.world
-        if world.splits_weights:
-            weights = full_weights(self.state)
-            if not world.main:
-                return None
-            model = build_model(self.cfg.model, self.state.device)
-            model.load_state_dict(weights)
-            model.to(self.state.precision.param_dtype)
+        """Text from the trained model on rank 0 (None on the others), generated with the KV cache (kiln.run.generate)
+        from a plain copy of the model: the trained one may carry recompute, offload, Triton kernels or fp8 linears,
+        which the cached forward does not go through (the copy costs one more set of weights). When no rank holds
+        the whole model (FSDP, TP, PP), every rank calls this: the weights are gathered to rank 0, which samples
+        alone."""
+        world = self.state.world
+        weights = full_weights(self.state) if world.splits_weights else self.state.model.state_dict()
+        if not world.main:
+            return None
+        model = build_model(self.cfg.model, self.state.device)
+        model.load_state_dict(weights)
+        model.to(self.state.precision.param_dtype)
         return generate_text(model, self.data.tokenizer, prompt, max_new_tokens, temperature, top_k, seed,
                              self.state.device, self.state.precision)
 
@@ -241,6 +246,8 @@ def build_lm(cfg: Config, run_dir: Path | None = None, log=print, device: torch.
     with_data=False builds without data (vocabulary from the config, 256 for bytes): for measuring memory on
     random tokens.
     """
+    for note in device_levers(cfg, device or pick_device(cfg.train.device)):
+        log(note)
     world = init_world(cfg.parallel, (device or pick_device(cfg.train.device)).type)
     try:
         return _build_lm(cfg, run_dir, log, device_for(world, device or pick_device(cfg.train.device)), with_data,
@@ -418,14 +425,9 @@ def stop_line(result: TrainResult, run_dir: Path) -> str:
 
 def generate_text(model: Transformer, tokenizer, prompt: str, max_new_tokens: int, temperature: float,
                   top_k: int | None, seed: int, device, precision: Precision | None = None) -> str:
-    # Own generator: sampling never disturbs the training RNG streams (exact resume).
-    gen = torch.Generator(device=device).manual_seed(seed)
-    ids = tokenizer.encode(prompt) or [0]
-    idx = torch.tensor([ids], dtype=torch.long, device=device)
-    was_training = model.training
-    model.eval()
-    ctx = precision.autocast() if precision is not None else torch.autocast(device.type, enabled=False)
-    with ctx:
-        out = model.generate(idx, max_new_tokens, temperature, top_k, vocab_limit=tokenizer.vocab_size, generator=gen)
-    model.train(was_training)
-    return tokenizer.decode(out[0].tolist())
+    """prompt + the model's continuation of it (KV cache; stops at the end-of-text id). An empty prompt starts a
+    document: the end-of-text id (0 for a tokenizer without one)."""
+    ids = tokenizer.encode(prompt) or [max(tokenizer.eot_id, 0)]
+    done = complete(model, tokenizer, [ids], max_new_tokens, Sampling(temperature, top_k or 0), seed=seed,
+                    stop_ids=(tokenizer.eot_id,), autocast=precision.autocast if precision is not None else None)
+    return prompt + done.texts[0]

@@ -175,8 +175,8 @@ class Trainer:
             self.logger = MetricsLogger(self.cfg.log, self.run_dir, self.cfg.train.max_steps or None,
                                         self.state.step, console=self.con, enabled=main,
                                         resumed_at=self.resumed_at)
-            if self.state.world.size > 1:  # every run across processes says how it is laid out (a collective)
-                self.events.insert(0, layout_event(self.state.world, self.state.model))
+            # every run, one process too ({"dp": 1}), says its layout at the step it starts from (a collective)
+            self.events.insert(0, {"step": self.state.step} | layout_event(self.state.world, self.state.model))
             for record in self.events:
                 self.logger.log(record, kind="event")
             self.numerics.start()

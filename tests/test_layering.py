@@ -17,7 +17,7 @@ from pathlib import Path
 
 # Mirrors the README's Layout section: a package added or moved here belongs there too.
 LAYERS = [  # bottom to top; a package imports only from packages in lower layers (never sideways, never up)
-    ("util",),
+    ("util", "precision"),
     ("models", "data"),
     ("perf", "parallel", "interop"),
     ("kernels",),

@@ -25,6 +25,7 @@ from dataclasses import dataclass, field, replace
 from kiln.models.config import ModelConfig
 from kiln.models.registry import family
 from kiln.parallel.strategy import Strategy, strategy
+from kiln.precision import PRECISIONS, mode
 
 KiB, MiB, GiB = 1024, 1024**2, 1024**3
 _UNITS = {"": 1, "b": 1, "k": 1e3, "kb": 1e3, "m": 1e6, "mb": 1e6, "g": 1e9, "gb": 1e9, "t": 1e12, "tb": 1e12,
@@ -95,17 +96,12 @@ class Numerics:
 FSDP_BF16 = Numerics(4, 4, 0, 2, 2, True, casts=False, gathered=2)
 
 
-NUMERICS = {
-    "fp32": Numerics(4, 4, 0, 4, 4, False),
-    "tf32": Numerics(4, 4, 0, 4, 4, False),
-    "bf16": Numerics(4, 4, 0, 4, 2, True),  # autocast: fp32 parameters and residual, bf16 matmuls
-    "fp16": Numerics(4, 4, 0, 4, 2, True),
-    "bf16-master": Numerics(2, 2, 4, 2, 2, False),  # bf16 parameters and activations, fp32 masters beside them
-    # torchao's float8 linears save their high-precision (bf16) inputs for backward, as autocast does; their fp8
-    # weight casts (1 byte) are counted as bf16's autocast cache (2): an over-count, not yet measured on a GPU
-    "fp8": Numerics(4, 4, 0, 4, 2, True),
-    "fp64": Numerics(8, 8, 0, 8, 8, False),  # reference runs: everything in float64
-}
+# Each mode's bytes from its row (kiln.precision): autocast (bf16, fp16) keeps fp32 parameters and residual and
+# multiplies in half precision; bf16-master keeps bf16 parameters and activations with fp32 masters beside them.
+# torchao's float8 linears (fp8) save their high-precision (bf16) inputs for backward, as autocast does; their fp8
+# weight casts (1 byte) are counted as bf16's autocast cache (2): an over-count, not yet measured on a GPU.
+NUMERICS = {m.name: Numerics(m.param_bytes, m.grad_bytes, m.master_bytes, m.residual_bytes, m.compute_bytes,
+                             m.autocast is not None) for m in PRECISIONS.values()}
 
 
 @dataclass(frozen=True)
@@ -177,7 +173,7 @@ class Job:
 
     @property
     def num(self) -> Numerics:
-        if self.dp_strategy.shards_parameters and self.precision == "bf16":
+        if self.dp_strategy.shards_parameters and mode(self.precision).fsdp_gather is not None:
             return FSDP_BF16
         return NUMERICS[self.precision]
 

@@ -8,8 +8,10 @@ and its transients. The estimator (kiln.memory.estimate), the planner (kiln.memo
     part(table, kind, where)                         a kind by name; an unknown one is an error naming the known
     make_norm(kind, dim, eps, bias)                  the norm module of that kind
 
-Adding a part kind is one class here (and its nn.Module in kiln/models/parts.py), listed in its table: every
-question below has no default, so a kind that forgets one fails when it is first asked, never costed as another.
+Adding a part kind is one class here (and its nn.Module in kiln/models/parts.py), listed in its table. Every cost
+(parameters, linears, saved tensors, widths, backward peak) has no default: a kind that forgets one raises
+NotImplementedError when it is first asked, never costed as another kind. The few defaults are the common case,
+stated on the base class: no config fields of its own, no auxiliary loss, its output in the compute dtype.
 
 The estimator's arguments are read, never imported (kiln.memory is above kiln.models): `num` holds the bytes
 per element of the step's dtypes (compute, residual, param, grad) and its autocast flags (autocast, casts,

@@ -24,6 +24,7 @@ from kiln.models.registry import family
 from kiln.parallel.layout import ParallelPlan
 from kiln.memory.recompute import POLICIES, plan_for
 from kiln.perf.hardware import auto_mode, fp8_refusal
+from kiln.precision import PRECISIONS, is_auto
 from kiln.util import closest
 
 
@@ -71,9 +72,9 @@ def resolved_model(cfg):
 def precision_for(mode: str, device) -> str:
     """Concrete precision of `mode` on a Device from kiln.memory.devices; auto by the rule `kiln train` uses
     (kiln.perf.hardware.auto_mode), from the device's capability or its measured matmul rates."""
-    if mode == "auto":
+    if is_auto(mode):
         return auto_mode(device.kind, device.capability, device.peak_flops)[0]
-    if mode == "fp8" and not device.supports(mode):
+    if mode in PRECISIONS and PRECISIONS[mode].fp8 and not device.supports(mode):
         raise KilnError(fp8_refusal(device.kind, device.capability, device.name), key="precision.mode", value=mode)
     if not device.supports(mode):
         raise KilnError(f"precision.mode={mode!r} does not run on {device.name}; its table has "

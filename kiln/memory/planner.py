@@ -185,10 +185,7 @@ def bubble_fraction(pp: int, microbatches: int, virtual_stages: int = 1) -> floa
 def _elementwise_width(cfg) -> int:
     """Elements per token the MLP's elementwise ops read and write (GELU 2F, SwiGLU 3F, an MoE 3F per routed
     pair plus its routing and weighting)."""
-    mlp = family(cfg.arch).mlp
-    if mlp == "moe":
-        return cfg.n_experts_active * (3 * cfg.moe_d_ff + 2 * cfg.d_model) + 2 * cfg.n_experts
-    return cfg.d_ff * (3 if mlp == "swiglu" else 2)
+    return family(cfg.arch).mlp_part.elementwise_width(cfg)
 
 
 def step_time(job: Job, device, link: float | None = None, tp_link: float | None = None,

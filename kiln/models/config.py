@@ -10,6 +10,7 @@ import math
 from dataclasses import dataclass, fields, replace
 
 from kiln.errors import KilnError
+from kiln.models.catalog import PRESETS, family
 from kiln.models.values import SENTINEL_MEANING, check_values
 from kiln.util import closest
 
@@ -50,8 +51,6 @@ class ModelConfig:
     def resolve(self) -> "ModelConfig":
         """Fill every 0/None field from the preset (and, when `arch` switches family, from the family's
         defaults); check the shape is buildable."""
-        from kiln.models.registry import PRESETS, family  # lazy: the presets live in the family files, which import this module
-
         if self.preset not in PRESETS:
             raise KilnError(
                 f"model.preset={self.preset!r} is not a preset; did you mean {closest(self.preset, PRESETS)!r}? "
@@ -81,8 +80,6 @@ class ModelConfig:
         self.resolve()
 
     def check(self) -> None:
-        from kiln.models.registry import family  # lazy: the family files import this module
-
         fam = family(self.arch)
         for name in ("n_layer", "n_head", "n_kv_head", "head_dim", "d_model", "d_ff", "max_seq_len"):
             if getattr(self, name) < 1:
@@ -121,8 +118,6 @@ def _unset(value, f) -> bool:
 
 def param_count(cfg: ModelConfig) -> int:
     """Number of trainable parameters of `Transformer(cfg)`, from the config alone."""
-    from kiln.models.registry import family  # lazy: the family files import this module
-
     cfg = cfg.resolve() if not cfg.arch else cfg
     return sum(math.prod(shape) for _, shape in family(cfg.arch).parameter_shapes(cfg))
 

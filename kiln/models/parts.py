@@ -148,13 +148,6 @@ class SwiGLUMLP(nn.Module):
         return self.proj(self.act(gate, up))
 
 
-def make_norm(kind: str, dim: int, eps: float, bias: bool = False) -> nn.Module:
-    """A family's norm by the name its description gives: "layernorm" (GPT-2) or "rmsnorm"."""
-    if kind == "layernorm":
-        return nn.LayerNorm(dim, eps=eps, bias=bias)
-    return RMSNorm(dim, eps=eps)
-
-
 class PreNormBlock(nn.Module):
     """x + attn(norm1(x)), then + mlp(norm2(x)): the block every family here shares; a family picks the parts."""
 

@@ -14,9 +14,10 @@ import torch.nn.functional as F
 
 from kiln.models.cache import KVCache
 from kiln.models.config import ModelConfig
+from kiln.models.costs import make_norm
 from kiln.models.moe import MoE, moe_losses
 from kiln.models.parts import (IGNORE_INDEX, SDPA, LMLoss, RMSNorm, Rotary, SwiGLU, at_least_fp32,  # noqa: F401
-                               llama3_frequencies, make_norm, rope_cache)
+                               llama3_frequencies, rope_cache)
 from kiln.models.registry import family
 
 

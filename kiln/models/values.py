@@ -10,6 +10,7 @@ from __future__ import annotations
 import math
 
 from kiln.errors import KilnError
+from kiln.models.catalog import family
 
 # What 0 / "" / None stands for in the model section: the preset's value (and for these keys, something more).
 SENTINEL_MEANING = {
@@ -21,8 +22,6 @@ SENTINEL_MEANING = {
 
 def check_values(cfg) -> None:
     """A resolved model config (every preset value filled in) whose numbers cannot train: one line, the fix."""
-    from kiln.models.registry import family  # lazy: the family files import kiln.models.config, which imports this
-
     if family(cfg.arch).positions == "rope" and not (math.isfinite(cfg.rope_theta) and cfg.rope_theta > 0):
         raise KilnError(f"model.rope_theta={cfg.rope_theta:g}: arch={cfg.arch!r} rotates queries and keys by RoPE, "
                         f"whose base frequency must be > 0; set --model.rope_theta=10000 (Llama 2) or "

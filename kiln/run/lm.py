@@ -40,6 +40,7 @@ from kiln.perf.flops import recompute_flops_per_token
 from kiln.perf.cpu_linear import decide_cpu_linear
 from kiln.perf.peak import linear_shapes, model_peak_flops
 from kiln.perf.hardware import decide_mode, precision_notice, resolve_kernels
+from kiln.precision import mode
 from kiln.run.device_levers import device_levers
 from kiln.run.generate import complete
 from kiln.run.oom import OomContext, OutOfMemory, oom_report, ram_check
@@ -84,7 +85,7 @@ def model_plan(cfg: Config, model_cfg: ModelConfig, precision: str, device: torc
     # tp > 1: kiln.parallel.tensor puts its vocabulary-parallel loss in the plain LMLoss's place
     fused = kernels == "triton" and cfg.parallel.tp == 1
     loss = "chunked" if cfg.memory.chunked_loss else ("fused" if fused else "plain")
-    return ModelPlan(kernels=kernels, cpu_linear=cfg.train.cpu_linear == "onednn", fp8=precision == "fp8",
+    return ModelPlan(kernels=kernels, cpu_linear=cfg.train.cpu_linear == "onednn", fp8=mode(precision).fp8,
                      recompute=job.recompute, offload=job.offload, loss=loss, loss_chunk=cfg.memory.chunked_loss,
                      compile=cfg.train.compile, parallel=cfg.parallel, layout=layout)
 
@@ -392,7 +393,7 @@ def _train(lm: LMRun, cfg: Config, run_dir: Path, resume: bool, con: Console, ca
         con.print(note, highlight=False)
     if c.train.compile_decided_by.startswith("auto"):
         con.print(f"train.compile {c.train.compile_decided_by}", highlight=False)
-    if c.train.cpu_linear_decided_by.startswith("auto") and state.device.type == "cpu" and c.precision.mode == "fp32":
+    if c.train.cpu_linear_decided_by.startswith("auto") and state.device.type == "cpu" and mode(c.precision.mode).plain_fp32:
         con.print(f"train.cpu_linear {c.train.cpu_linear_decided_by}", highlight=False)
     try:
         result = trainer.run()

@@ -10,8 +10,7 @@ from dataclasses import dataclass
 import torch
 
 from kiln.errors import KilnError
-
-MODES = ("auto", "fp32", "tf32", "bf16", "fp16", "bf16-master", "fp8", "fp64")
+from kiln.precision import MODES, mode as mode_row  # noqa: F401  (MODES: precision.mode's values, re-exported)
 
 
 @dataclass
@@ -42,11 +41,11 @@ class Precision:
 
     def __init__(self, mode: str, device: torch.device):
         self.mode, self.device = mode, device
-        # fp8: the block linears run torchao's float8 matmuls; everything else runs as under bf16 autocast
-        self.autocast_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp8": torch.bfloat16}.get(mode)
-        self.param_dtype = {"bf16-master": torch.bfloat16, "fp64": torch.float64}.get(mode, torch.float32)
-        self.loss_scaling = mode == "fp16"
-        if mode == "tf32":
+        self.row = row = mode_row(mode)  # kiln.precision: what the mode computes in, keeps and scales
+        self.autocast_dtype = row.autocast
+        self.param_dtype = row.param_dtype
+        self.loss_scaling = row.loss_scaling
+        if row.tf32:
             torch.backends.cuda.matmul.allow_tf32 = True
             torch.backends.cudnn.allow_tf32 = True
 

@@ -98,7 +98,7 @@ SITES = [
     ("kiln/perf/hardware.py:resolve_kernels", ["train", "--model.preset=tiny", "--train.device=cpu",
                                                "--data.source=nowhere.txt", "--train.kernels=triton"],
      ["train.kernels='triton' runs on CUDA", "TRITON_INTERPRET=1"]),
-    ("kiln/models/registry.py:family", [*M, "--model.arch=gtp2"], ["model.arch='gtp2'", "did you mean 'gpt2'"]),
+    ("kiln/models/catalog.py:family", [*M, "--model.arch=gtp2"], ["model.arch='gtp2'", "did you mean 'gpt2'"]),
     # kiln/models/values.py
     ("kiln/models/values.py:check_values", [*M, "--model.preset=llama-125m", "--model.rope_theta=-1"],
      ["model.rope_theta=-1", "10000"]),

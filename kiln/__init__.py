@@ -12,7 +12,8 @@ The library API (the `kiln` command is kiln.cli):
     parts: build_state (TrainState), Trainer, TrainResult, ModelPlan / prepare_model
 """
 from kiln.config import Config, load_config
-from kiln.run.fit import fit
+from kiln.errors import KilnError
+from kiln.run.entry import fit
 from kiln.run.fit_checks import FitInputError, FitWarning
 from kiln.run.predict import predict
 from kiln.train.loop import Trainer, TrainResult
@@ -24,6 +25,6 @@ from kiln.train.state import TrainState, build_state
 __version__ = "0.1.0"
 
 # (kiln's own language-model run is kiln.run.lm.train: exported here it would hide the kiln.train package.)
-__all__ = ["fit", "predict", "FitInputError", "FitWarning", "Config", "load_config", "CrossEntropy", "MSE", "Huber", "BCEWithLogits", "NTXent",
+__all__ = ["fit", "predict", "KilnError", "FitInputError", "FitWarning", "Config", "load_config", "CrossEntropy", "MSE", "Huber", "BCEWithLogits", "NTXent",
            "as_loss", "Supervised", "Contrastive", "LanguageModeling", "TrainState", "build_state", "Trainer",
            "TrainResult", "ModelPlan", "prepare_model"]

@@ -1,8 +1,9 @@
-"""kiln's packages stack in layers, and imports only go down.
+"""kiln's packages stack in layers, and imports only go down; no two modules import each other, by any path.
 
 The modules are parsed with `ast`, never imported: the check takes well under a second, needs no torch, and
 still reports everything while a package is half moved. Imports under `if TYPE_CHECKING:` are for type checkers
-only and are ignored everywhere.
+only and are ignored by the layering; the module cycle check counts every import, function-level and type-only
+ones included (a cycle held open by a late import is still two modules that need each other).
 """
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ from pathlib import Path
 
 # Mirrors the README's Layout section: a package added or moved here belongs there too.
 LAYERS = [  # bottom to top; a package imports only from packages in lower layers (never sideways, never up)
-    ("util",),
+    ("util", "errors", "precision"),
     ("models", "data"),
     ("perf", "parallel", "interop"),
     ("kernels",),
@@ -163,6 +164,33 @@ def _find_cycle(graph: dict[str, dict[str, str]]) -> list[str]:
     return []
 
 
+def module_graph(root: Path) -> dict[str, dict[str, str]]:
+    """module -> module it imports -> where (the first such import), over every import statement of every module
+    under `root`: top-level, function-level and `if TYPE_CHECKING:` alike. `from kiln.models import llama` is an
+    edge to the module kiln.models.llama; `from kiln.models import Family` one to the package kiln.models."""
+    paths = {}
+    for path in sorted(root.rglob("*.py")):
+        parts = [root.name, *path.relative_to(root).with_suffix("").parts]
+        paths[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
+    graph: dict[str, dict[str, str]] = {}
+    for name, path in paths.items():
+        here = name.split(".") if path.name == "__init__.py" else name.split(".")[:-1]
+        for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+            if isinstance(node, ast.Import):
+                targets = [alias.name for alias in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                base = (".".join(here[:len(here) - node.level + 1] + ([node.module] if node.module else []))
+                        if node.level else node.module or "")
+                targets = [f"{base}.{a.name}" if f"{base}.{a.name}" in paths else base for a in node.names]
+            else:
+                continue
+            for target in targets:
+                if target in paths and target != name:
+                    where = f"{path.relative_to(root.parent).as_posix()}:{node.lineno}"
+                    graph.setdefault(name, {}).setdefault(target, where)
+    return graph
+
+
 def _unique(lines: list[str]) -> list[str]:
     return list(dict.fromkeys(lines))
 
@@ -185,6 +213,27 @@ def test_imports_only_go_down():
 def test_no_cycles_between_packages():
     cycle = _kiln().cycle
     assert not cycle, "the packages import each other in a cycle:\n" + "\n".join(cycle)
+
+
+def test_no_cycles_between_modules_late_and_type_only_imports_included():
+    """Two modules that import each other, even through a function-level import or one under TYPE_CHECKING, are
+    one module in two files: the shared part belongs in a module below both (kiln.models.catalog, the tables the
+    config looks families up in; kiln.train.settings, the section the loop's parts take)."""
+    cycle = _find_cycle(module_graph(KILN))
+    assert not cycle, "these modules import each other in a cycle:\n" + "\n".join(cycle)
+
+
+def test_the_module_cycle_check_finds_late_and_type_only_cycles(tmp_path):
+    files = {"__init__.py": "", "a.py": "def f():\n    from kiln import b\n",
+             "b.py": "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from kiln.a import f\n",
+             "p/__init__.py": "from .q import x\n", "p/q.py": "x = 1\n"}
+    for name, text in files.items():
+        (tmp_path / "kiln" / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / "kiln" / name).write_text(text)
+    assert _find_cycle(module_graph(tmp_path / "kiln")) == ["kiln.a -> kiln.b (kiln/a.py:2)",
+                                                             "kiln.b -> kiln.a (kiln/b.py:3)"]
+    (tmp_path / "kiln" / "b.py").write_text("x = 1\n")
+    assert _find_cycle(module_graph(tmp_path / "kiln")) == []
 
 
 def test_no_function_level_kiln_imports():

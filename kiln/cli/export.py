@@ -10,11 +10,22 @@ from kiln.config import ConfigError, load_config
 from kiln.data.tokenizer import TOKENIZER_FILE, load_tokenizer
 from kiln.interop.hf import write_hf
 from kiln.memory.estimate import fmt_bytes, parse_bytes
+from kiln.models.registry import FAMILIES
 from kiln.train.checkpoint import CheckpointConfig, Checkpointer
 
 
+def exporting_families() -> tuple[str, ...]:
+    """The model.arch of every family that describes its Hugging Face config and tensors (kiln.models.registry):
+    what write_hf can write, and what the help names."""
+    return tuple(name for name, f in FAMILIES.items() if f.hf_config_out is not None and f.hf_names is not None)
+
+
 def add_parser(sub) -> None:
-    p = sub.add_parser("export", help="write a run's model as a Hugging Face directory (GPT-2, Llama)")
+    families = ", ".join(exporting_families())
+    p = sub.add_parser("export", help=f"write a run's model as a Hugging Face directory ({families})",
+                       description=f"Write RUN_DIR's latest checkpoint as a Hugging Face model directory that "
+                                   f"transformers' AutoModelForCausalLM.from_pretrained loads. Families that "
+                                   f"export (model.arch): {families}.")
     p.add_argument("run_dir", help="a run directory written by `kiln train`")
     p.add_argument("--hf", required=True, metavar="OUT_DIR", help="the directory to write (created)")
     p.add_argument("--shard-size", default="5GB", help="largest model-*.safetensors file (default 5GB)")

@@ -8,7 +8,7 @@ import os
 import re
 import sys
 
-from kiln.config import ConfigError
+from kiln.errors import KilnError, one_line, traceback_wanted
 
 # Each module defines add_parser(subparsers) and run(args, overrides) -> exit code.
 COMMANDS = {
@@ -41,6 +41,8 @@ class Parser(argparse.ArgumentParser):
 
 def build_parser() -> argparse.ArgumentParser:
     parser = Parser(prog="kiln", description="Train transformer language models on one GPU or a CPU.")
+    parser.add_argument("--traceback", action="store_true",
+                        help="on an error, show Python's traceback instead of the one `error:` line (as KILN_TRACEBACK=1)")
     sub = parser.add_subparsers(dest="command", required=True)
     for module in COMMANDS.values():
         importlib.import_module(module).add_parser(sub)
@@ -49,6 +51,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
+    # --traceback is kiln's own flag, not a subcommand's: taken out of argv so that it works before or after CMD
+    show_traceback = "--traceback" in argv or traceback_wanted()
+    argv = [a for a in argv if a != "--traceback"]
     overrides = [a for a in argv if OVERRIDE.match(a)]
     args, extra = build_parser().parse_known_args([a for a in argv if not OVERRIDE.match(a)])
     extra = overrides + extra  # anything argparse did not know is an override or, if not, reported as unrecognized
@@ -57,8 +62,8 @@ def main(argv=None) -> int:
     except BrokenPipeError:  # `kiln ... | head`: the reader has gone, which is not an error
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 0
-    except (ConfigError, ValueError, OSError) as e:
-        if os.environ.get("KILN_DEBUG"):
+    except (KilnError, ValueError, OSError) as e:  # KilnError is bad input; a bare ValueError is one not yet typed
+        if show_traceback:
             raise
         print(f"kiln {args.command}: error: {_one_line(e)}", file=sys.stderr)
         return 2
@@ -80,7 +85,7 @@ ERRNO_FIX = {
 def _one_line(e: Exception) -> str:
     """kiln's own messages as they are; the OS's as its meaning, the path and the fix."""
     if not isinstance(e, OSError) or e.errno is None:
-        return " ".join(str(e).split("\n"))
+        return one_line(e)
     where = f": {e.filename}" if e.filename else ""
     fix = f" ({ERRNO_FIX[e.errno]})" if e.errno in ERRNO_FIX else ""
     return f"{e.strerror or e}{where}{fix}"

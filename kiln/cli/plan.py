@@ -16,6 +16,7 @@ from kiln.memory.levers import job_for, precision_for
 from kiln.memory.planner import fit_time_model, search, time_constants
 from kiln.parallel.strategy import strategy
 from kiln.perf.hardware import native_bf16
+from kiln.precision import mode
 from kiln.train.optim import scaled_lr
 from kiln.run.measure import measure_step
 
@@ -157,7 +158,7 @@ def _calibrate(cfg, device, here) -> dict:
 def _cpu_rates(device) -> str:
     """The measured matmul rates the ranking rests on, and whether bf16 is native here."""
     unit = native_bf16()
-    rates = ", ".join(f"{p} {r / 1e9:.3g}" + (f" ({unit or 'emulated'})" if p == "bf16" else "")
+    rates = ", ".join(f"{p} {r / 1e9:.3g}" + (f" ({unit or 'emulated'})" if p == mode("bf16").peak else "")
                       for p, r in device.peak_flops.items())
     return f"matmul GFLOP/s measured on this CPU: {rates}"
 

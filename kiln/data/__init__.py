@@ -15,13 +15,13 @@ import os
 import resource
 import shutil
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Callable
 
 import numpy as np
 
-from kiln.data.corpus import STDLIB, CorpusError, source_files
+from kiln.data.corpus import STDLIB, CorpusError, by_extension, source_files, sources
 from kiln.data.loader import TokenLoader, val_batches
 from kiln.data.mix import Mixture, check_mix, mix_sources
 from kiln.data import prepare as _prepare
@@ -50,6 +50,7 @@ from kiln.data.tokenizer import (
     build_tokenizer,
     load_tokenizer,
 )
+from kiln.errors import KilnError
 
 __all__ = [
     "DataConfig", "PreparedData", "prepare_data", "Tokenizer", "ByteTokenizer", "BPETokenizer", "load_tokenizer",
@@ -72,8 +73,11 @@ PIPELINE_VERSION = 3
 class DataConfig:
     """The `data` section: where text comes from, how it is split and tokenized, and how batches are drawn."""
 
-    source: str = STDLIB  # "stdlib" (this Python's standard library .py files), a file, a directory, or a .jsonl file
-    format: str = "auto"  # auto (by extension: .jsonl[.gz|.zst], .parquet, .arrow, else text) | text | jsonl | parquet | arrow (a `datasets` shard; its directory works) | tokens (pre-tokenized nanoGPT train.bin/val.bin or llm.c shards; the model's vocabulary is then data.vocab_size)
+    source: str = field(default=STDLIB, metadata={"help": sources()})  # help: what kiln.data.corpus reads
+    format: str = field(default="auto", metadata={"help": (  # auto's rule from the table file_kind reads
+        f"auto (by extension: {by_extension()}) | text | jsonl | parquet | arrow (a `datasets` shard; its directory "
+        f"works) | tokens (pre-tokenized nanoGPT train.bin/val.bin or llm.c shards; the model's vocabulary is then "
+        f"data.vocab_size)")})
     text_field: str = "text"  # the JSONL field, or the Parquet / `datasets` column, holding each record's text
     pattern: str = "**/*.txt"  # glob of files to read when source is a directory (ignored otherwise)
     tokenizer: str = "bytes"  # "bytes" (256 ids) | "bpe" (byte-level BPE trained on the train split; one for all [[data.mix]] sources) | hf:DIR (its tokenizer.json)
@@ -93,47 +97,68 @@ class DataConfig:
     def validate(self) -> None:
         """Raise ValueError naming the field and the fix for the first bad value."""
         if not self.source:
-            raise ValueError("data.source is empty; use 'stdlib', a text/JSONL file or a directory")
+            raise KilnError(f"data.source is empty; give {sources()}",
+                            key="data.source", value=self.source, fix=f"give {sources()}")
         if self.format not in FORMATS:
-            raise ValueError(f"data.format={self.format!r} is unknown; use one of {FORMATS}")
+            raise KilnError(f"data.format={self.format!r} is unknown; use one of {FORMATS}",
+                            key="data.format", value=self.format, fix=f"use one of {FORMATS}")
         if not self.text_field:
-            raise ValueError("data.text_field is empty; name the JSONL field holding the text, e.g. 'text'")
+            raise KilnError("data.text_field is empty; name the JSONL field holding the text, e.g. 'text'",
+                            key="data.text_field", value=self.text_field,
+                            fix="name the JSONL field holding the text, e.g. 'text'")
         if not self.pattern:
-            raise ValueError("data.pattern is empty; give a glob such as '**/*.txt'")
+            raise KilnError("data.pattern is empty; give a glob such as '**/*.txt'",
+                            key="data.pattern", value=self.pattern, fix="give a glob such as '**/*.txt'")
         if self.tokenizer.startswith("hf:"):
             if not (Path(self.tokenizer[3:]) / TOKENIZER_FILE).is_file():
-                raise ValueError(f"data.tokenizer={self.tokenizer!r}: {Path(self.tokenizer[3:]) / TOKENIZER_FILE} "
-                                 f"does not exist; give a Hugging Face model directory that holds one")
+                raise KilnError(f"data.tokenizer={self.tokenizer!r}: {Path(self.tokenizer[3:]) / TOKENIZER_FILE} "
+                                f"does not exist; give a Hugging Face model directory that holds one",
+                                key="data.tokenizer", value=self.tokenizer,
+                                fix="give a Hugging Face model directory that holds one")
         elif self.tokenizer not in TOKENIZERS:
-            raise ValueError(f"data.tokenizer={self.tokenizer!r} is unknown; use one of {TOKENIZERS} or hf:DIR")
+            raise KilnError(f"data.tokenizer={self.tokenizer!r} is unknown; use one of {TOKENIZERS} or hf:DIR",
+                            key="data.tokenizer", value=self.tokenizer, fix=f"use one of {TOKENIZERS} or hf:DIR")
         if self.tokenizer == "bpe" and not 257 <= self.vocab_size <= 2**32:
-            raise ValueError(
+            raise KilnError(
                 f"data.vocab_size={self.vocab_size} is out of range for bpe; it needs 256 byte tokens + "
-                f"<|endoftext|>, so use at least 257 (4096-50304 is typical)"
+                f"<|endoftext|>, so use at least 257 (4096-50304 is typical)",
+                key="data.vocab_size", value=self.vocab_size, fix="use at least 257 (4096-50304 is typical)"
             )
         if not 0.0 < self.val_fraction < 1.0:
-            raise ValueError(
+            raise KilnError(
                 f"data.val_fraction={self.val_fraction} must be strictly between 0 and 1 (e.g. 0.05); "
-                f"both splits need text"
+                f"both splits need text",
+                key="data.val_fraction", value=self.val_fraction, fix="give a fraction strictly between 0 and 1 (e.g. 0.05)"
             )
         if self.seq_len < 1:
-            raise ValueError(f"data.seq_len={self.seq_len} must be >= 1 (e.g. 256)")
+            raise KilnError(f"data.seq_len={self.seq_len} must be >= 1 (e.g. 256)",
+                            key="data.seq_len", value=self.seq_len, fix="give a length ≥ 1 (e.g. 256)")
         if self.seed < 0:
-            raise ValueError(f"data.seed={self.seed} must be >= 0 (numpy seeds are non-negative)")
+            raise KilnError(f"data.seed={self.seed} must be >= 0 (numpy seeds are non-negative)",
+                            key="data.seed", value=self.seed, fix="give a seed ≥ 0")
         if self.prefetch < 0:
-            raise ValueError(f"data.prefetch={self.prefetch} must be >= 0 (0 turns prefetching off)")
+            raise KilnError(f"data.prefetch={self.prefetch} must be >= 0 (0 turns prefetching off)",
+                            key="data.prefetch", value=self.prefetch, fix="give a count ≥ 0 (0 turns prefetching off)")
         if self.workers < 0:
-            raise ValueError(f"data.workers={self.workers} must be >= 0 (0 = one per CPU core)")
+            raise KilnError(f"data.workers={self.workers} must be >= 0 (0 = one per CPU core)",
+                            key="data.workers", value=self.workers, fix="give a count ≥ 0 (0 = one per CPU core)")
         if self.shard_tokens < 1:
-            raise ValueError(f"data.shard_tokens={self.shard_tokens} must be >= 1 (e.g. 100_000_000)")
+            raise KilnError(f"data.shard_tokens={self.shard_tokens} must be >= 1 (e.g. 100_000_000)",
+                            key="data.shard_tokens", value=self.shard_tokens,
+                            fix="give a count ≥ 1 (e.g. 100_000_000)")
         if self.tokenizer_sample_bytes < 1:
-            raise ValueError(f"data.tokenizer_sample_bytes={self.tokenizer_sample_bytes} must be >= 1 (e.g. "
-                             f"100_000_000)")
+            raise KilnError(f"data.tokenizer_sample_bytes={self.tokenizer_sample_bytes} must be >= 1 (e.g. "
+                            f"100_000_000)",
+                            key="data.tokenizer_sample_bytes", value=self.tokenizer_sample_bytes,
+                            fix="give a count ≥ 1 (e.g. 100_000_000)")
         if self.on_bad_record not in ON_BAD_RECORD:
-            raise ValueError(f"data.on_bad_record={self.on_bad_record!r} is unknown; use one of {ON_BAD_RECORD}")
+            raise KilnError(f"data.on_bad_record={self.on_bad_record!r} is unknown; use one of {ON_BAD_RECORD}",
+                            key="data.on_bad_record", value=self.on_bad_record, fix=f"use one of {ON_BAD_RECORD}")
         if self.format == "tokens" and not 2 <= self.vocab_size <= 2**32:
-            raise ValueError(f"data.vocab_size={self.vocab_size}: with data.format=tokens it is the token files' "
-                             f"vocabulary (e.g. 50257 for GPT-2)")
+            raise KilnError(f"data.vocab_size={self.vocab_size}: with data.format=tokens it is the token files' "
+                            f"vocabulary (e.g. 50257 for GPT-2)",
+                            key="data.vocab_size", value=self.vocab_size,
+                            fix="give the token files' vocabulary (e.g. 50257 for GPT-2)")
         if self.mix:
             check_mix(self)
 

@@ -11,13 +11,47 @@ import os
 import sysconfig
 from pathlib import Path
 
+from kiln.errors import KilnError
+
 STDLIB = "stdlib"
 # Directories of the standard library that are not "the standard library" as prose: installed third-party
 # packages, and test suites / IDLE, which on 3.11 would add ~900 files of repetitive fixtures to the 674 we keep.
 STDLIB_EXCLUDED_DIRS = frozenset({"site-packages", "dist-packages", "test", "tests", "idlelib"})
 
 
-class CorpusError(ValueError):
+# What data.format=auto reads a file as, by its extension (after a compression suffix, which JSONL may carry);
+# any other file is text. kiln.data.prepare.file_kind dispatches on these tables, and what data.source accepts is
+# written from them (sources(): the key's help and the errors), so the words cannot fall behind the code.
+EXTENSIONS = {".jsonl": "jsonl", ".json": "jsonl", ".ndjson": "jsonl", ".parquet": "parquet", ".arrow": "arrow"}
+COMPRESSIONS = {".gz": "gz", ".zst": "zst"}  # read for JSONL only (a stream: no byte ranges to cut)
+FORMAT_NAMES = {"jsonl": "JSONL", "parquet": "Parquet", "arrow": "Arrow"}
+
+
+def by_extension() -> str:
+    """data.format=auto's rule in words, from EXTENSIONS: '.jsonl, .json, .ndjson (.gz, .zst too): jsonl; ...'."""
+    rules = []
+    for fmt in dict.fromkeys(EXTENSIONS.values()):
+        packed = f" ({', '.join(COMPRESSIONS)} too)" if fmt == "jsonl" else ""
+        rules.append(f"{', '.join(ext for ext, f in EXTENSIONS.items() if f == fmt)}{packed}: {fmt}")
+    return "; ".join(rules) + "; any other: text"
+
+
+def sources() -> str:
+    """What data.source accepts, in words: the forms source_files and token_files take, and the file kinds of
+    EXTENSIONS."""
+    kinds = []
+    for fmt in dict.fromkeys(EXTENSIONS.values()):
+        shown = ", ".join(ext for ext, f in EXTENSIONS.items() if f == fmt)
+        packed = f"; {' or '.join(COMPRESSIONS)} compressed too" if fmt == "jsonl" else ""
+        kinds.append(f"a{'n' if FORMAT_NAMES[fmt][0] in 'AEIOU' else ''} {FORMAT_NAMES[fmt]} file ({shown}{packed})")
+    forms = [f"'{STDLIB}' (this Python's standard library .py files)", "a text file (any other extension)", *kinds,
+             "a directory (its files matching data.pattern, each read by its extension)",
+             "a `datasets` save_to_disk directory (its state.json's Arrow shards)",
+             "token files (data.format=tokens: nanoGPT train.bin/val.bin or llm.c shards)"]
+    return ", ".join(forms[:-1]) + ", or " + forms[-1]
+
+
+class CorpusError(KilnError):
     """The source cannot be read as configured (missing path, no matching files, malformed JSONL)."""
 
 
@@ -59,5 +93,4 @@ def source_files(source: str, pattern: str) -> tuple[Path, list[Path]]:
         if not files:
             raise CorpusError(f"data.source={source!r} is a directory but no file matches data.pattern={pattern!r}")
         return path, files
-    raise CorpusError(f"data.source={source!r} does not exist; give 'stdlib', a text, JSONL or Parquet file, a "
-                      f"directory, or a `datasets` save_to_disk directory")
+    raise CorpusError(f"data.source={source!r} does not exist; give {sources()}")

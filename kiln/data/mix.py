@@ -14,6 +14,7 @@ import numpy as np
 
 from kiln.data.corpus import STDLIB
 from kiln.data.shards import ShardedTokens
+from kiln.errors import KilnError
 
 MIX_KEYS = ("source", "weight", "name", "format", "text_field", "pattern")
 
@@ -27,33 +28,44 @@ def source_name(source: str) -> str:
 def check_mix(cfg) -> None:
     """Raise ValueError naming the [[data.mix]] entry and the fix for the first bad one."""
     if cfg.source != STDLIB:
-        raise ValueError(f"data.source={cfg.source!r} and [[data.mix]] are both set; give one: move the source into "
-                         f"a [[data.mix]] table, or drop the mixture")
+        raise KilnError(f"data.source={cfg.source!r} and [[data.mix]] are both set; give one: move the source into "
+                        f"a [[data.mix]] table, or drop the mixture",
+                        key="data.source", value=cfg.source,
+                        fix="move the source into a [[data.mix]] table, or drop the mixture")
     names = []
     for i, entry in enumerate(cfg.mix):
         where = f"[[data.mix]] entry {i + 1}"
         if not isinstance(entry, dict):
-            raise ValueError(f"{where} is {entry!r}; each entry is a table such as {{source = \"a.jsonl\", weight = 1}}")
+            raise KilnError(f"{where} is {entry!r}; each entry is a table such as {{source = \"a.jsonl\", weight = 1}}",
+                            key="data.mix", value=entry,
+                            fix="each entry is a table such as {source = \"a.jsonl\", weight = 1}")
         unknown = sorted(set(entry) - set(MIX_KEYS))
         if unknown:
-            raise ValueError(f"{where}: unknown key(s) {unknown}; the keys are {list(MIX_KEYS)}")
+            raise KilnError(f"{where}: unknown key(s) {unknown}; the keys are {list(MIX_KEYS)}",
+                            key="data.mix", value=unknown, fix=f"the keys are {list(MIX_KEYS)}")
         if not isinstance(entry.get("source"), str) or not entry["source"]:
-            raise ValueError(f"{where} has no source; add source = \"path/to/data\"")
+            raise KilnError(f"{where} has no source; add source = \"path/to/data\"",
+                            key="data.mix", value=entry, fix="add source = \"path/to/data\"")
         weight = entry.get("weight", 1.0)
         if isinstance(weight, bool) or not isinstance(weight, (int, float)) or not weight > 0:
-            raise ValueError(f"{where}: weight={weight!r} must be a number > 0")
+            raise KilnError(f"{where}: weight={weight!r} must be a number > 0",
+                            key="data.mix", value=weight, fix="give a weight > 0")
         for key in ("name", "format", "text_field", "pattern"):
             if key in entry and not isinstance(entry[key], str):
-                raise ValueError(f"{where}: {key}={entry[key]!r} must be a string")
+                raise KilnError(f"{where}: {key}={entry[key]!r} must be a string",
+                                key="data.mix", value=entry[key], fix=f"give {key} as a string")
         names.append(entry.get("name") or source_name(entry["source"]))
     if cfg.tokenizer == "bpe" and any(e.get("format", cfg.format) == "tokens" for e in cfg.mix):
-        raise ValueError("data.tokenizer=bpe with a data.format=tokens source in [[data.mix]]: token files are read "
-                         "as they are, so a new vocabulary cannot apply to them; give the mixture the files' tokenizer "
-                         "(hf:DIR)")
+        raise KilnError("data.tokenizer=bpe with a data.format=tokens source in [[data.mix]]: token files are read "
+                        "as they are, so a new vocabulary cannot apply to them; give the mixture the files' tokenizer "
+                        "(hf:DIR)",
+                        key="data.tokenizer", value=cfg.tokenizer,
+                        fix="give the mixture the files' tokenizer (hf:DIR)")
     dupes = sorted({n for n in names if names.count(n) > 1})
     if dupes:
-        raise ValueError(f"[[data.mix]]: the name(s) {dupes} are used twice (names default to the file name without "
-                         f"extensions); give each entry its own name = \"...\"")
+        raise KilnError(f"[[data.mix]]: the name(s) {dupes} are used twice (names default to the file name without "
+                        f"extensions); give each entry its own name = \"...\"",
+                        key="data.mix", value=dupes, fix="give each entry its own name = \"...\"")
 
 
 def mix_sources(cfg) -> list[tuple[str, float, object]]:

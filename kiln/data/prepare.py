@@ -28,7 +28,7 @@ from typing import Callable
 import numpy as np
 
 from kiln.data import records
-from kiln.data.corpus import STDLIB, CorpusError, source_files
+from kiln.data.corpus import COMPRESSIONS, EXTENSIONS, STDLIB, CorpusError, source_files
 from kiln.data.shards import HEADER_SIZE, ShardWriter, read_header
 
 PIECE_BYTES = 16 << 20  # input bytes per piece: enough work to amortize a worker round trip (~ms), small buffers
@@ -38,19 +38,16 @@ SPLITS = ("train", "val")
 
 
 def file_kind(path: Path, fmt: str) -> tuple[str, str | None]:
-    """(format, compression) of one input file; data.format='auto' decides by extension."""
+    """(format, compression) of one input file; data.format='auto' decides by extension (kiln.data.corpus's
+    EXTENSIONS and COMPRESSIONS)."""
     name = path.name.lower()
-    compression = "gz" if name.endswith(".gz") else "zst" if name.endswith(".zst") else None
+    packed = next((suffix for suffix in COMPRESSIONS if name.endswith(suffix)), None)
+    compression = COMPRESSIONS[packed] if packed else None
     if fmt != "auto":
         return fmt, compression
-    stem = name.removesuffix(".gz").removesuffix(".zst")
-    if stem.endswith((".jsonl", ".json", ".ndjson")):
-        return "jsonl", compression
-    if stem.endswith(".parquet"):
-        return "parquet", None
-    if stem.endswith(".arrow"):
-        return "arrow", None
-    return "text", compression
+    stem = name.removesuffix(packed) if packed else name
+    kind = next((f for ext, f in EXTENSIONS.items() if stem.endswith(ext)), "text")
+    return kind, compression if kind in ("jsonl", "text") else None
 
 
 def _next_line_start(f, offset: int, size: int) -> int:

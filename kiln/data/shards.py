@@ -20,6 +20,8 @@ from pathlib import Path
 
 import numpy as np
 
+from kiln.errors import KilnError
+
 MAGIC = b"KILNTOK\0"
 VERSION = 1
 HEADER_SIZE = 64
@@ -28,7 +30,7 @@ DTYPES = {1: np.dtype("u1"), 2: np.dtype("<u2"), 4: np.dtype("<u4")}
 REBUILD = "delete it and re-run to rebuild the cache"
 
 
-class ShardError(ValueError):
+class ShardError(KilnError):
     """A shard file that cannot be used as is; the message names the file and the fix."""
 
 

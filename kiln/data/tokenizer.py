@@ -16,6 +16,8 @@ from typing import Iterable, Protocol
 
 import numpy as np
 
+from kiln.errors import KilnError
+
 TOKENIZER_FILE = "tokenizer.json"
 EOT_TEXT = "<|endoftext|>"
 EOT_FILE = "tokenizer_eot.json"  # beside an imported tokenizer.json: the id that ends a document
@@ -29,6 +31,7 @@ class Tokenizer(Protocol):
     eot_id: int  # id placed after every document
 
     def encode(self, text: str) -> list[int]: ...
+    def encode_chat(self, text: str) -> list[int]: ...  # a rendered chat template: its special tokens are ids
     def decode(self, ids: list[int]) -> str: ...
     def encode_batch(self, texts: list[str]) -> list[np.ndarray]: ...
     def save(self, run_dir: Path) -> None: ...
@@ -52,6 +55,9 @@ class ByteTokenizer:
 
     def encode(self, text: str) -> list[int]:
         return list(text.encode("utf-8"))
+
+    def encode_chat(self, text: str) -> list[int]:
+        return self.encode(text)  # no special tokens: a template's markers are text
 
     def decode(self, ids: Iterable[int]) -> str:
         return bytes(ids).decode("utf-8", errors="replace")
@@ -138,6 +144,15 @@ class BPETokenizer:
     def encode(self, text: str) -> list[int]:
         return self._tok.encode(text, add_special_tokens=False).ids
 
+    def encode_chat(self, text: str) -> list[int]:
+        """Text rendered by a chat template (kiln.data.chat): the special tokens written in it (<|im_start|>,
+        <|im_end|>) are their ids, as transformers' apply_chat_template encodes it."""
+        self._tok.encode_special_tokens = False
+        try:
+            return self._tok.encode(text, add_special_tokens=False).ids
+        finally:
+            self._tok.encode_special_tokens = True
+
     def decode(self, ids: Iterable[int]) -> str:
         return self._tok.decode(list(ids), skip_special_tokens=False)
 
@@ -169,6 +184,9 @@ class IdsTokenizer:
     def encode(self, text: str) -> list[int]:
         raise ValueError("this run reads pre-tokenized files without a tokenizer, so it cannot encode text; give "
                          "data.tokenizer=hf:DIR (the files' tokenizer) to sample from a prompt")
+
+    def encode_chat(self, text: str) -> list[int]:
+        return self.encode(text)
 
     def decode(self, ids: Iterable[int]) -> str:
         return "".join(f"<{int(i)}>" for i in ids)
@@ -216,4 +234,5 @@ def build_tokenizer(kind: str, train_texts: Iterable[str], vocab_size: int) -> T
         return BPETokenizer.train(train_texts, vocab_size)
     if kind.startswith("hf:"):
         return BPETokenizer.from_hf(Path(kind[3:]))
-    raise ValueError(f"data.tokenizer={kind!r} is unknown; use 'bytes' or 'bpe'")
+    raise KilnError(f"data.tokenizer={kind!r} is unknown; use 'bytes' or 'bpe'",
+                    key="data.tokenizer", value=kind, fix="use 'bytes' or 'bpe'")

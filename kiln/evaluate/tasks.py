@@ -21,11 +21,13 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
+from kiln.errors import KilnError
+
 TEXT_PREFIX = "text:"
 KILN_ROW = '{"context": str, "choices": [str, ...], "label": int}'
 
 
-class TaskError(ValueError):
+class TaskError(KilnError):
     """A task file that cannot be scored: the message names FILE:LINE."""
 
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import torch
 
+from kiln.errors import KilnError
 from kiln.perf.hardware import interpret_env
 
 
@@ -29,9 +30,10 @@ def check_device(*tensors: torch.Tensor | None, kernel=None) -> None:
                                "reads it when kernels are defined, so set it before the first import "
                                "(tests/kernels/conftest.py does)")
         return
-    raise RuntimeError(f"kiln.kernels run on CUDA tensors, or on CPU tensors through Triton's interpreter when "
-                       f"TRITON_INTERPRET=1 is set before import; got a {device.type} tensor. "
-                       f"Use model.kernels='torch' (or 'auto') on this device.")
+    raise KilnError(f"kiln.kernels run on CUDA tensors, or on CPU tensors through Triton's interpreter when "
+                    f"TRITON_INTERPRET=1 is set before import; got a {device.type} tensor: use "
+                    f"train.kernels='torch' (or 'auto') on this device",
+                    key="train.kernels", value="triton", fix="use train.kernels='torch' (or 'auto') on this device")
 
 
 def gpu_tiles(device: torch.device) -> bool:

@@ -25,9 +25,8 @@ from pathlib import Path
 import torch
 
 from kiln.data import DataConfig, cache_root
+from kiln.precision import PRECISIONS
 
-DTYPES = {"bf16": torch.bfloat16, "bf16-master": torch.bfloat16, "fp16": torch.float16, "fp8": torch.bfloat16,
-          "fp64": torch.float64}
 SHAPES = ((2048, 256, 1024), (2048, 1024, 256), (2048, 768, 3072), (2048, 3072, 768))  # (N, k, n)
 
 
@@ -47,7 +46,7 @@ def _best(fn, device: torch.device, repeats: int = 5) -> float:
 
 
 def measure(spec, device: torch.device, precision: str) -> dict:
-    dtype = DTYPES.get(precision, torch.float32)
+    dtype = PRECISIONS[precision].matmul if precision in PRECISIONS else torch.float32
     rates = []
     for n_tok, k, n in SHAPES:
         a = torch.randn(n_tok, k, device=device, dtype=dtype)

@@ -17,7 +17,9 @@ from kiln.memory.estimate import GiB, Target
 from kiln.memory.measure import rss_bytes
 from kiln.perf.flops import DEVICE_PEAKS, cpu_peak, names_gpu
 from kiln.perf.hardware import FP8_MIN_CAPABILITY
+from kiln.precision import PRECISIONS
 from kiln.util import closest
+from kiln.errors import KilnError
 
 
 @dataclass(frozen=True)
@@ -37,20 +39,19 @@ class Device:
 
     def flops(self, precision: str) -> float:
         # fp8 counts against bf16's peak, as torchtitan and torchao report it: its speed-up is measured, not assumed
-        key = {"bf16-master": "bf16", "tf32": "tf32", "fp8": "bf16"}.get(precision, precision)
+        key = PRECISIONS[precision].peak if precision in PRECISIONS else precision
         if key not in self.peak_flops:
             key = "fp32"
         return self.peak_flops[key]
 
     def supports(self, precision: str) -> bool:
-        if precision in ("bf16", "bf16-master"):
-            return "bf16" in self.peak_flops
-        if precision == "fp16":
-            return "fp16" in self.peak_flops
-        if precision == "tf32":
-            return "tf32" in self.peak_flops
-        if precision == "fp8":
+        row = PRECISIONS.get(precision)
+        if row is None:
+            return True
+        if row.fp8:
             return self.kind == "cuda" and self.capability >= FP8_MIN_CAPABILITY
+        if row.half or row.tf32:  # tensor-core dtypes: the device's table has their peak
+            return row.peak in self.peak_flops
         return True
 
     @property
@@ -135,8 +136,9 @@ def get_device(name: str) -> Device:
     key = ALIASES.get(name.lower(), name)
     if key not in DEVICES:
         hint = closest(name, list(DEVICES) + ["cpu"])
-        raise ValueError(f"unknown device {name!r}" + (f"; did you mean {hint!r}?" if hint else "")
-                         + f" Known: {', '.join(DEVICES)}, cpu")
+        raise KilnError(f"unknown device {name!r}" + (f"; did you mean {hint!r}?" if hint else "")
+                        + f" Known: {', '.join(DEVICES)}, cpu",
+                        key="device", value=name, fix=f"Known: {', '.join(DEVICES)}, cpu")
     return DEVICES[key]
 
 

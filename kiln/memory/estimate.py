@@ -6,8 +6,9 @@
 Every saved-for-backward tensor of kiln's model is listed in `_block_tensors` and `_head_tensors` with its size as
 a function of micro-batch B, sequence T, width d, heads H, kv-heads KV, head size hd, MLP width F, vocabulary V,
 the precision mode and the attention backend. A block's tensors come from the parts its family's description
-names (kiln.models.family: norm, positions, qk_norm, mlp), each part accounted once (`_norm_tensors`,
-`_qk_norm_tensors`, `_attention_core`, `_mlp_tensors`, `_moe_tensors`): nothing here knows a family's name.
+names (kiln.models.family: norm, positions, qk_norm, mlp), each accounted once; the norm, MLP and positions
+parts state their own saved tensors, widths and backward peak (kiln.models.costs), the attention core and
+QK-norm are `_attention_core` and `_qk_norm_tensors` here: nothing here knows a family's name or a part's kind.
 `docs/memory.md` derives each line; the tests compare the sum with the bytes that
 torch.autograd.graph.saved_tensors_hooks sees, storage by storage, for every family.
 
@@ -25,6 +26,7 @@ from kiln.models.config import ModelConfig
 from kiln.models.registry import family
 from kiln.parallel.layout import ParallelPlan
 from kiln.parallel.strategy import Strategy, strategy
+from kiln.precision import PRECISIONS, mode
 
 KiB, MiB, GiB = 1024, 1024**2, 1024**3
 _UNITS = {"": 1, "b": 1, "k": 1e3, "kb": 1e3, "m": 1e6, "mb": 1e6, "g": 1e9, "gb": 1e9, "t": 1e12, "tb": 1e12,
@@ -95,17 +97,12 @@ class Numerics:
 FSDP_BF16 = Numerics(4, 4, 0, 2, 2, True, casts=False, gathered=2)
 
 
-NUMERICS = {
-    "fp32": Numerics(4, 4, 0, 4, 4, False),
-    "tf32": Numerics(4, 4, 0, 4, 4, False),
-    "bf16": Numerics(4, 4, 0, 4, 2, True),  # autocast: fp32 parameters and residual, bf16 matmuls
-    "fp16": Numerics(4, 4, 0, 4, 2, True),
-    "bf16-master": Numerics(2, 2, 4, 2, 2, False),  # bf16 parameters and activations, fp32 masters beside them
-    # torchao's float8 linears save their high-precision (bf16) inputs for backward, as autocast does; their fp8
-    # weight casts (1 byte) are counted as bf16's autocast cache (2): an over-count, not yet measured on a GPU
-    "fp8": Numerics(4, 4, 0, 4, 2, True),
-    "fp64": Numerics(8, 8, 0, 8, 8, False),  # reference runs: everything in float64
-}
+# Each mode's bytes from its row (kiln.precision): autocast (bf16, fp16) keeps fp32 parameters and residual and
+# multiplies in half precision; bf16-master keeps bf16 parameters and activations with fp32 masters beside them.
+# torchao's float8 linears (fp8) save their high-precision (bf16) inputs for backward, as autocast does; their fp8
+# weight casts (1 byte) are counted as bf16's autocast cache (2): an over-count, not yet measured on a GPU.
+NUMERICS = {m.name: Numerics(m.param_bytes, m.grad_bytes, m.master_bytes, m.residual_bytes, m.compute_bytes,
+                             m.autocast is not None) for m in PRECISIONS.values()}
 
 
 @dataclass(frozen=True)
@@ -213,7 +210,7 @@ class Job:
 
     @property
     def num(self) -> Numerics:
-        if self.dp_strategy.shards_parameters and self.precision == "bf16":
+        if self.dp_strategy.shards_parameters and mode(self.precision).fsdp_gather is not None:
             return FSDP_BF16
         return NUMERICS[self.precision]
 
@@ -396,10 +393,8 @@ def block_matmul_numel(cfg: ModelConfig) -> int:
 
 
 def buffer_bytes(cfg: ModelConfig, num: Numerics) -> int:
-    """Non-parameter model state: the RoPE cos/sin tables (fp32; bf16 after .to(bf16) in bf16-master)."""
-    if family(cfg.arch).positions != "rope":
-        return 0
-    return 2 * cfg.max_seq_len * (cfg.head_dim // 2) * (2 if num.param == 2 else 4)
+    """Non-parameter model state, as the positions part states it (RoPE: its cos/sin tables)."""
+    return family(cfg.arch).positions_part.buffer_bytes(cfg, num)
 
 
 def expert_parallel_split(cfg: ModelConfig, ep: int, bytes_per_element: int = 2) -> dict[str, float]:
@@ -434,21 +429,9 @@ def optimizer_state_bytes(numels: list[int], optimizer: str, momentum: float = 0
 
 
 def _norm_tensors(cfg, N, num, target, name) -> dict[str, int]:
-    """What a norm saves for backward; the input is the residual stream."""
-    d, r = cfg.d_model, num.residual
-    if family(cfg.arch).norm == "layernorm":  # nn.LayerNorm: input, mean, rstd
-        # autocast runs layer_norm in fp32: a bf16 input (FSDP2's bf16 residual) and weight are saved as fp32 copies
-        x = 4 if num.autocast else r
-        out = {f"{name}.input": N * d * x, f"{name}.stats": 2 * N * target.layernorm_stat_bytes(x)}
-        if num.autocast and num.half_weights:
-            out[f"{name}.weight_fp32"] = d * 4 * (2 if cfg.bias and family(cfg.arch).biases else 1)
-        return out
-    # RMSNorm computes in fp32: x.float() (a copy when x is bf16), rsqrt per token, the normalized y;
-    # y * weight.float() keeps the fp32 weight (a copy when the weight is bf16).
-    out = {f"{name}.input": N * d * 4, f"{name}.stats": N * 4, f"{name}.normed": N * d * 4}
-    if num.half_weights:
-        out[f"{name}.weight_fp32"] = d * 4
-    return out
+    """What the family's norm saves for backward (kiln.models.costs); the input is the residual stream."""
+    fam = family(cfg.arch)
+    return fam.norm_part.saved(cfg, N, num, target, name, bool(cfg.bias) and fam.biases)
 
 
 def _attention_core(cfg, B, T, num, target, backend, rotary: bool) -> dict[str, int]:
@@ -484,27 +467,23 @@ def _attention_core(cfg, B, T, num, target, backend, rotary: bool) -> dict[str, 
 
 def _block_tensors(cfg: ModelConfig, B: int, T: int, num: Numerics, target: Target, backend: str) -> dict[str, int]:
     """Every tensor one block saves for backward without recomputation: {kind: bytes}, from the parts its family
-    names (kiln.models.family: norm, positions, qk_norm, mlp)."""
+    names, each stated by the part (kiln.models.costs: norm, positions, mlp; qk_norm here)."""
     fam = family(cfg.arch)
+    mlp, positions = fam.mlp_part, fam.positions_part
     N, d, c = B * T, cfg.d_model, num.compute
-    rotary = fam.positions == "rope"
+    rotary = positions.rotary
     t = {}
     t.update(_norm_tensors(cfg, N, num, target, "norm1"))
     t["attn.qkv_input"] = N * d * c  # fp32: the norm output; autocast: its half copy; bf16-master: the output
-    if rotary and num.autocast:
-        t["attn.rope_tables"] = 4 * T * (cfg.head_dim // 2) * c  # cos, sin cast to bf16, per q and per k call
+    t.update(positions.block_saved(cfg, T, num))
     if fam.qk_norm:
         t.update(_qk_norm_tensors(cfg, N, num, backend))
     t.update(_attention_core(cfg, B, T, num, target, backend, rotary=rotary))
     if cfg.dropout > 0:  # on the attention and MLP outputs: an MoE's sums its experts in the residual dtype
-        mlp_out = num.residual if fam.mlp == "moe" else c
-        t["resid.dropout_masks"] = N * d * (target.mask_bytes(c) + target.mask_bytes(mlp_out))
+        t["resid.dropout_masks"] = N * d * (target.mask_bytes(c) + target.mask_bytes(mlp.output_bytes(num)))
     t.update(_norm_tensors(cfg, N, num, target, "norm2"))
     t["mlp.fc_input"] = N * d * c  # (an MoE: the router's input)
-    if fam.mlp == "moe":
-        t.update(_moe_tensors(cfg, N, num))
-    else:
-        t.update(_mlp_tensors(fam.mlp, N, cfg.d_ff, c))
+    t.update(mlp.saved(cfg, N, num))
     if num.autocast and num.casts:
         t["weight_casts"] = 2 * block_matmul_numel(cfg)
     # RMSNorm's fp32 copies of a bf16 weight are weight copies too
@@ -512,17 +491,6 @@ def _block_tensors(cfg: ModelConfig, B: int, T: int, num: Numerics, target: Targ
     if w:
         t["weight_casts"] = t.get("weight_casts", 0) + w
     return {k: v for k, v in t.items() if v}
-
-
-def _mlp_tensors(kind: str, N: int, F: int, c: int) -> dict[str, int]:
-    """A dense MLP of width F on N tokens, beyond its input."""
-    if kind == "swiglu":
-        t = {"mlp.gate_up": N * 2 * F * c,  # silu(gate) and the product keep the fc output's storage
-             "mlp.silu_out": N * F * c}
-    else:
-        t = {"mlp.act_input": N * F * c}  # GELU saves its input (the fc output)
-    t["mlp.proj_input"] = N * F * c
-    return t
 
 
 def _qk_norm_tensors(cfg: ModelConfig, N: int, num: Numerics, backend: str) -> dict[str, int]:
@@ -542,31 +510,9 @@ def _qk_norm_tensors(cfg: ModelConfig, N: int, num: Numerics, backend: str) -> d
     return out
 
 
-def _moe_tensors(cfg: ModelConfig, N: int, num: Numerics) -> dict[str, int]:
-    """kiln.models.moe.MoE beyond its input (the router's): the routing, then every (token, slot) pair as a row
-    of its expert's SwiGLU — N·K rows over all experts whatever the routing — and the weighted sum back."""
-    E, K, F, d, c, r = cfg.n_experts, cfg.n_experts_active, cfg.moe_d_ff, cfg.d_model, num.compute, num.residual
-    S = N * K  # routed (token, slot) pairs
-    t = {"moe.probs": N * E * 4,  # softmax in fp32, kept by topk and by the load-balancing loss
-         "moe.topk_index": S * 8}
-    if cfg.moe_norm_topk:
-        t["moe.topk_weights"] = S * 4 + N * 4  # the division keeps the top-k probabilities and their sum
-    if cfg.moe_z_coef:
-        t["moe.z_loss"] = N * E * 4 + N * 4  # fp32 logits and their logsumexp
-    t["moe.token_index"] = S * 8  # the gather of each pair's token, and the scatter back (one tensor)
-    t["moe.expert_inputs"] = S * d * c
-    t.update({f"moe.experts.{k.removeprefix('mlp.')}": v for k, v in _mlp_tensors("swiglu", S, F, c).items()})
-    t["moe.order"] = S * 8  # pairs sorted by expert
-    t["moe.slot_weights"] = S * r  # each pair's routing weight, in the residual dtype
-    t["moe.expert_outputs"] = S * d * c
-    t["moe.weighted"] = S * d * r  # expert output × weight (promoted to the residual dtype), scattered back
-    return t
-
-
 def _moe_loss_tensors(cfg: ModelConfig) -> dict[str, int]:
-    """The load-balancing loss over all blocks (kiln.models.moe.moe_losses): the routed shares (fp32, E) and the
-    valid-token count (int64) its product with the summed loss keeps."""
-    return {"moe.aux_loss": cfg.n_experts * 4 + 8} if family(cfg.arch).mlp == "moe" else {}
+    """What the MLP's auxiliary losses over all blocks save (an MoE's load-balancing loss)."""
+    return family(cfg.arch).mlp_part.loss_saved(cfg)
 
 
 def _selective_tensors(cfg: ModelConfig, B: int, T: int, num: Numerics) -> dict[str, int]:
@@ -584,8 +530,7 @@ def _selective_tensors(cfg: ModelConfig, B: int, T: int, num: Numerics) -> dict[
 def _embed_tensors(cfg: ModelConfig, B: int, T: int, num: Numerics, target: Target) -> dict[str, int]:
     N = B * T
     t = {"embed.token_ids": N * 8}
-    if family(cfg.arch).positions == "learned":
-        t["embed.positions"] = T * 8
+    t.update(family(cfg.arch).positions_part.embed_saved(T))
     if cfg.dropout > 0:
         t["embed.dropout_mask"] = N * cfg.d_model * target.mask_bytes(num.residual)
     return t
@@ -644,13 +589,8 @@ def _block_grad_transient(cfg: ModelConfig, N: int, num: Numerics, tp: int = 1) 
     of the block output (and its half copy under autocast), the gradient of the projection's input (SwiGLU: with
     the (N, 2F) gate/up gradient that follows it) and the projection's weight gradient (half, then fp32). An MoE:
     the same for one expert's share of the routed pairs, beside the gradients of all pairs' outputs."""
-    d, F, c, r = cfg.d_model, cfg.d_ff, num.compute, num.residual
-    mlp = family(cfg.arch).mlp
-    rows, extra = N, 0
-    if mlp == "moe":
-        S = N * cfg.n_experts_active
-        F, rows, extra = cfg.moe_d_ff, math.ceil(S / cfg.n_experts), S * d * (r + c)
-    wide = F if mlp == "gelu" else 3 * F
+    d, c, r = cfg.d_model, num.compute, num.residual
+    F, rows, wide, extra = family(cfg.arch).mlp_part.projection_backward(cfg, N, num)
     # the projection's weight gradient: in the compute dtype, then an fp32 copy for an fp32 weight under autocast;
     # in the weight's dtype without autocast (FSDP2's gathered bf16 weight: bf16)
     grad_w = F * d * ((c + 4) if num.autocast and num.casts else c if num.autocast else num.grad)
@@ -660,10 +600,7 @@ def _block_grad_transient(cfg: ModelConfig, N: int, num: Numerics, tp: int = 1) 
 def _forward_width(cfg: ModelConfig) -> int:
     """Elements per token of the widest MLP tensors alive together in a block's forward (SwiGLU: gate/up, silu,
     product; an MoE: those of every routed pair)."""
-    mlp = family(cfg.arch).mlp
-    if mlp == "moe":
-        return cfg.n_experts_active * 4 * cfg.moe_d_ff
-    return 4 * cfg.d_ff if mlp == "swiglu" else 2 * cfg.d_ff
+    return family(cfg.arch).mlp_part.forward_width(cfg)
 
 
 # ---------------------------------------------------------------- the step

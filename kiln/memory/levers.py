@@ -17,12 +17,14 @@ from dataclasses import dataclass, replace
 
 import torch
 
+from kiln.errors import KilnError
 from kiln.memory.estimate import Job, Target, data_parallel, parse_bytes
 from kiln.memory.offload import parse_blocks
 from kiln.models.registry import family
 from kiln.parallel.layout import ParallelPlan
 from kiln.memory.recompute import POLICIES, plan_for
 from kiln.perf.hardware import auto_mode, fp8_refusal
+from kiln.precision import PRECISIONS, is_auto
 from kiln.util import closest
 
 
@@ -39,17 +41,23 @@ class MemoryConfig:
     def validate(self):
         if self.recompute not in POLICIES:
             hint = closest(self.recompute, POLICIES)
-            raise ValueError(f"memory.recompute={self.recompute!r} is unknown" + (f"; did you mean {hint!r}?" if hint
-                                                                                   else "") + f" Use one of {POLICIES}")
+            raise KilnError(f"memory.recompute={self.recompute!r} is unknown" + (f"; did you mean {hint!r}?" if hint
+                                                                                  else "") + f" Use one of {POLICIES}",
+                            key="memory.recompute", value=self.recompute, fix=f"Use one of {POLICIES}")
         if self.recompute_every < 1:
-            raise ValueError(f"memory.recompute_every must be ≥ 1, got {self.recompute_every}")
+            raise KilnError(f"memory.recompute_every must be ≥ 1, got {self.recompute_every}",
+                            key="memory.recompute_every", value=self.recompute_every, fix="give a whole number ≥ 1")
         if self.recompute == "budget" and not self.recompute_budget:
-            raise ValueError("memory.recompute='budget' needs memory.recompute_budget, e.g. "
-                             "--memory.recompute_budget=6GiB")
+            raise KilnError("memory.recompute='budget' needs memory.recompute_budget, e.g. "
+                            "--memory.recompute_budget=6GiB",
+                            key="memory.recompute_budget", value=self.recompute_budget,
+                            fix="e.g. --memory.recompute_budget=6GiB")
         if self.recompute_budget:
             parse_bytes(self.recompute_budget)
         if self.chunked_loss < 0:
-            raise ValueError(f"memory.chunked_loss must be ≥ 0 (0 = off), got {self.chunked_loss}")
+            raise KilnError(f"memory.chunked_loss must be ≥ 0 (0 = off), got {self.chunked_loss}",
+                            key="memory.chunked_loss", value=self.chunked_loss,
+                            fix="give a number of chunks ≥ 1, or 0 for off")
         parse_blocks(self.offload_blocks, None)  # the spelling; kiln.config checks the indices
 
 
@@ -64,13 +72,14 @@ def resolved_model(cfg):
 def precision_for(mode: str, device) -> str:
     """Concrete precision of `mode` on a Device from kiln.memory.devices; auto by the rule `kiln train` uses
     (kiln.perf.hardware.auto_mode), from the device's capability or its measured matmul rates."""
-    if mode == "auto":
+    if is_auto(mode):
         return auto_mode(device.kind, device.capability, device.peak_flops)[0]
-    if mode == "fp8" and not device.supports(mode):
-        raise ValueError(fp8_refusal(device.kind, device.capability, device.name))
+    if mode in PRECISIONS and PRECISIONS[mode].fp8 and not device.supports(mode):
+        raise KilnError(fp8_refusal(device.kind, device.capability, device.name), key="precision.mode", value=mode)
     if not device.supports(mode):
-        raise ValueError(f"precision.mode={mode!r} does not run on {device.name}; its table has "
-                         f"{', '.join(device.peak_flops)} (use one of those, or auto)")
+        raise KilnError(f"precision.mode={mode!r} does not run on {device.name}; its table has "
+                        f"{', '.join(device.peak_flops)} (use one of those, or auto)",
+                        key="precision.mode", value=mode, fix="use one of those, or auto")
     return mode
 
 
@@ -135,8 +144,8 @@ def for_rank(job: Job, plan: ParallelPlan, stage: int = 0) -> Job:
     kiln.parallel.tensor always splits them."""
     model, T = job.model, job.seq_len
     if T % plan.cp:
-        raise ValueError(f"parallel.cp={plan.cp} splits each sequence of data.seq_len={T} tokens: pick a cp that "
-                         f"divides it")
+        raise KilnError(f"parallel.cp={plan.cp} splits each sequence of data.seq_len={T} tokens: pick a cp that "
+                        f"divides it", key="parallel.cp", value=plan.cp, fix="pick a cp that divides it")
     blocks = plan.rank_blocks(model.n_layer, stage) if plan.pp > 1 else list(range(model.n_layer))
     micro, accum = job.micro_batch, job.grad_accum
     if plan.pp > 1:

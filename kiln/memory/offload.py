@@ -6,13 +6,15 @@ Each saved CUDA tensor (parameters excepted) is copied device→host on a side s
 the allocator is told (record_stream) that the side stream still reads it, so the device memory returns to the
 pool when the copy ends without the forward waiting for it. In backward the tensor is copied back on the compute
 stream after the copy's event. Blocks under recompute keep nothing worth offloading and are skipped. On a CPU
-device there is no separate host memory: nothing is moved.
+device there is no separate host memory: nothing is moved, and the run says so in one line at start
+(kiln.run.device_levers).
 """
 from __future__ import annotations
 
 import torch
 
 from kiln.memory.recompute import Recomputed, swap_class
+from kiln.errors import KilnError
 
 
 class ActivationOffload:
@@ -71,9 +73,11 @@ def parse_blocks(spec: str, n_layer: int | None) -> frozenset[int]:
         try:
             a, b = int(lo), int(hi or lo)
         except ValueError:
-            raise ValueError(f"memory.offload_blocks={spec!r}: write none, all, 0-5 or 0,2,4") from None
+            raise KilnError(f"memory.offload_blocks={spec!r}: write none, all, 0-5 or 0,2,4",
+                            key="memory.offload_blocks", value=spec, fix="write none, all, 0-5 or 0,2,4") from None
         if not 0 <= a <= b < (n_layer if n_layer is not None else b + 1):
-            raise ValueError(f"memory.offload_blocks={spec!r}: blocks run 0..{n_layer - 1}")
+            raise KilnError(f"memory.offload_blocks={spec!r}: blocks run 0..{n_layer - 1}",
+                            key="memory.offload_blocks", value=spec, fix=f"give blocks in 0..{n_layer - 1}")
         out.update(range(a, b + 1))
     return frozenset(out) if n_layer is not None else frozenset()
 

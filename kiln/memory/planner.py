@@ -27,6 +27,7 @@ from kiln.memory.recompute import solve_budget
 from kiln.models.registry import family
 from kiln.parallel.layout import ParallelPlan
 from kiln.parallel.strategy import STRATEGIES, strategy
+from kiln.errors import KilnError
 
 MATMUL_EFFICIENCY = 0.6  # share of peak FLOP/s large matmuls reach (GPU: 55-70% is typical for bf16 GEMMs)
 BANDWIDTH_EFFICIENCY = 0.75  # share of peak bandwidth elementwise kernels and copies reach
@@ -49,7 +50,9 @@ class PlanConfig:
         if self.memory:
             parse_bytes(self.memory)
         if self.global_batch_tokens < 0:
-            raise ValueError(f"plan.global_batch_tokens must be ≥ 0, got {self.global_batch_tokens}")
+            raise KilnError(f"plan.global_batch_tokens must be ≥ 0, got {self.global_batch_tokens}",
+                            key="plan.global_batch_tokens", value=self.global_batch_tokens,
+                            fix="give a count of tokens ≥ 0 (0: the config's batch)")
         if self.device and self.device.lower() != "cpu":
             get_device(self.device)
 
@@ -183,10 +186,7 @@ def bubble_fraction(pp: int, microbatches: int, virtual_stages: int = 1) -> floa
 def _elementwise_width(cfg) -> int:
     """Elements per token the MLP's elementwise ops read and write (GELU 2F, SwiGLU 3F, an MoE 3F per routed
     pair plus its routing and weighting)."""
-    mlp = family(cfg.arch).mlp
-    if mlp == "moe":
-        return cfg.n_experts_active * (3 * cfg.moe_d_ff + 2 * cfg.d_model) + 2 * cfg.n_experts
-    return cfg.d_ff * (3 if mlp == "swiglu" else 2)
+    return family(cfg.arch).mlp_part.elementwise_width(cfg)
 
 
 def step_time(job: Job, device, link: float | None = None, tp_link: float | None = None,
@@ -510,16 +510,21 @@ def search(cfg, device, memory: int | None = None, global_batch_tokens: int = 0,
     (benchmarks/parallel_table.py). context: also the (modelled-only) context-parallel layouts."""
     for name in (interconnect, inter_node):
         if name not in INTERCONNECTS:
-            raise ValueError(f"interconnect {name!r} is unknown; use one of {', '.join(INTERCONNECTS)}")
+            raise KilnError(f"interconnect {name!r} is unknown; use one of {', '.join(INTERCONNECTS)}",
+                            key="interconnect" if name == interconnect else "inter_node", value=name,
+                            fix=f"use one of {', '.join(INTERCONNECTS)}")
     memory = memory or device.memory
     T = cfg.data.seq_len
     tokens = global_batch_tokens or cfg.train.micro_batch_size * cfg.train.grad_accum_steps * T * gpus
     if tokens % T:
-        raise ValueError(f"--global-batch-tokens={tokens} is not a multiple of data.seq_len={T}")
+        raise KilnError(f"--global-batch-tokens={tokens} is not a multiple of data.seq_len={T}",
+                        key="--global-batch-tokens", value=tokens, fix=f"give a multiple of data.seq_len={T}")
     G = tokens // T
     splits = layouts(cfg, gpus, G, gpus_per_node, context) if model_parallel and gpus > 1 else [(1, 1, 1)]
     if G % gpus and not any(G % (gpus // (tp * pp * cp)) == 0 for tp, pp, cp in splits):
-        raise ValueError(f"the global batch of {G} sequences cannot be shared by {gpus} GPUs; make it a multiple")
+        raise KilnError(f"the global batch of {G} sequences (--global-batch-tokens={tokens}) cannot be shared "
+                        f"by {gpus} GPUs; make it a multiple",
+                        key="--global-batch-tokens", value=tokens, fix="make it a multiple")
     base = job_for(cfg, device, recompute_plan=("none",) * cfg.model.resolve().n_layer)
     L = base.model.n_layer
     optimizers = [cfg.optim.name] + (["adamw8bit"] if cfg.optim.name in ("adamw", "adam") else [])

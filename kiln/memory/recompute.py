@@ -26,6 +26,7 @@ from torch.utils.checkpoint import (CheckpointPolicy, SelectiveCheckpointContext
 
 from kiln.memory.estimate import block_flops, fmt_bytes, parse_bytes, recompute_plan, saved_tensors
 from kiln.perf.cpu_linear import onednn_available
+from kiln.errors import KilnError
 
 POLICIES = ("none", "full", "every_k", "selective", "budget")
 _KEPT_MATMULS = {torch.ops.aten.mm.default, torch.ops.aten.addmm.default}
@@ -189,8 +190,10 @@ def solve_budget(job, budget_bytes: int) -> tuple[str, ...]:
             if size <= budget_bytes and (best is None or cost < best[0] or (cost == best[0] and size < best[1])):
                 best = (cost, size, n_full, n_sel)
     if best is None:
-        raise ValueError(f"memory.recompute_budget={fmt_bytes(budget_bytes)} is below what full recomputation keeps "
-                         f"({fmt_bytes(L * sizes['full'])}); raise the budget or lower the micro-batch")
+        raise KilnError(f"memory.recompute_budget={fmt_bytes(budget_bytes)} is below what full recomputation keeps "
+                        f"({fmt_bytes(L * sizes['full'])}); raise the budget or lower the micro-batch",
+                        key="memory.recompute_budget", value=fmt_bytes(budget_bytes),
+                        fix="raise the budget or lower the micro-batch")
     _, _, n_full, n_sel = best
     return ("full",) * n_full + ("selective",) * n_sel + ("none",) * (L - n_full - n_sel)
 
@@ -198,9 +201,11 @@ def solve_budget(job, budget_bytes: int) -> tuple[str, ...]:
 def plan_for(policy: str, every: int, budget: str, job) -> tuple[str, ...]:
     """The per-block plan for a `memory` section's recompute keys and a Job (shapes, precision, backend)."""
     if policy not in POLICIES:
-        raise ValueError(f"memory.recompute={policy!r} is unknown; use one of {POLICIES}")
+        raise KilnError(f"memory.recompute={policy!r} is unknown; use one of {POLICIES}",
+                        key="memory.recompute", value=policy, fix=f"use one of {POLICIES}")
     if policy == "budget":
         if not budget:
-            raise ValueError("memory.recompute='budget' needs memory.recompute_budget, e.g. 4GiB")
+            raise KilnError("memory.recompute='budget' needs memory.recompute_budget, e.g. 4GiB",
+                            key="memory.recompute_budget", fix="e.g. 4GiB")
         return solve_budget(job, parse_bytes(budget))
     return recompute_plan(policy, job.model.n_layer, every)

@@ -9,7 +9,9 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, fields, replace
 
-from kiln.models.values import check_values
+from kiln.errors import KilnError
+from kiln.models.catalog import PRESETS, family
+from kiln.models.values import SENTINEL_MEANING, check_values
 from kiln.util import closest
 
 # What a preset keeps when `model.arch` switches it to another family; every other field is the family's.
@@ -49,13 +51,17 @@ class ModelConfig:
     def resolve(self) -> "ModelConfig":
         """Fill every 0/None field from the preset (and, when `arch` switches family, from the family's
         defaults); check the shape is buildable."""
-        from kiln.models.registry import PRESETS, family  # lazy: the presets live in the family files, which import this module
-
         if self.preset not in PRESETS:
-            raise ValueError(
+            raise KilnError(
                 f"model.preset={self.preset!r} is not a preset; did you mean {closest(self.preset, PRESETS)!r}? "
-                f"Presets: {', '.join(PRESETS)}"
-            )
+                f"Presets: {', '.join(PRESETS)}",
+                key="model.preset", value=self.preset, fix=f"Presets: {', '.join(PRESETS)}")
+        for f in fields(self):  # a size given below 0 is named before anything is derived from it (head_dim)
+            value = getattr(self, f.name)
+            if isinstance(value, int) and not isinstance(value, bool) and value < 0:
+                also = f", or {SENTINEL_MEANING[f.name]}" if f.name in SENTINEL_MEANING else ""
+                raise KilnError(f"model.{f.name} must be ≥ 1 (0: the preset's{also}), got {value}",
+                                key=f"model.{f.name}", value=value)
         base = PRESETS[self.preset]
         if self.arch and self.arch != base.arch:
             fam = family(self.arch)  # raises for an unknown arch, naming the known ones
@@ -74,18 +80,22 @@ class ModelConfig:
         self.resolve()
 
     def check(self) -> None:
-        from kiln.models.registry import family  # lazy: the family files import this module
-
         fam = family(self.arch)
         for name in ("n_layer", "n_head", "n_kv_head", "head_dim", "d_model", "d_ff", "max_seq_len"):
             if getattr(self, name) < 1:
-                raise ValueError(f"model.{name} must be ≥ 1, got {getattr(self, name)}")
+                raise KilnError(f"model.{name} must be ≥ 1, got {getattr(self, name)}",
+                                key=f"model.{name}", value=getattr(self, name), fix="give a whole number ≥ 1")
         if self.n_head % self.n_kv_head:
-            raise ValueError(f"model.n_head={self.n_head} must be a multiple of model.n_kv_head={self.n_kv_head}")
+            raise KilnError(f"model.n_head={self.n_head} must be a multiple of model.n_kv_head={self.n_kv_head}",
+                            key="model.n_head", value=self.n_head,
+                            fix="pick model.n_head and model.n_kv_head so that n_kv_head divides n_head")
         if self.init and not self.init.startswith("hf:"):
-            raise ValueError(f"model.init={self.init!r}; write hf:DIR, a local directory saved by save_pretrained")
+            raise KilnError(f"model.init={self.init!r}; write hf:DIR, a local directory saved by save_pretrained",
+                            key="model.init", value=self.init,
+                            fix="write hf:DIR, a local directory saved by save_pretrained")
         if not 0.0 <= self.dropout < 1.0:
-            raise ValueError(f"model.dropout must be in [0, 1), got {self.dropout}")
+            raise KilnError(f"model.dropout must be in [0, 1), got {self.dropout}",
+                            key="model.dropout", value=self.dropout, fix="give a value in [0, 1) (0 = off)")
         check_values(self)  # values no family can train with, first: its message names the fix
         fam.check(self)
 
@@ -93,7 +103,8 @@ class ModelConfig:
     def padded_vocab(self) -> int:
         """Vocabulary rounded up to a multiple of 64: tensor-core friendly matmul shapes."""
         if self.vocab_size < 1:
-            raise ValueError("model.vocab_size is unknown: set it, or let `kiln train` take it from the tokenizer")
+            raise KilnError("model.vocab_size is unknown: set it, or let `kiln train` take it from the tokenizer",
+                            key="model.vocab_size", fix="set it, or let `kiln train` take it from the tokenizer")
         return 64 * math.ceil(self.vocab_size / 64)
 
 
@@ -107,8 +118,6 @@ def _unset(value, f) -> bool:
 
 def param_count(cfg: ModelConfig) -> int:
     """Number of trainable parameters of `Transformer(cfg)`, from the config alone."""
-    from kiln.models.registry import family  # lazy: the family files import this module
-
     cfg = cfg.resolve() if not cfg.arch else cfg
     return sum(math.prod(shape) for _, shape in family(cfg.arch).parameter_shapes(cfg))
 

@@ -8,40 +8,20 @@
       .hf_tensors(cfg)         kiln's tensors <-> the Hub's names and layouts (kiln.interop.hf)
     Linear, HFTensor           the records those return
 
-The saved-for-backward bytes (kiln.memory.estimate) are derived from the parts named here (`norm`, `mlp`,
-`positions`, `qk_norm`), each accounted once, so a family built from known parts is estimated exactly from its
-first day. Nothing outside kiln/models/ branches on a family's name: it asks the description (a test greps).
+The saved-for-backward bytes (kiln.memory.estimate), the planner's widths and the recompute FLOPs are stated by
+the parts named here (`norm`, `mlp`, `positions`: kiln.models.costs; `.norm_part`, `.mlp_part`,
+`.positions_part`), each accounted once, so a family built from known parts is estimated exactly from its first
+day. Nothing outside kiln/models/ branches on a family's name or a part's kind: it asks the description or the
+part (tests/models/test_families.py greps).
 """
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 from typing import Callable
 
+from kiln.models import costs
 from kiln.models.config import ModelConfig
-
-NORMS = ("layernorm", "rmsnorm")
-MLPS = ("gelu", "swiglu", "moe")
-POSITIONS = ("learned", "rope")
-
-
-@dataclass(frozen=True)
-class Linear:
-    """One matmul of a block, per token."""
-
-    name: str  # module inside the block: "attn.qkv", "mlp.experts.fc" (one per expert)
-    n_in: int
-    n_out: int
-    tp: str  # tensor parallelism: "column" (output split), "row" (input split), "replicate", "expert" (EP: whole
-    #          weights divided among ranks, each rank keeps n_experts / ep of them)
-    copies: int = 1  # weight matrices of this shape in the block (an MoE: one per expert)
-    active: int = 1  # of them one token multiplies by (an MoE: the top-k)
-    parts: tuple[int, ...] = ()  # a fused linear's output rows, part by part ([q; k; v], [gate; up]); () = one
-
-    @property
-    def numel(self) -> int:
-        """Weight elements of all copies: what the block holds and autocast copies to half precision."""
-        return self.n_in * self.n_out * self.copies
+from kiln.models.costs import Linear  # noqa: F401  (re-exported: a block's matmuls are described here)
 
 
 @dataclass(frozen=True)
@@ -77,6 +57,23 @@ class Family:
     hf_names: Callable | None = None  # (cfg) -> [HFTensor] for the whole model
     extra_check: Callable | None = None  # (cfg) -> None, raising ValueError for what this family cannot build
 
+    def __post_init__(self):
+        for table, kind, key in ((costs.NORMS, self.norm, "norm"), (costs.MLPS, self.mlp, "mlp"),
+                                 (costs.POSITIONS, self.positions, "positions")):
+            costs.part(table, kind, f"family {self.name!r}: {key}")  # an unknown kind fails at registration
+
+    @property
+    def norm_part(self) -> costs.Norm:
+        return costs.part(costs.NORMS, self.norm, "norm")
+
+    @property
+    def mlp_part(self) -> costs.MLP:
+        return costs.part(costs.MLPS, self.mlp, "mlp")
+
+    @property
+    def positions_part(self) -> costs.Positions:
+        return costs.part(costs.POSITIONS, self.positions, "positions")
+
     # ------------------------------------------------------------ config
 
     def complete(self, cfg: ModelConfig) -> None:
@@ -90,30 +87,17 @@ class Family:
             cfg.head_dim = cfg.d_model // cfg.n_head
         if cfg.d_ff == 0:
             cfg.d_ff = self.d_ff(cfg.d_model)
-        if self.mlp == "moe" and cfg.moe_d_ff == 0:
-            cfg.moe_d_ff = 64 * math.ceil(3 * cfg.d_model / 8 / 64)  # Qwen3-30B-A3B's ratio: 768 at d=2048
+        self.mlp_part.complete(cfg)
 
     def check(self, cfg: ModelConfig) -> None:
         if not self.gqa and cfg.n_kv_head != cfg.n_head:
             raise ValueError(f"model.n_kv_head applies to grouped-query families; {self.name} attention uses "
                              f"n_head key/value heads (set model.n_kv_head=0)")
-        if self.positions == "rope" and cfg.head_dim % 2:
-            raise ValueError(f"RoPE needs an even head dimension; model.head_dim = {cfg.head_dim}")
-        if self.positions == "rope" and cfg.rope_theta <= 0:
-            raise ValueError(f"model.rope_theta={cfg.rope_theta}: RoPE needs a base frequency > 0, e.g. 10000")
+        self.positions_part.check(cfg)
         if cfg.rope_scaling and (len(cfg.rope_scaling) != 4 or not self.rope_scaling):
             raise ValueError(f"model.rope_scaling={cfg.rope_scaling!r}: Llama 3's scaling takes (factor, "
                              f"low_freq_factor, high_freq_factor, original_max_len), arch='llama' only")
-        if self.mlp == "moe":
-            if cfg.n_experts < 1 or not 1 <= cfg.n_experts_active <= cfg.n_experts or cfg.moe_d_ff < 1:
-                raise ValueError(f"model.n_experts={cfg.n_experts}, model.n_experts_active={cfg.n_experts_active}, "
-                                 f"model.moe_d_ff={cfg.moe_d_ff}: a mixture of experts needs 1 ≤ active ≤ experts "
-                                 f"and an expert width ≥ 1")
-            if (cfg.moe_aux_coef or 0) < 0 or (cfg.moe_z_coef or 0) < 0:
-                raise ValueError("model.moe_aux_coef and model.moe_z_coef must be ≥ 0")
-        elif cfg.n_experts:
-            raise ValueError(f"model.n_experts={cfg.n_experts} needs a mixture-of-experts family "
-                             f"(model.arch=qwen3_moe); {self.name} has one MLP per block")
+        self.mlp_part.check(cfg, self.name)
         if self.extra_check is not None:
             self.extra_check(cfg)
 
@@ -124,17 +108,7 @@ class Family:
         d, hd, H, KV = cfg.d_model, cfg.head_dim, cfg.n_head, cfg.n_kv_head
         out = [Linear("attn.qkv", d, (H + 2 * KV) * hd, "column", parts=(H * hd, KV * hd, KV * hd)),
                Linear("attn.proj", H * hd, d, "row")]
-        if self.mlp == "gelu":
-            out += [Linear("mlp.fc", d, cfg.d_ff, "column"), Linear("mlp.proj", cfg.d_ff, d, "row")]
-        elif self.mlp == "swiglu":
-            out += [Linear("mlp.fc", d, 2 * cfg.d_ff, "column", parts=(cfg.d_ff, cfg.d_ff)),
-                    Linear("mlp.proj", cfg.d_ff, d, "row")]
-        else:
-            E, K, F = cfg.n_experts, cfg.n_experts_active, cfg.moe_d_ff
-            out += [Linear("mlp.router", d, E, "replicate"),
-                    Linear("mlp.experts.fc", d, 2 * F, "expert", copies=E, active=K),
-                    Linear("mlp.experts.proj", F, d, "expert", copies=E, active=K)]
-        return out
+        return out + self.mlp_part.linears(cfg)
 
     def parameter_shapes(self, cfg: ModelConfig) -> list[tuple[str, tuple[int, ...]]]:
         """(name, shape) of every parameter tensor of Transformer(cfg), tied weights once, in model order."""
@@ -142,16 +116,12 @@ class Family:
         bias = bool(cfg.bias) and self.biases
 
         def norm(name, dim=d):
-            return [(f"{name}.weight", (dim,))] + ([(f"{name}.bias", (dim,))] if bias and self.norm == "layernorm"
-                                                   else [])
+            return self.norm_part.parameters(name, dim, bias)
 
-        def linear(name, lin: Linear, with_bias=bias):
-            return [(f"{name}.weight", (lin.n_out, lin.n_in))] + ([(f"{name}.bias", (lin.n_out,))] if with_bias
-                                                                  else [])
+        def linear(name, lin: Linear):
+            return [(f"{name}.weight", (lin.n_out, lin.n_in))] + ([(f"{name}.bias", (lin.n_out,))] if bias else [])
 
-        out = [("embed.weight", (V, d))]
-        if self.positions == "learned":
-            out.append(("pos_embed.weight", (cfg.max_seq_len, d)))
+        out = [("embed.weight", (V, d))] + self.positions_part.parameters(cfg)
         lin = {x.name: x for x in self.linears(cfg)}
         for i in range(cfg.n_layer):
             b = f"blocks.{i}"
@@ -159,13 +129,7 @@ class Family:
             if self.qk_norm:
                 out += norm(f"{b}.attn.q_norm", cfg.head_dim) + norm(f"{b}.attn.k_norm", cfg.head_dim)
             out += linear(f"{b}.attn.proj", lin["attn.proj"]) + norm(f"{b}.norm2")
-            if self.mlp == "moe":
-                out += linear(f"{b}.mlp.router", lin["mlp.router"], False)
-                for e in range(cfg.n_experts):
-                    out += linear(f"{b}.mlp.experts.{e}.fc", lin["mlp.experts.fc"], False)
-                    out += linear(f"{b}.mlp.experts.{e}.proj", lin["mlp.experts.proj"], False)
-            else:
-                out += linear(f"{b}.mlp.fc", lin["mlp.fc"]) + linear(f"{b}.mlp.proj", lin["mlp.proj"])
+            out += self.mlp_part.parameters(cfg, f"{b}.mlp", bias, lin)
         out += norm("norm")
         if not cfg.tie_embeddings:
             out.append(("head.weight", (V, d)))

@@ -6,8 +6,9 @@ mapping of GPT2LMHeadModel (Conv1D stores matrices as (in, out); kiln's Linear a
 from __future__ import annotations
 
 from kiln.models.config import ModelConfig
+from kiln.models.costs import make_norm
 from kiln.models.family import Family, HFTensor
-from kiln.models.parts import Attention, GeluMLP, PreNormBlock, make_norm
+from kiln.models.parts import Attention, GeluMLP, PreNormBlock
 
 DEFAULTS = dict(vocab_size=50257, max_seq_len=1024, bias=True, tie_embeddings=True, norm_eps=1e-5)
 # What `model.arch=gpt2` gives another family's preset: its size, these fields.

@@ -8,8 +8,9 @@ from __future__ import annotations
 import math
 
 from kiln.models.config import ModelConfig
+from kiln.models.costs import make_norm
 from kiln.models.family import Family, HFTensor
-from kiln.models.parts import Attention, PreNormBlock, SwiGLUMLP, make_norm
+from kiln.models.parts import Attention, PreNormBlock, SwiGLUMLP
 
 DEFAULTS = dict(vocab_size=32000, max_seq_len=2048, bias=False, tie_embeddings=False, norm_eps=1e-6,
                 rope_theta=10000.0)

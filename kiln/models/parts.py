@@ -92,7 +92,9 @@ class Attention(nn.Module):
         self.proj = nn.Linear(cfg.n_head * cfg.head_dim, cfg.d_model, bias=bias)
         self.proj.residual = True
 
-    def forward(self, x, rope_cache=None):
+    def forward(self, x, rope_cache=None, cache=None):
+        """rope_cache: RoPE's (cos, sin) tables from position 0; with a KV cache (kiln.models.cache, generation),
+        those of each row's positions, (B, 1, T, D/2), and `cache` this block's LayerCache."""
         B, T, _ = x.shape
         qkv = self.qkv(x)  # (B, T, (H + 2·KV)·D)
         # The heads this module computes, read off the output width: all of them, or a tensor-parallel rank's share
@@ -108,9 +110,15 @@ class Attention(nn.Module):
         q, k = q.transpose(1, 2), k.transpose(1, 2)  # (B, H, T, D), (B, KV, T, D)
         v = v.view(B, T, KV, D).transpose(1, 2)
         if self.rope is not None:
-            cos, sin = rope_cache
-            q, k = self.rope(q, cos[:T], sin[:T]), self.rope(k, cos[:T], sin[:T])
-        y = self.core(q, k, v)  # (B, H, T, D)
+            cos, sin = rope_cache if cache is not None else (rope_cache[0][:T], rope_cache[1][:T])
+            q, k = self.rope(q, cos, sin), self.rope(k, cos, sin)
+        if cache is None:
+            y = self.core(q, k, v)  # (B, H, T, D)
+        else:
+            k, v = cache.update(k, v)  # (B, KV, S, D): the cached positions and these T
+            # The cache's mask, not is_causal: the T queries are the last T of S keys (is_causal aligns them with
+            # the first T), and left padding is masked out.
+            y = F.scaled_dot_product_attention(q, k, v, attn_mask=cache.mask, enable_gqa=k.shape[1] != H)
         y = y.transpose(1, 2).reshape(B, T, H * D)  # (B, T, H·D)
         return self.proj(y)
 
@@ -140,13 +148,6 @@ class SwiGLUMLP(nn.Module):
         return self.proj(self.act(gate, up))
 
 
-def make_norm(kind: str, dim: int, eps: float, bias: bool = False) -> nn.Module:
-    """A family's norm by the name its description gives: "layernorm" (GPT-2) or "rmsnorm"."""
-    if kind == "layernorm":
-        return nn.LayerNorm(dim, eps=eps, bias=bias)
-    return RMSNorm(dim, eps=eps)
-
-
 class PreNormBlock(nn.Module):
     """x + attn(norm1(x)), then + mlp(norm2(x)): the block every family here shares; a family picks the parts."""
 
@@ -155,8 +156,8 @@ class PreNormBlock(nn.Module):
         self.norm1, self.attn, self.norm2, self.mlp = norm1, attn, norm2, mlp
         self.drop = nn.Dropout(dropout)
 
-    def forward(self, x, rope_cache=None):
-        x = x + self.drop(self.attn(self.norm1(x), rope_cache))
+    def forward(self, x, rope_cache=None, cache=None):
+        x = x + self.drop(self.attn(self.norm1(x), rope_cache, cache))
         return x + self.drop(self.mlp(self.norm2(x)))
 
 

@@ -8,8 +8,9 @@ from __future__ import annotations
 
 from kiln.models import llama
 from kiln.models.config import ModelConfig
+from kiln.models.costs import make_norm
 from kiln.models.family import Family
-from kiln.models.parts import Attention, PreNormBlock, SwiGLUMLP, make_norm
+from kiln.models.parts import Attention, PreNormBlock, SwiGLUMLP
 
 DEFAULTS = dict(vocab_size=151936, max_seq_len=40960, bias=False, norm_eps=1e-6, rope_theta=1000000.0)
 SWITCH = dict(n_kv_head=0, head_dim=0, d_ff=0, bias=False, tie_embeddings=True, norm_eps=1e-6,

@@ -13,9 +13,10 @@ from __future__ import annotations
 
 from kiln.models import llama, qwen3
 from kiln.models.config import ModelConfig
+from kiln.models.costs import make_norm
 from kiln.models.family import Family, HFTensor
 from kiln.models.moe import MoE
-from kiln.models.parts import Attention, PreNormBlock, make_norm
+from kiln.models.parts import Attention, PreNormBlock
 
 DEFAULTS = dict(vocab_size=151936, max_seq_len=40960, bias=False, tie_embeddings=False, norm_eps=1e-6,
                 rope_theta=1000000.0, moe_norm_topk=True, moe_aux_coef=0.001, moe_z_coef=0.0)

@@ -1,32 +1,18 @@
-"""Every model family kiln builds, by `model.arch`, and every preset: a plain dict, checked by the tests (each
+"""Every model family kiln builds, listed once: importing this module fills kiln.models.catalog (FAMILIES by
+`model.arch`, PRESETS), checked by the tests (each
 family builds, runs, round-trips through Hugging Face's layout and is estimated byte for byte).
 
 To add a family: write kiln/models/<family>.py (docs/models.md, "adding a family") and list it here.
 """
 from __future__ import annotations
 
-from kiln.models import gpt2, llama, qwen3, qwen3_moe
-from kiln.models.config import ModelConfig
+from kiln.models import catalog, gpt2, llama, qwen3, qwen3_moe
+from kiln.models.catalog import FAMILIES, PRESETS, family  # noqa: F401  (the lookups, re-exported)
 from kiln.models.family import Family
-from kiln.util import closest
 
-FAMILIES: dict[str, Family] = {f.name: f for f in (gpt2.FAMILY, llama.FAMILY, qwen3.FAMILY, qwen3_moe.FAMILY)}
+for _family in (gpt2.FAMILY, llama.FAMILY, qwen3.FAMILY, qwen3_moe.FAMILY):
+    catalog.add(_family)
 ARCHS = tuple(FAMILIES)
-
-PRESETS: dict[str, ModelConfig] = {}
-for _family in FAMILIES.values():
-    for _name, _cfg in _family.presets.items():
-        _cfg.preset = _name
-        PRESETS[_name] = _cfg
-
-
-def family(arch: str) -> Family:
-    """The description of the family `arch` (a ModelConfig's model.arch)."""
-    if arch not in FAMILIES:
-        hint = closest(arch, FAMILIES)
-        raise ValueError(f"model.arch={arch!r} is unknown" + (f"; did you mean {hint!r}?" if hint else "")
-                         + f" Use one of {', '.join(ARCHS)}")
-    return FAMILIES[arch]
 
 
 def by_hf_model_type(model_type: str | None, source: str) -> Family:

@@ -12,10 +12,12 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from kiln.models.cache import KVCache
 from kiln.models.config import ModelConfig
+from kiln.models.costs import make_norm
 from kiln.models.moe import MoE, moe_losses
 from kiln.models.parts import (IGNORE_INDEX, SDPA, LMLoss, RMSNorm, Rotary, SwiGLU, at_least_fp32,  # noqa: F401
-                               llama3_frequencies, make_norm, rope_cache)
+                               llama3_frequencies, rope_cache)
 from kiln.models.registry import family
 
 
@@ -55,29 +57,36 @@ class Transformer(nn.Module):
     def head_weight(self) -> torch.Tensor:
         return self.embed.weight if self.head is None else self.head.weight
 
-    def hidden(self, idx: torch.Tensor) -> torch.Tensor:
-        """Final normalized hidden states (B, T, C) for token ids (B, T)."""
+    def hidden(self, idx: torch.Tensor, cache: KVCache | None = None) -> torch.Tensor:
+        """Final normalized hidden states (B, T, C) for token ids (B, T). With a KV cache (generation), idx are the
+        next T tokens after the cached ones: their keys and values are added to it (kiln.models.cache)."""
         B, T = idx.shape
         if T > self.cfg.max_seq_len:
             raise ValueError(f"sequence length {T} exceeds model.max_seq_len={self.cfg.max_seq_len}")
         x = self.embed(idx)  # (B, T, C)
+        positions = torch.arange(T, device=idx.device) if cache is None else cache.positions(T, idx.device)
         rope = None
         if self.pos_embed is not None:
-            x = x + self.pos_embed(torch.arange(T, device=idx.device))
-        else:
-            rope = (self.rope_cos, self.rope_sin)
+            x = x + self.pos_embed(positions)
+        elif cache is None:
+            rope = (self.rope_cos, self.rope_sin)  # the blocks take the first T rows
+        else:  # each row's own positions (left padding shifts them), (B, 1, T, D/2)
+            rope = (self.rope_cos[positions].unsqueeze(1), self.rope_sin[positions].unsqueeze(1))
         x = self.drop(x)
-        for block in self.blocks:
-            x = block(x, rope)
+        for i, block in enumerate(self.blocks):
+            x = block(x, rope) if cache is None else block(x, rope, cache.layer(i))
+        if cache is not None:
+            cache.advance(T)
         return self.norm(x)
 
-    def forward(self, idx, targets=None, reduction: str = "mean"):
+    def forward(self, idx, targets=None, reduction: str = "mean", cache: KVCache | None = None):
         """Logits (B, T, V) without targets; with targets the loss ("mean" over valid targets or "sum").
 
         A mixture of experts in training adds moe_aux_coef × its load-balancing loss (and moe_z_coef × the
         router z-loss) to the mean, as HF's Qwen3-MoE adds router_aux_loss_coef × aux_loss; with "sum" the same
-        term times the valid-target count, so the step's division by the count gives it back."""
-        h = self.hidden(idx)
+        term times the valid-target count, so the step's division by the count gives it back. cache: a KVCache
+        to read and extend (generation, kiln.models.generate)."""
+        h = self.hidden(idx, cache)
         if targets is None:
             return F.linear(h, self.head_weight)
         total = self.loss(h.flatten(0, 1), self.head_weight, targets.flatten())
@@ -96,23 +105,3 @@ class Transformer(nn.Module):
                 m.load = m.routed if m.load is None else m.load + m.routed
         penalty = self.cfg.moe_aux_coef * aux
         return penalty + self.cfg.moe_z_coef * z if z is not None else penalty
-
-    @torch.no_grad()
-    def generate(self, idx, max_new_tokens: int, temperature: float = 1.0, top_k: int | None = None,
-                 vocab_limit: int | None = None, generator: torch.Generator | None = None):
-        """Sample continuations of idx (B, T). Tokens at or above vocab_limit (vocabulary padding) are never drawn."""
-        for _ in range(max_new_tokens):
-            context = idx[:, -self.cfg.max_seq_len:]
-            logits = F.linear(self.hidden(context)[:, -1], self.head_weight).float()  # (B, V)
-            if vocab_limit is not None:
-                logits[:, vocab_limit:] = -float("inf")
-            if temperature <= 0:
-                nxt = logits.argmax(-1, keepdim=True)
-            else:
-                logits = logits / temperature
-                if top_k:
-                    kth = torch.topk(logits, min(top_k, logits.size(-1))).values[:, -1:]
-                    logits = logits.masked_fill(logits < kth, -float("inf"))
-                nxt = torch.multinomial(F.softmax(logits, dim=-1), 1, generator=generator)
-            idx = torch.cat((idx, nxt), dim=1)
-        return idx

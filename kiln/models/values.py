@@ -9,6 +9,9 @@ from __future__ import annotations
 
 import math
 
+from kiln.errors import KilnError
+from kiln.models.catalog import family
+
 # What 0 / "" / None stands for in the model section: the preset's value (and for these keys, something more).
 SENTINEL_MEANING = {
     "vocab_size": "the tokenizer's vocabulary when the preset has none",
@@ -19,18 +22,21 @@ SENTINEL_MEANING = {
 
 def check_values(cfg) -> None:
     """A resolved model config (every preset value filled in) whose numbers cannot train: one line, the fix."""
-    from kiln.models.registry import family  # lazy: the family files import kiln.models.config, which imports this
-
     if family(cfg.arch).positions == "rope" and not (math.isfinite(cfg.rope_theta) and cfg.rope_theta > 0):
-        raise ValueError(f"model.rope_theta={cfg.rope_theta:g}: arch={cfg.arch!r} rotates queries and keys by RoPE, "
-                         f"whose base frequency must be > 0; set --model.rope_theta=10000 (Llama 2) or "
-                         f"500000 (Llama 3)")
+        raise KilnError(f"model.rope_theta={cfg.rope_theta:g}: arch={cfg.arch!r} rotates queries and keys by RoPE, "
+                        f"whose base frequency must be > 0; set --model.rope_theta=10000 (Llama 2) or "
+                        f"500000 (Llama 3)",
+                        key="model.rope_theta", value=cfg.rope_theta,
+                        fix="set --model.rope_theta=10000 (Llama 2) or 500000 (Llama 3)")
     if not cfg.norm_eps > 0:
-        raise ValueError(f"model.norm_eps={cfg.norm_eps:g}: normalization divides by sqrt(variance + eps), which "
-                         f"is 0 on a constant input; set --model.norm_eps=1e-5 (GPT-2) or 1e-6 (Llama)")
+        raise KilnError(f"model.norm_eps={cfg.norm_eps:g}: normalization divides by sqrt(variance + eps), which "
+                        f"is 0 on a constant input; set --model.norm_eps=1e-5 (GPT-2) or 1e-6 (Llama)",
+                        key="model.norm_eps", value=cfg.norm_eps,
+                        fix="set --model.norm_eps=1e-5 (GPT-2) or 1e-6 (Llama)")
     if cfg.vocab_size < 0:
-        raise ValueError(f"model.vocab_size={cfg.vocab_size} is negative; give a size ≥ 1, or 0 for the "
-                         f"tokenizer's")
+        raise KilnError(f"model.vocab_size={cfg.vocab_size} is negative; give a size ≥ 1, or 0 for the "
+                        f"tokenizer's",
+                        key="model.vocab_size", value=cfg.vocab_size, fix="give a size ≥ 1, or 0 for the tokenizer's")
 
 
 def _unset(value) -> bool:
@@ -53,9 +59,10 @@ def refuse_replaced(cfg, given: dict[str, object], presets: dict) -> None:
             continue  # the preset has none: 0 keeps its own meaning
         meaning = f" or {SENTINEL_MEANING[key]}" if key in SENTINEL_MEANING else ""
         shown = "none" if value is None else repr(value) if isinstance(value, str) else value
-        raise ValueError(f"--model.{key}={shown} would be ignored: in the model section it means \"the preset's "
-                         f"value\"{meaning}, and preset {cfg.preset!r} has {key}={theirs!r}; give the value you "
-                         f"want (e.g. --model.{key}={_example(key, theirs)}), or drop the override")
+        raise KilnError(f"--model.{key}={shown} would be ignored: in the model section it means \"the preset's "
+                        f"value\"{meaning}, and preset {cfg.preset!r} has {key}={theirs!r}; give the value you "
+                        f"want (e.g. --model.{key}={_example(key, theirs)}), or drop the override",
+                        key=f"model.{key}", value=value, fix="drop the override")
 
 
 def _example(key: str, theirs) -> str:

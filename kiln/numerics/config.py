@@ -3,6 +3,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from kiln.errors import KilnError
+
 SPIKE_POLICIES = ("off", "warn", "skip", "rollback", "stop")
 
 
@@ -26,23 +28,32 @@ class NumericsConfig:
 
     def validate(self):
         if self.spike_policy not in SPIKE_POLICIES:
-            raise ValueError(f"numerics.spike_policy={self.spike_policy!r} is unknown; use one of {SPIKE_POLICIES}")
+            raise KilnError(f"numerics.spike_policy={self.spike_policy!r} is unknown; use one of {SPIKE_POLICIES}",
+                            key="numerics.spike_policy", value=self.spike_policy, fix=f"use one of {SPIKE_POLICIES}")
         if self.rollback_from not in ("memory", "disk"):
-            raise ValueError(f"numerics.rollback_from={self.rollback_from!r}; use 'memory' or 'disk'")
+            raise KilnError(f"numerics.rollback_from={self.rollback_from!r}; use 'memory' or 'disk'",
+                            key="numerics.rollback_from", value=self.rollback_from, fix="use 'memory' or 'disk'")
         if self.spike_threshold <= 0 or self.spike_grad_norm_threshold < 0 or self.spike_rel_floor < 0:
-            raise ValueError("numerics: spike_threshold must be > 0, spike_grad_norm_threshold and spike_rel_floor "
-                             "≥ 0")
+            raise KilnError("numerics.spike_threshold must be > 0, numerics.spike_grad_norm_threshold and "
+                            "numerics.spike_rel_floor ≥ 0",
+                            key="numerics.spike_threshold")
         if self.spike_window < 3 or not 1 <= self.spike_min_history <= self.spike_window:
-            raise ValueError(f"numerics: need spike_window ≥ 3 and 1 ≤ spike_min_history ≤ spike_window, got "
-                             f"{self.spike_window} and {self.spike_min_history}")
+            raise KilnError(f"numerics: need numerics.spike_window ≥ 3 and 1 ≤ numerics.spike_min_history ≤ spike_window, got "
+                            f"{self.spike_window} and {self.spike_min_history}",
+                            key="numerics.spike_window", value=self.spike_window)
         if not 0 < self.rollback_lr_factor <= 1:
-            raise ValueError(f"numerics.rollback_lr_factor must be in (0, 1], got {self.rollback_lr_factor}")
+            raise KilnError(f"numerics.rollback_lr_factor must be in (0, 1], got {self.rollback_lr_factor}",
+                            key="numerics.rollback_lr_factor", value=self.rollback_lr_factor,
+                            fix="give a factor in (0, 1]")
         for key in ("snapshot_interval", "max_rollbacks", "fp16_advice_backoffs"):
             if getattr(self, key) < 1:
-                raise ValueError(f"numerics.{key} must be ≥ 1, got {getattr(self, key)}")
+                raise KilnError(f"numerics.{key} must be ≥ 1, got {getattr(self, key)}",
+                                key=f"numerics.{key}", value=getattr(self, key), fix="give a whole number ≥ 1")
         for key in ("rollback_lr_steps", "max_nonfinite_steps", "fp16_telemetry_interval"):
             if getattr(self, key) < 0:
-                raise ValueError(f"numerics.{key} must be ≥ 0, got {getattr(self, key)}")
+                raise KilnError(f"numerics.{key} must be ≥ 0, got {getattr(self, key)}",
+                                key=f"numerics.{key}", value=getattr(self, key),
+                                fix="give a whole number ≥ 0 (0 = off)")
 
     @property
     def withholds_spikes(self) -> bool:

@@ -11,8 +11,7 @@ FSDP2 (fully_shard per transformer block plus the root). Never a home-made engin
 
 Tensor parallelism (kiln.parallel.tensor) splits kiln's Transformer over the mesh's tp dim before data parallelism
 wraps it, or a user's own plan splits a model of theirs (kiln.parallel.user_plan, `kiln.fit(tensor_parallel=fn)`);
-kiln.parallel.layout's ParallelPlan holds the degrees (world.plan: World asks it, never keeps its own) and
-world.mesh the DeviceMesh's process groups.
+kiln.parallel.layout's ParallelPlan holds the degrees (world.plan; World keeps none) and world.mesh the DeviceMesh.
 
 Surviving failures (multi-node, elastic restarts) lives beside it: kiln.parallel.watchdog (a collective that fails or
 times out becomes one line naming the rank, the step and the collective), kiln.parallel.elastic (--auto-resume under
@@ -225,7 +224,8 @@ def layout_event(world: World, model: nn.Module) -> dict:
     per_rank = world.gather_objects((held, whole))
     if plan.pp > 1:  # each pipeline rank holds its stage's part: one copy's stages summed
         whole = sum(w for r, (_, w) in enumerate(per_rank) if plan.coords(r)["dp"] == plan.coords(r)["tp"] == 0)
-    return {"event": "layout", "mesh": plan.mesh_shape,
+    one = not world.torchrun and not plan.dp_strategy.reduces  # a plain world of one: {"dp": 1}, as ever
+    return {"event": "layout", "mesh": {"dp": world.size} if one else plan.mesh_shape,
             "strategy": world.strategy, "sequence_parallel": plan.sequence_parallel,
             "param_bytes_per_rank": [h for h, _ in per_rank], "param_bytes_unsharded": whole}
 

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from kiln.errors import KilnError
 from kiln.models.config import ModelConfig
 from kiln.parallel.strategy import Strategy, strategy
 
@@ -127,7 +128,8 @@ class ParallelPlan:
         check_degrees(cfg, world_size)
         tp, pp, cp = cfg.tp, cfg.pp, getattr(cfg, "cp", 1)
         if cfg.pp_schedule not in PP_SCHEDULES:
-            raise ValueError(f"parallel.pp_schedule={cfg.pp_schedule!r} is unknown; use one of {PP_SCHEDULES}")
+            raise KilnError(f"parallel.pp_schedule={cfg.pp_schedule!r} is unknown; use one of {PP_SCHEDULES}",
+                            key="parallel.pp_schedule", value=cfg.pp_schedule, fix=f"use one of {PP_SCHEDULES}")
         virtual = 2 if cfg.pp_schedule == "interleaved_1f1b" and pp > 1 else 1
         if model is not None:
             _check_model(tp, pp * virtual, model, family, cfg.pp_schedule)
@@ -135,12 +137,15 @@ class ParallelPlan:
         if pp > 1 and batch_sequences is not None:
             micro = micro or max(pp, grad_accum_steps)
             if micro < 1 or batch_sequences % micro:
-                raise ValueError(f"parallel.pp_microbatches={micro} must divide each rank's batch of "
-                                 f"{batch_sequences} sequences (train.micro_batch_size × train.grad_accum_steps): "
-                                 f"pick a divisor of {batch_sequences}")
+                raise KilnError(f"parallel.pp_microbatches={micro} must divide each rank's batch of "
+                                f"{batch_sequences} sequences (train.micro_batch_size × train.grad_accum_steps): "
+                                f"pick a divisor of {batch_sequences}",
+                                key="parallel.pp_microbatches", value=micro,
+                                fix=f"pick a divisor of {batch_sequences}")
             if cfg.pp_schedule != "gpipe" and micro < pp:
-                raise ValueError(f"parallel.pp_schedule={cfg.pp_schedule} with {pp} stages needs at least {pp} "
-                                 f"pipeline micro-batches (parallel.pp_microbatches={micro}); raise it or use gpipe")
+                raise KilnError(f"parallel.pp_schedule={cfg.pp_schedule} with {pp} stages needs at least {pp} "
+                                f"pipeline micro-batches (parallel.pp_microbatches={micro}); raise it or use gpipe",
+                                key="parallel.pp_microbatches", value=micro, fix="raise it or use gpipe")
         return cls(world_size, tp, pp, cfg.strategy, cfg.sequence_parallel, cfg.pp_schedule, micro, virtual, cp)
 
 
@@ -149,47 +154,55 @@ def check_degrees(cfg, world_size: int) -> None:
     can be refused for before any rank reads data (init_world), and the first part of ParallelPlan.build."""
     tp, pp, cp = cfg.tp, cfg.pp, getattr(cfg, "cp", 1)
     if tp < 1 or pp < 1 or cp < 1:
-        raise ValueError(f"parallel.tp={tp}, parallel.pp={pp} and parallel.cp={cp} must be ≥ 1 (1 = not split)")
+        raise KilnError(f"parallel.tp={tp}, parallel.pp={pp} and parallel.cp={cp} must be ≥ 1 (1 = not split)",
+                        key="parallel.tp", fix="give each a whole number ≥ 1")
     if world_size % (tp * pp * cp):
         what = f"parallel.tp={tp} × parallel.pp={pp}" + (f" × parallel.cp={cp}" if cp > 1 else "")
-        raise ValueError(f"{world_size} processes do not divide into {what} = {tp * pp * cp} ranks per model "
-                         f"copy: launch a multiple of {tp * pp * cp} processes (torchrun --nproc_per_node) or "
-                         f"change tp/pp" + ("/cp" if cp > 1 else ""))
+        raise KilnError(f"{world_size} processes do not divide into {what} = {tp * pp * cp} ranks per model "
+                        f"copy: launch a multiple of {tp * pp * cp} processes (torchrun --nproc_per_node) or "
+                        f"change tp/pp" + ("/cp" if cp > 1 else ""), key="parallel.tp", value=tp)
     dp = world_size // (tp * pp * cp)
     data = strategy(cfg.strategy)
     if dp > 1 and not data.reduces:
-        raise ValueError(f"{world_size} processes with tp={tp} × pp={pp} leave {dp} data-parallel copies, but "
-                         f"parallel.strategy=none would train them independently: set "
-                         f"--parallel.strategy=ddp, zero1 or fsdp")
+        raise KilnError(f"{world_size} processes with tp={tp} × pp={pp} leave {dp} data-parallel copies, but "
+                        f"parallel.strategy=none would train them independently: set "
+                        f"--parallel.strategy=ddp, zero1 or fsdp",
+                        key="parallel.strategy", value=cfg.strategy,
+                        fix="set --parallel.strategy=ddp, zero1 or fsdp")
     if cp > 1 and not data.reduces:
-        raise ValueError(f"parallel.cp={cp} ranks hold the same weights and must reduce their gradients: set "
-                         f"--parallel.strategy=fsdp (or ddp, zero1); the state is sharded over dp × cp ranks")
+        raise KilnError(f"parallel.cp={cp} ranks hold the same weights and must reduce their gradients: set "
+                        f"--parallel.strategy=fsdp (or ddp, zero1); the state is sharded over dp × cp ranks",
+                        key="parallel.strategy", value=cfg.strategy)
     if cfg.sequence_parallel and tp == 1:
-        raise ValueError("parallel.sequence_parallel splits the sequence among tensor-parallel ranks: it needs "
-                         "--parallel.tp > 1")
+        raise KilnError("parallel.sequence_parallel splits the sequence among tensor-parallel ranks: it needs "
+                        "--parallel.tp > 1",
+                        key="parallel.sequence_parallel", value=True, fix="it needs --parallel.tp > 1")
     if tp > 1 and data.refuses_tp:
-        raise ValueError(f"parallel.strategy={data.name} {data.refuses_tp} with parallel.tp={tp}: use "
-                         f"--parallel.strategy=fsdp or ddp")
+        raise KilnError(f"parallel.strategy={data.name} {data.refuses_tp} with parallel.tp={tp}: use "
+                        f"--parallel.strategy=fsdp or ddp",
+                        key="parallel.strategy", value=data.name, fix="use --parallel.strategy=fsdp or ddp")
     if pp > 1 and data.zero_optimizer:
-        raise ValueError(f"parallel.pp with parallel.strategy={data.name} is not built (ZeroRedundancyOptimizer's "
-                         f"state would need one consolidated checkpoint per stage): use --parallel.strategy=fsdp "
-                         f"or ddp")
+        raise KilnError(f"parallel.pp with parallel.strategy={data.name} is not built (ZeroRedundancyOptimizer's "
+                        f"state would need one consolidated checkpoint per stage): use --parallel.strategy=fsdp "
+                        f"or ddp", key="parallel.strategy", value=data.name)
 
 
 def _check_model(tp: int, stages: int, model: ModelConfig, family, schedule: str) -> None:
     if stages > model.n_layer:
         what = f"{stages} stages ({schedule}: 2 per rank)" if schedule == "interleaved_1f1b" else f"{stages} stages"
-        raise ValueError(f"parallel.pp splits {model.n_layer} blocks into {what}: use at most {model.n_layer} "
-                         f"stages (a stage holds ≥ 1 block)")
+        raise KilnError(f"parallel.pp splits {model.n_layer} blocks into {what}: use at most {model.n_layer} "
+                        f"stages (a stage holds ≥ 1 block)",
+                        key="parallel.pp", value=stages,
+                        fix=f"use at most {model.n_layer} stages (a stage holds ≥ 1 block)")
     if tp == 1:
         return
     sizes = {"model.n_head": model.n_head, "model.n_kv_head": model.n_kv_head}
     if family is not None:
         for lin in family.linears(model):
             if lin.tp == "expert":
-                raise ValueError(f"parallel.tp={tp}: model.arch={model.arch} is a mixture of experts, and expert "
-                                 f"parallelism is not built; use --parallel.tp=1 (with --parallel.strategy=fsdp to "
-                                 f"shard it)")
+                raise KilnError(f"parallel.tp={tp}: model.arch={model.arch} is a mixture of experts, and expert "
+                                f"parallelism is not built; use --parallel.tp=1 (with --parallel.strategy=fsdp to "
+                                f"shard it)", key="parallel.tp", value=tp)
             if lin.tp == "column":
                 sizes[f"the output width of {lin.name}"] = lin.n_out
                 for i, rows in enumerate(lin.parts):  # a fused linear: each rank takes 1/tp of every part
@@ -201,5 +214,6 @@ def _check_model(tp: int, stages: int, model: ModelConfig, family, schedule: str
             model.padded_vocab
     for name, size in sizes.items():
         if size % tp:
-            raise ValueError(f"parallel.tp={tp} does not divide {name} = {size}: pick a tp that divides it "
-                             f"(each rank holds 1/tp of it)")
+            raise KilnError(f"parallel.tp={tp} does not divide {name} = {size}: pick a tp that divides it "
+                            f"(each rank holds 1/tp of it)",
+                            key="parallel.tp", value=tp, fix="pick a tp that divides it (each rank holds 1/tp of it)")

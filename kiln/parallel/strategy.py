@@ -12,6 +12,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from kiln.precision import PRECISIONS
+
 
 @dataclass(frozen=True)
 class Strategy:
@@ -34,7 +36,7 @@ class Strategy:
             if optim_offload != "none":
                 return ("optim.offload moves kiln's optimizer to the host, which FSDP2 cannot shard; use FSDP2's "
                         "own offload: --parallel.cpu_offload=true --optim.offload=none")
-            if precision == "bf16-master":
+            if precision in PRECISIONS and PRECISIONS[precision].masters:
                 return ("precision.mode=bf16-master keeps kiln's fp32 masters beside bf16 weights; under FSDP2 use "
                         "--precision.mode=bf16 (FSDP2's mixed precision: fp32 sharded parameters, bf16 compute, "
                         "fp32 gradient reduction)")

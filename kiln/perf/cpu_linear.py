@@ -29,6 +29,7 @@ import torch.nn.functional as F
 
 from kiln.models.parts import LMLoss
 from kiln.perf.measured import remembered
+from kiln.precision import mode
 
 SETTINGS = ("auto", "onednn", "torch")
 GAIN = 1.1  # auto takes oneDNN when torch's forward + backward take at least this many times as long
@@ -143,7 +144,7 @@ def _blocked(device: torch.device, precision: str, compiled: bool) -> str | None
     """Why this run's linears cannot go through oneDNN, or None."""
     if device.type != "cpu":
         return f"the run is on {device.type}"
-    if precision != "fp32":
+    if not mode(precision).plain_fp32:
         return f"precision.mode={precision} (its linears are not fp32 products; bf16 ones already run in oneDNN)"
     if compiled:
         return "train.compile is on (inductor chooses the compiled graph's kernels)"

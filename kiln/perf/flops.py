@@ -14,6 +14,7 @@ import torch
 from kiln.models.config import ModelConfig
 from kiln.models.registry import family
 from kiln.perf.cpu_linear import linear, onednn_available
+from kiln.precision import PRECISIONS, is_auto, mode
 
 # Dense (no sparsity) peak FLOP/s from vendor datasheets: {name: {dtype: flops}}.
 DEVICE_PEAKS = {
@@ -47,9 +48,9 @@ def recompute_flops_per_token(cfg: ModelConfig, seq_len: int, plan: tuple[str, .
     block = 2 * (matmul_params(cfg) - cfg.padded_vocab * cfg.d_model) / cfg.n_layer + attention
     fam = family(cfg.arch)
     last = fam.linears(cfg)[-1]  # the MLP's output projection
-    # An MoE weights and scatters its experts' outputs after the projection, saving tensors there: checkpoint
-    # recomputes through every expert's projection.
-    skipped = 0 if fam.mlp == "moe" else 2 * last.n_in * last.n_out * last.active
+    # (an MoE weights and scatters its experts' outputs after the projection, saving tensors there: checkpoint
+    # recomputes through every expert's projection; the MLP part says which)
+    skipped = 2 * last.n_in * last.n_out * last.active if fam.mlp_part.recompute_skips_projection() else 0
     total = 0.0
     for i, policy in enumerate(plan):
         if policy == "selective":
@@ -62,10 +63,6 @@ def recompute_flops_per_token(cfg: ModelConfig, seq_len: int, plan: tuple[str, .
 
 
 _cpu_peak_cache: dict[torch.dtype, float] = {}
-# The matmul dtype of each precision mode on a CPU (bf16-master multiplies bf16 weights; tf32 is CUDA-only).
-CPU_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "bf16-master": torch.bfloat16, "fp16": torch.float16,
-              "fp64": torch.float64}
-
 
 def _matmul_seconds(a: torch.Tensor, b: torch.Tensor) -> float:
     """Seconds of a·b; in fp32 the faster of torch's product and oneDNN's (a·bᵀ, the same FLOPs), which
@@ -107,7 +104,8 @@ def measured_cpu_peak(dtype: torch.dtype = torch.float32, seconds: float = 0.15,
 
 def cpu_peak(precision: str) -> float:
     """Measured matmul FLOP/s of this CPU in a precision mode's matmul dtype (fp32 for fp32, tf32 and auto)."""
-    return measured_cpu_peak(CPU_DTYPES.get(precision, torch.float32))
+    row = PRECISIONS.get(precision)
+    return measured_cpu_peak(row.cpu_matmul if row and row.cpu_matmul else torch.float32)
 
 
 def names_gpu(name: str, model: str) -> bool:
@@ -118,7 +116,9 @@ def names_gpu(name: str, model: str) -> bool:
 
 def peak_flops_for(name: str, precision: str) -> float | None:
     """Datasheet peak FLOP/s of the CUDA device called `name` for a precision mode; None when not in the table."""
-    key = {"bf16-master": "bf16", "fp8": "bf16", "auto": "fp32"}.get(precision, precision)  # fp8: MFU vs bf16
+    # fp8: MFU against bf16's peak (kiln.precision); auto before it is resolved: fp32's
+    key = PRECISIONS[precision].peak if precision in PRECISIONS else mode("fp32").peak if is_auto(precision) \
+        else precision
     for model, peaks in DEVICE_PEAKS.items():
         if names_gpu(name, model):
             return peaks.get(key)

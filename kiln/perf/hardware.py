@@ -15,7 +15,9 @@ from pathlib import Path
 
 import torch
 
+from kiln.errors import KilnError
 from kiln.perf.flops import cpu_peak
+from kiln.precision import PRECISIONS, is_auto
 
 CPUINFO = Path("/proc/cpuinfo")  # where native_bf16() reads the CPU's flags (x86) or Features (aarch64)
 
@@ -109,7 +111,7 @@ def resolve_mode(mode: str, device: torch.device) -> str:
 def decide_mode(mode: str, device: torch.device) -> tuple[str, str]:
     """(the concrete precision for `mode` on `device`, what decided it): auto's measurement or rule, or the
     configured mode itself. `kiln train` records both in the run's config, so a resume runs the same precision."""
-    if mode == "auto":
+    if is_auto(mode):
         if device.type == "cuda":
             major, minor = torch.cuda.get_device_capability(device)
             chosen, why = auto_mode("cuda", float(f"{major}.{minor}"))
@@ -122,9 +124,9 @@ def decide_mode(mode: str, device: torch.device) -> tuple[str, str]:
 
 
 def _checked(mode: str, device: torch.device) -> str:
-    if mode == "tf32" and device.type != "cuda":
+    if PRECISIONS[mode].tf32 and device.type != "cuda":
         raise ValueError("precision.mode='tf32' needs a CUDA device; use fp32 or bf16 on CPU")
-    if mode == "fp8":
+    if PRECISIONS[mode].fp8:
         capability = 0.0
         if device.type == "cuda":
             major, minor = torch.cuda.get_device_capability(device)
@@ -155,17 +157,18 @@ def precision_notice(requested: str, device: torch.device) -> str | None:
     if device.type != "cpu":
         return None
     mode = resolve_mode(requested, device)
-    if requested == "auto":
+    if is_auto(requested):
         return f"precision auto → {mode}: {auto_mode('cpu', rates=_cpu_rates('fp32', 'bf16'))[1]}"
-    half = {"bf16": "bf16", "bf16-master": "bf16", "fp16": "fp16"}.get(mode)
-    if half is None:
+    half = PRECISIONS[mode].half  # the half-precision matmuls' peak key: "bf16" or "fp16"; "" for fp32, fp64
+    if not half:
         return None
+    bf16 = PRECISIONS[mode].cpu_matmul == torch.bfloat16
     rates = _cpu_rates("fp32", half)
     ratio = rates["fp32"] / rates[half]
     speed = (f"{half} matmul {_gflops(rates[half])} vs fp32 {_gflops(rates['fp32'])}"
              + (f", {ratio:.3g}x slower than fp32" if ratio > 1 else ""))
-    unit = native_bf16() if half == "bf16" else None
-    if half == "bf16" and unit is None:
+    unit = native_bf16() if bf16 else None
+    if bf16 and unit is None:
         return (f"precision {mode}: bf16 is emulated on this CPU (no AMX, AVX512-BF16 or Arm BF16 that oneDNN "
                 f"uses): {speed}" + ("; --precision.mode=fp32 trains faster here" if ratio > 1 else ""))
     if ratio > 1:
@@ -202,26 +205,31 @@ def _capability_ok(device: torch.device) -> tuple[bool, tuple[int, int] | None]:
 
 
 def resolve_kernels(kernels: str, device: torch.device | str) -> str:
-    """"torch" or "triton" for train.kernels on `device`; explains the fix when Triton cannot run there."""
+    """"torch" or "triton" for train.kernels on `device`; a ValueError (a setting this machine cannot run: the CLI's
+    one line) explains the fix when Triton cannot run there."""
     device = torch.device(device)
     if kernels not in KERNEL_BACKENDS:
-        raise ValueError(f"train.kernels={kernels!r} is unknown; use one of {KERNEL_BACKENDS}")
+        raise KilnError(f"train.kernels={kernels!r} is unknown; use one of {KERNEL_BACKENDS}",
+                        key="train.kernels", value=kernels, fix=f"use one of {KERNEL_BACKENDS}")
     if kernels == "torch":
         return "torch"
     supported, capability = _capability_ok(device)
     if kernels == "auto":
         return "triton" if device.type == "cuda" and supported and triton_available() else "torch"
     if not triton_available():
-        raise RuntimeError("train.kernels='triton' needs the triton package: pip install 'kiln[triton]' "
-                           "(or use train.kernels='auto', which falls back to torch)")
+        raise KilnError("train.kernels='triton' needs the triton package: pip install 'kiln[triton]' "
+                        "(or use train.kernels='auto', which falls back to torch)",
+                        key="train.kernels", value=kernels, fix="pip install 'kiln[triton]'")
     if not supported:
-        raise RuntimeError(f"train.kernels='triton' needs compute capability {MIN_CAPABILITY[0]}.{MIN_CAPABILITY[1]} "
-                           f"or newer (Ampere and later GPUs); this GPU is "
-                           f"{capability[0]}.{capability[1]}: use train.kernels='torch' or 'auto'")
+        raise KilnError(f"train.kernels='triton' needs compute capability {MIN_CAPABILITY[0]}.{MIN_CAPABILITY[1]} "
+                        f"or newer (Ampere and later GPUs); this GPU is "
+                        f"{capability[0]}.{capability[1]}: use train.kernels='torch' or 'auto'",
+                        key="train.kernels", value=kernels, fix="use train.kernels='torch' or 'auto'")
     if device.type in ("cuda", "meta"):
         return "triton"
     if device.type == "cpu" and interpret_env():
         return "triton"  # Triton's interpreter: numpy on the CPU, for tests (slow)
-    raise RuntimeError(f"train.kernels='triton' runs on CUDA; on {device.type} only through Triton's interpreter: "
-                       f"set TRITON_INTERPRET=1 in the environment before starting (slow, meant for tests), or "
-                       f"use train.kernels='auto' or 'torch'")
+    raise KilnError(f"train.kernels='triton' runs on CUDA; on {device.type} only through Triton's interpreter: "
+                    f"set TRITON_INTERPRET=1 in the environment before starting (slow, meant for tests), or "
+                    f"use train.kernels='auto' or 'torch'",
+                    key="train.kernels", value=kernels, fix="use train.kernels='auto' or 'torch'")

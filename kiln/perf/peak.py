@@ -30,6 +30,7 @@ from kiln.models import family
 from kiln.perf import cpu_linear
 from kiln.perf.flops import device_peak_flops
 from kiln.perf.measured import remembered, store
+from kiln.precision import mode
 
 MAX_ROWS, MAX_OUT = 2048, 4096  # the largest product timed: a 50k-vocabulary head is timed on 4096 of its rows
 # FLOPs of one timed product: rows are cut to fit it (never below 64). Timed at the run's own rows, not on a ladder
@@ -95,8 +96,8 @@ def _measure_linear(key: tuple) -> float:
     _timed_here.add(key)
     product = cpu_linear.linear if onednn else F.linear
     gen = torch.Generator().manual_seed(0)  # never the global stream: training RNG stays untouched
-    autocast = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(precision)
-    dtype = {"bf16-master": torch.bfloat16, "fp64": torch.float64}.get(precision, torch.float32)
+    row = mode(precision)  # kiln.precision: the autocast dtype and the parameters' (a CPU runs no fp8)
+    autocast, dtype = row.autocast, row.param_dtype
     w = torch.randn(n, k, generator=gen).to(dtype)
     x = torch.randn(m, k, generator=gen).to(dtype)
     with torch.autocast("cpu", dtype=autocast, enabled=autocast is not None):

@@ -49,9 +49,10 @@ from kiln.models.transformer import Transformer
 from kiln.perf import device_peak_flops
 from kiln.perf.compile import compile_setting
 from kiln.perf.hardware import precision_notice, resolve_kernels, resolve_mode
-from kiln.run.fit_checks import (FitInputError, FitWarning, check_data, check_first_loss, given_keys, ignored_keys,
-                                 recorded, schedule_change)
+from kiln.run.fit_checks import (FitInputError, FitWarning, check_data, check_first_loss, first_batch, given_keys,
+                                 ignored_keys, recorded, schedule_change)
 from kiln.run.builder import build_run, recorded_cpu_linear
+from kiln.run.device_levers import device_levers
 from kiln.run.predict import check_metrics, evaluate_metrics, remember
 from kiln.train.callbacks import Callbacks
 from kiln.train.checkpoint import Checkpointer, RunLock
@@ -284,10 +285,11 @@ class FitParts:
     def inputs(self, cfg: Config, world, device, log) -> dict:
         """The run's length from `epochs` (or one epoch), fit()'s defaults, the first batches checked."""
         x = self.extras
+        device_notes = device_levers(cfg, device)  # a lever this device cannot run: refused here, before the data
         cfg, length_note = _run_length(cfg, self.train_data, x.epochs, x.given,
                                         ParallelPlan.data_copies(cfg.parallel, world.size))
         cfg, defaults_note = _fit_defaults(cfg, x.given, x.recorded_toml)
-        self.notes = (length_note, defaults_note)
+        self.notes = (length_note, defaults_note, *device_notes)
         mb = cfg.train.micro_batch_size
         self.first = (check_data(self.train_data, "train_data", mb),
                       check_data(x.eval_data, "eval_data", mb) if x.eval_data is not None else None)
@@ -317,12 +319,12 @@ class FitParts:
 
 def _fit(run, parts: FitParts, eval_data, run_dir, resume, con, flops_per_sample) -> TrainResult:
     cfg, state, world, extras, objective = run.cfg, run.state, run.world, parts.extras, parts.objective
-    device, precision, model = state.device, state.precision.mode, parts.model_
+    device, precision, model, train_data = state.device, state.precision.mode, parts.model_, parts.train_data
     first, eval_first = parts.first
     if not world.dp_strategy.shards_parameters:  # FSDP2's sharded forward is the step's to run
-        for name, batch in (("train_data", first), ("eval_data", eval_first)):
+        for name, data, batch in (("train_data", train_data, first), ("eval_data", eval_data, eval_first)):
             if batch is not None:
-                check_first_loss(state, batch, name)
+                check_first_loss(state, batch, name, first_batch(data, name, cfg.train.micro_batch_size))
     metrics = extras.metrics
     evaluate_fn = None
     if eval_data is not None:
@@ -351,7 +353,7 @@ def _fit(run, parts: FitParts, eval_data, run_dir, resume, con, flops_per_sample
     con.print(f"model: {type(model).__name__} {format_count(state.n_params)} parameters | device {device} | "
               f"precision {precision} | {objective!r} | {tc.micro_batch_size}×{tc.grad_accum_steps} per step",
               highlight=False)
-    for line in (*parts.notes, scaled, precision_notice(cfg.precision.mode, device)):
+    for line in (*parts.notes[:2], scaled, precision_notice(cfg.precision.mode, device), *parts.notes[2:]):
         if line:
             con.print(line, highlight=False)
     result = trainer.run()

@@ -4,8 +4,11 @@ fix, instead of a message from deep inside PyTorch ("grad can be implicitly crea
 `KeyError: 1`, a collate TypeError).
 
     check_data(data, name, batch_size)          -> a first batch to try (None for a one-shot iterator)
-    check_first_loss(state, batch, name)        one forward and loss on it; the run's RNG streams and buffers are
-                                                restored after, so the run is the same with or without the check
+    check_first_loss(state, batch, name, called)  one forward and loss on it (class ids against the model's
+                                                outputs too); the run's RNG streams and buffers are restored after, so
+                                                the run is the same with or without the check
+    first_batch(data, name, batch_size)         what check_data's batch is called in a message: train_data[0:8], or
+                                                train_data's first batch
     ignored_keys(given), given_keys(config)     config keys fit() does not use, warned about once
     schedule_change(cfg, old_toml, step, lr)    the warning when a resume changes a schedule's length
 """
@@ -21,6 +24,7 @@ from torch.utils.data import default_collate
 
 from kiln.config import Config
 from kiln.data.batches import is_dataset, map_tensors, to_device
+from kiln.errors import KilnError
 from kiln.train.checkpoint import rng_state, set_rng_state
 from kiln.train.losses import CrossEntropy, _FromMean
 from kiln.train.objective import Contrastive, Supervised
@@ -33,11 +37,11 @@ IGNORED_KEYS = ("train.sample_tokens", "train.sample_prompt", "train.eval_batche
 OBJECTIVES_DOC = "docs/library.md, 'Objectives'"
 
 
-class FitInputError(ValueError):
+class FitInputError(KilnError):
     """fit()'s input is unusable: `argument` names which one (train_data, eval_data, loss, epochs, ...)."""
 
-    def __init__(self, argument: str, message: str):
-        super().__init__(message)
+    def __init__(self, argument: str, message: str, *, fix: str | None = None):
+        super().__init__(message, key=argument, fix=fix)
         self.argument = argument
 
 
@@ -113,11 +117,16 @@ def check_data(data, name: str, batch_size: int):
     return batch
 
 
+def first_batch(data, name: str, batch_size: int) -> str:
+    """check_data's batch as a message names it: the Dataset's first items, or the iterable's first batch."""
+    return f"{name}[0:{min(batch_size, len(data))}]" if is_dataset(data) else f"{name}'s first batch"
+
+
 def _first_dim_shapes(output, target) -> str:
     return f"model output {tuple(output.shape)} and targets {tuple(target.shape)}"
 
 
-def _check_supervised(model, objective: Supervised, batch, name: str, precision) -> None:
+def _check_supervised(model, objective: Supervised, batch, name: str, precision, called: str) -> None:
     inputs, targets = batch
     dtype = next(model.parameters()).dtype
     inputs = map_tensors(inputs, lambda t: t.to(dtype) if t.is_floating_point() else t)  # as Supervised does
@@ -146,15 +155,39 @@ def _check_supervised(model, objective: Supervised, batch, name: str, precision)
         raise FitInputError("loss", f"model(inputs) returned {_describe(output)}, and loss={loss!r} takes a tensor; "
                                     f"return the tensor from forward, or pass a loss function that takes what it "
                                     f"returns")
+    if isinstance(loss, CrossEntropy):
+        _check_class_ids(output, targets, loss.ignore_index, name, called)
+
+
+def _check_class_ids(output, targets, ignore_index: int, name: str, called: str) -> None:
+    """Class ids outside the model's outputs, in the first batch: torch's answer would be "IndexError: Target 2 is
+    out of bounds" from inside the step (on CUDA, a device-side assert). Checked here, once, so the step itself
+    never reads a target on the host."""
+    if not isinstance(output, torch.Tensor) or not isinstance(targets, torch.Tensor) or output.ndim == 0 \
+            or output.shape[:-1] != targets.shape or targets.is_floating_point():
+        return  # CrossEntropy's own shape message, at the step, says what is wrong
+    ids = targets[targets != ignore_index]
+    if ids.numel() == 0:
+        return
+    classes, lo, hi = output.shape[-1], int(ids.min()), int(ids.max())
+    if lo >= 0 and hi < classes:
+        return
+    bad = hi if hi >= classes else lo
+    raise FitInputError(name, f"{called} holds class id {bad} in its targets, and the model outputs {classes} "
+                              f"class score{'s' if classes > 1 else ''} per sample (ids 0 to {classes - 1}); give "
+                              f"the model's last layer one output per class, or fix the labels (class ids run from 0 "
+                              f"to the number of classes - 1; {ignore_index} marks a target to skip)")
 
 
 def _batch(t) -> str:
     return f"{t.shape[0]}" if isinstance(t, torch.Tensor) and t.ndim else "?"
 
 
-def check_first_loss(state, batch, name: str) -> None:
-    """Try the model and the loss on one batch of `name` before the first step; a mistake becomes one line. The
-    RNG streams, the model's buffers (BatchNorm statistics) and its train/eval mode are as before afterwards."""
+def check_first_loss(state, batch, name: str, called: str | None = None) -> None:
+    """Try the model and the loss on one batch of `name` (`called` in messages: first_batch) before the first
+    step; a mistake becomes one line. The RNG streams, the model's buffers (BatchNorm statistics) and its
+    train/eval mode are as before afterwards."""
+    called = called or f"{name}'s first batch"
     objective, model = state.objective, state.model
     supervised = isinstance(objective, (Supervised, Contrastive))
     what = "(inputs, targets)" if isinstance(objective, Supervised) else "(view_a, view_b)"
@@ -172,7 +205,7 @@ def check_first_loss(state, batch, name: str) -> None:
     try:
         with torch.no_grad():
             if isinstance(objective, Supervised):
-                _check_supervised(model, objective, batch, name, state.precision)
+                _check_supervised(model, objective, batch, name, state.precision, called)
             else:
                 try:
                     objective.size(batch)

@@ -1,11 +1,10 @@
 """kiln's language-model job, built from a Config: what `kiln train`, `kiln doctor`, `kiln memory --measure`,
 `kiln plan --verify` and the benchmarks build.
 
-    lm = build_lm(cfg, run_dir)         data, the resolved config, the model, and the TrainState (one builder)
+    lm = build_lm(cfg, run_dir)         kiln.run.builder's steps with LMParts: data, the model, the TrainState
     result = train(cfg, run_dir)        build, (resume,) run the Trainer, sample; returns a TrainResult
 
-The model is kiln's Transformer; everything after building it (kernels, memory levers, compile) is the model
-pipeline's (kiln.train.pipeline), with the plan made here from the config.
+The model is kiln's Transformer; the model pipeline (kiln.train.pipeline) applies its levers (model_plan).
 """
 from __future__ import annotations
 
@@ -31,14 +30,18 @@ from kiln.memory.levers import runtime_job, sections
 from kiln.memory.planner import search
 from kiln.models import ModelConfig, Transformer, build_model
 from kiln.models.config import with_training_fields
+from kiln.models.generate import Sampling
 from kiln.models.registry import family
 from kiln.numerics.faults import DelayedLoader
 from kiln.perf import flops_per_token
 from kiln.perf.flops import recompute_flops_per_token
 from kiln.perf.peak import linear_shapes, model_peak_flops
 from kiln.perf.hardware import precision_notice, resolve_kernels
+from kiln.precision import mode
 from kiln.run.builder import (RunRecord, build_run, pick_device, recorded_compile, recorded_cpu_linear,
                               recorded_precision, trainer_sections)
+from kiln.run.device_levers import device_levers
+from kiln.run.generate import complete
 from kiln.run.oom import OomContext, OutOfMemory, oom_report, ram_check
 from kiln.train.checkpoint import Checkpointer, RunLock, full_weights
 from kiln.train.loop import TrainResult, Trainer
@@ -72,7 +75,7 @@ def model_plan(cfg: Config, model_cfg: ModelConfig, precision: str, device: torc
     # tp > 1: kiln.parallel.tensor puts its vocabulary-parallel loss in the plain LMLoss's place
     fused = kernels == "triton" and cfg.parallel.tp == 1
     loss = "chunked" if cfg.memory.chunked_loss else ("fused" if fused else "plain")
-    return ModelPlan(kernels=kernels, cpu_linear=cfg.train.cpu_linear == "onednn", fp8=precision == "fp8",
+    return ModelPlan(kernels=kernels, cpu_linear=cfg.train.cpu_linear == "onednn", fp8=mode(precision).fp8,
                      recompute=job.recompute, offload=job.offload, loss=loss, loss_chunk=cfg.memory.chunked_loss,
                      compile=cfg.train.compile, parallel=cfg.parallel, layout=layout)
 
@@ -137,16 +140,18 @@ class LMRun:
 
     def sample(self, prompt: str, max_new_tokens: int, temperature: float = 0.8, top_k: int | None = 50,
                seed: int = 0) -> str | None:
-        """Text from the trained model on rank 0 (None on the others). When no rank holds the whole model (FSDP,
-        TP, PP), every rank calls this: the weights are gathered into a plain copy on rank 0, which samples alone."""
-        model, world = self.state.model, self.state.world
-        if world.splits_weights:
-            weights = full_weights(self.state)
-            if not world.main:
-                return None
-            model = build_model(self.cfg.model, self.state.device)
-            model.load_state_dict(weights)
-            model.to(self.state.precision.param_dtype)
+        """Text from the trained model on rank 0 (None on the others), generated with the KV cache (kiln.run.generate)
+        from a plain copy of the model: the trained one may carry recompute, offload, Triton kernels or fp8 linears,
+        which the cached forward does not go through (the copy costs one more set of weights). When no rank holds
+        the whole model (FSDP, TP, PP), every rank calls this: the weights are gathered to rank 0, which samples
+        alone."""
+        world = self.state.world
+        weights = full_weights(self.state) if world.splits_weights else self.state.model.state_dict()
+        if not world.main:
+            return None
+        model = build_model(self.cfg.model, self.state.device)
+        model.load_state_dict(weights)
+        model.to(self.state.precision.param_dtype)
         return generate_text(model, self.data.tokenizer, prompt, max_new_tokens, temperature, top_k, seed,
                              self.state.device, self.state.precision)
 
@@ -188,6 +193,8 @@ def build_lm(cfg: Config, run_dir: Path | None = None, log=print, device: torch.
     with_data=False builds without data (vocabulary from the config, 256 for bytes): for measuring memory on
     random tokens.
     """
+    for note in device_levers(cfg, device or pick_device(cfg.train.device)):  # refused before the data
+        log(note)
     parts = LMParts(Path(run_dir) if run_dir is not None else None, with_data, log)
     run = build_run(cfg, parts, device, log)
     return LMRun(run.cfg, run.state, parts.data, parts.tasks, run.record)
@@ -352,7 +359,7 @@ def _train(lm: LMRun, cfg: Config, run_dir: Path, resume: bool, con: Console, ca
         con.print(note, highlight=False)
     if c.train.compile_decided_by.startswith("auto"):
         con.print(f"train.compile {c.train.compile_decided_by}", highlight=False)
-    if c.train.cpu_linear_decided_by.startswith("auto") and state.device.type == "cpu" and c.precision.mode == "fp32":
+    if c.train.cpu_linear_decided_by.startswith("auto") and state.device.type == "cpu" and mode(c.precision.mode).plain_fp32:
         con.print(f"train.cpu_linear {c.train.cpu_linear_decided_by}", highlight=False)
     try:
         result = trainer.run()
@@ -385,14 +392,9 @@ def stop_line(result: TrainResult, run_dir: Path) -> str:
 
 def generate_text(model: Transformer, tokenizer, prompt: str, max_new_tokens: int, temperature: float,
                   top_k: int | None, seed: int, device, precision: Precision | None = None) -> str:
-    # Own generator: sampling never disturbs the training RNG streams (exact resume).
-    gen = torch.Generator(device=device).manual_seed(seed)
-    ids = tokenizer.encode(prompt) or [0]
-    idx = torch.tensor([ids], dtype=torch.long, device=device)
-    was_training = model.training
-    model.eval()
-    ctx = precision.autocast() if precision is not None else torch.autocast(device.type, enabled=False)
-    with ctx:
-        out = model.generate(idx, max_new_tokens, temperature, top_k, vocab_limit=tokenizer.vocab_size, generator=gen)
-    model.train(was_training)
-    return tokenizer.decode(out[0].tolist())
+    """prompt + the model's continuation of it (KV cache; stops at the end-of-text id). An empty prompt starts a
+    document: the end-of-text id (0 for a tokenizer without one)."""
+    ids = tokenizer.encode(prompt) or [max(tokenizer.eot_id, 0)]
+    done = complete(model, tokenizer, [ids], max_new_tokens, Sampling(temperature, top_k or 0), seed=seed,
+                    stop_ids=(tokenizer.eot_id,), autocast=precision.autocast if precision is not None else None)
+    return prompt + done.texts[0]

@@ -16,6 +16,7 @@ import torch
 import torch.nn as nn
 
 from kiln.data.batches import eval_batches, is_dataset, map_tensors, to_device
+from kiln.errors import KilnError
 from kiln.train.objective import Contrastive, Supervised
 from kiln.train.precision import Precision
 
@@ -24,11 +25,11 @@ DEFAULT_BATCH = 32
 _RUNS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
-class MetricError(ValueError):
+class MetricError(KilnError):
     """A metric function's argument or return value is unusable; names the metric."""
 
     def __init__(self, name: str, message: str):
-        super().__init__(message)
+        super().__init__(message, key=name)
         self.metric = name
 
 

@@ -30,6 +30,7 @@ from kiln.memory.levers import job_for
 from kiln.perf.bottleneck import MATMUL_OPS, Breakdown, Op, Verdict, verdict
 from kiln.perf.flops import flops_per_token
 from kiln.perf.peak import model_peak_flops
+from kiln.precision import mode
 from kiln.run.lm import build_lm
 
 TRACE_STEPS = 3
@@ -204,7 +205,7 @@ def profile_run(cfg, run_dir: Path, steps: int = 10, warmup: int = 3, log=print)
             files["memory_timeline"] = str(out / "memory-snapshot.pickle")
             torch.cuda.memory._dump_snapshot(files["memory_timeline"])
             torch.cuda.memory._record_memory_history(enabled=None)
-        element = 2 if state.precision.autocast_dtype is not None or state.precision.mode == "bf16-master" else 4
+        element = 2 if state.precision.row.half else 4  # bytes of a matmul's elements (fp64 timed as fp32's)
         ops = _ops(prof, TRACE_STEPS, element)
         idle = None
         if state.device.type == "cuda":
@@ -219,7 +220,7 @@ def profile_run(cfg, run_dir: Path, steps: int = 10, warmup: int = 3, log=print)
     if state.device.type == "cpu":  # the rate torch reaches on the model's own linears (measured once, cached)
         rows = c.train.micro_batch_size * c.data.seq_len
         onednn = c.train.cpu_linear == "onednn"  # the fp32 rate of the products the run makes
-        rates = {p: model_peak_flops(state.device, p, c.model, rows, onednn=onednn and p == "fp32")
+        rates = {p: model_peak_flops(state.device, p, c.model, rows, onednn=onednn and mode(p).plain_fp32)
                  for p in dict.fromkeys((state.precision.mode, "fp32", "bf16"))}
         # a peak the model beat was measured while the machine was busier: MFU ≤ 100%, as in the train records
         peak = max(rates[state.precision.mode], flops_per_token(c.model, c.data.seq_len) * tokens / step_s)

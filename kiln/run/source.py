@@ -25,6 +25,7 @@ import torch
 
 from kiln.config import load_config
 from kiln.data.tokenizer import TOKENIZER_FILE, BPETokenizer, ByteTokenizer, Tokenizer, load_tokenizer
+from kiln.errors import KilnError
 from kiln.interop.hf import read_hf
 from kiln.models import ModelConfig, Transformer, build_model, param_count
 from kiln.run.lm import pick_device
@@ -34,12 +35,12 @@ HF_PREFIX = "hf:"
 STEP_DIR = re.compile(r"step_(\d+)")
 
 
-class SourceError(ValueError):
+class SourceError(KilnError):
     """A model source that cannot be loaded; the message names the path and what to pass instead."""
 
     def __init__(self, path, why: str):
         self.path = Path(path)
-        super().__init__(why if why.startswith(str(path)) else f"{path}: {why}")
+        super().__init__(why if why.startswith(str(path)) else f"{path}: {why}", key=str(path))
 
 
 @dataclass

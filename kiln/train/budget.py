@@ -8,32 +8,17 @@ measured time of the first steps so that they fill train.time_budget.
 """
 from __future__ import annotations
 
-import re
 import time
-from typing import TYPE_CHECKING
 
 import torch
 
 from kiln.train.schedule import ScheduleConfig
-
-if TYPE_CHECKING:
-    from kiln.train.loop import TrainConfig
+from kiln.train.settings import TrainConfig, parse_duration
 
 # train.max_steps=0: the step time is measured from step 3 (1-2 warm the allocator up) to step 10 at least, and up to
 # 30 while the warm-up lasts. Early steps still run slower than later ones (default job on a 2-core Xeon: 13,600
 # tok/s over steps 3-30, 17,000 after), so a run ends 10-20% under its budget rather than over it.
 CALIBRATION_STEPS, CALIBRATION_MAX = 10, 30
-
-
-def parse_duration(text: str) -> float | None:
-    """'3h50m', '90s', '1.5h', '45m' -> seconds; '' -> None."""
-    if not text:
-        return None
-    parts = re.fullmatch(r"\s*(?:(\d+(?:\.\d+)?)h)?\s*(?:(\d+(?:\.\d+)?)m)?\s*(?:(\d+(?:\.\d+)?)s)?\s*", text)
-    if not parts or not any(parts.groups()):
-        raise ValueError(f"train.max_time={text!r}: write a duration such as 3h50m, 45m or 90s")
-    h, m, sec = (float(g) if g else 0.0 for g in parts.groups())
-    return 3600 * h + 60 * m + sec
 
 
 def synchronize(device: torch.device) -> None:

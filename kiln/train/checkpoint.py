@@ -43,6 +43,7 @@ import numpy as np
 import torch
 import xxhash
 
+from kiln.errors import KilnError
 from kiln.parallel.strategy import STRATEGIES
 from kiln.parallel.tensor import canonical, from_canonical, fused_rows
 
@@ -58,13 +59,17 @@ class CheckpointConfig:
 
     def validate(self):
         if self.interval < 0:
-            raise ValueError(f"checkpoint.interval must be ≥ 0, got {self.interval}")
+            raise KilnError(f"checkpoint.interval must be ≥ 0, got {self.interval}",
+                            key="checkpoint.interval", value=self.interval, fix="give a number of steps ≥ 0 (0: off)")
         if self.every_minutes < 0:
-            raise ValueError(f"checkpoint.every_minutes must be ≥ 0 (0: off), got {self.every_minutes}")
+            raise KilnError(f"checkpoint.every_minutes must be ≥ 0 (0: off), got {self.every_minutes}",
+                            key="checkpoint.every_minutes", value=self.every_minutes, fix="give minutes ≥ 0 (0: off)")
         if self.on_error not in ("stop", "warn"):
-            raise ValueError(f"checkpoint.on_error={self.on_error!r}; use 'stop' or 'warn'")
+            raise KilnError(f"checkpoint.on_error={self.on_error!r}; use 'stop' or 'warn'",
+                            key="checkpoint.on_error", value=self.on_error, fix="use 'stop' or 'warn'")
         if self.keep_last < 1:
-            raise ValueError(f"checkpoint.keep_last must be ≥ 1 (otherwise nothing could resume), got {self.keep_last}")
+            raise KilnError(f"checkpoint.keep_last must be ≥ 1 (otherwise nothing could resume), got {self.keep_last}",
+                            key="checkpoint.keep_last", value=self.keep_last, fix="give a count ≥ 1")
 
 
 def saved_world(state: dict) -> dict:
@@ -117,8 +122,16 @@ class CheckpointWriteError(OSError):
     """A checkpoint could not be written (full disk, quota, read-only directory); earlier ones are intact."""
 
 
-class CheckpointCorrupt(ValueError):
-    """A checkpoint whose files do not match its manifest, or that does not load."""
+class CheckpointCorrupt(KilnError):
+    """A checkpoint whose files do not match its manifest, or that does not load; `file`: the damaged file's name
+    inside the checkpoint, when one file is to blame."""
+
+    def __init__(self, message: str, file: str | None = None):
+        super().__init__(message, key=file)
+        self.file = file
+
+
+WEIGHTS = "model.safetensors"  # an export of the weights: where state.pt holds them too, it can be written again
 
 
 def _fsync(path: Path) -> None:
@@ -163,8 +176,9 @@ def seal(directory: Path) -> None:
         _fsync(d)
 
 
-def verify(directory: Path) -> None:
-    """Raise CheckpointCorrupt naming what is wrong: a missing manifest or file, a size or a checksum."""
+def verify(directory: Path, skip: str | None = None) -> None:
+    """Raise CheckpointCorrupt naming what is wrong: a missing manifest or file, a size or a checksum. skip: a file
+    not to check (the others must still verify)."""
     manifest_path = directory / MANIFEST
     if not directory.is_dir():
         raise CheckpointCorrupt(f"{directory.name} does not exist")
@@ -182,14 +196,16 @@ def verify(directory: Path) -> None:
         f = directory / name
         if Path(name).is_absolute() or ".." in Path(name).parts:
             raise CheckpointCorrupt(f"{directory.name}/{MANIFEST} names {name!r}, outside the checkpoint")
+        if name == skip:
+            continue
         if not f.is_file():
-            raise CheckpointCorrupt(f"{directory.name}/{name} is missing")
+            raise CheckpointCorrupt(f"{directory.name}/{name} is missing", name)
         if f.stat().st_size != expected["bytes"]:
             raise CheckpointCorrupt(f"{directory.name}/{name} has {f.stat().st_size} bytes, the manifest "
-                                    f"{expected['bytes']} (truncated?)")
+                                    f"{expected['bytes']} (truncated?)", name)
         kind = "xxh3" if "xxh3" in expected else "crc32"
         if _digest(f, kind) != expected[kind]:
-            raise CheckpointCorrupt(f"{directory.name}/{name} does not match its checksum (corrupted)")
+            raise CheckpointCorrupt(f"{directory.name}/{name} does not match its checksum (corrupted)", name)
 
 
 class RunLock:
@@ -394,7 +410,7 @@ class Checkpointer:
                              f"which a pipeline-parallel run cannot split; resume it on one process with "
                              f"--parallel.strategy=ddp for a checkpoint (DCP, by parameter name), then under "
                              f"parallel.pp")
-        saved = self.load(map_location="cpu", path=path)
+        saved = self.load(map_location="cpu", path=path, rewrite=state.world.main)
         full = StateDictOptions(full_state_dict=True)
         optim_sd = None if type(state.optimizer).__name__ == "ZeroRedundancyOptimizer" else \
             _by_name(saved["optimizer"], state)
@@ -489,17 +505,45 @@ class Checkpointer:
             self.warn(f"checkpoint: {problem}; using the newest checkpoint that verifies instead")
         for path in self.candidates():
             try:
+                weights = None  # a damaged model.safetensors beside a state.pt that holds the weights
                 if (path / MANIFEST).exists():
-                    verify(path)
+                    weights = verify_but_weights(path)
                 elif not (path / "state.pt").is_file():
                     raise CheckpointCorrupt(f"{path.name} has no state.pt")
                 if not load:
                     return path, None
-                return path, torch.load(path / "state.pt", map_location=map_location, weights_only=True)
+                state = torch.load(path / "state.pt", map_location=map_location, weights_only=True)
+                if weights is not None:
+                    self._rewrite_weights(path, state, weights)
+                return path, state
             except (CheckpointCorrupt, RuntimeError, EOFError, OSError, pickle.UnpicklingError, ValueError) as e:
                 why = str(e) if isinstance(e, CheckpointCorrupt) else f"{path.name}/state.pt does not load ({e})"
                 self.warn(f"checkpoint: skipping {path.name}: {why.splitlines()[0]}")
         return None, None
+
+    def _rewrite_weights(self, path: Path, state: dict, damage: CheckpointCorrupt) -> None:
+        """model.safetensors again from the weights in state.pt (verified), the manifest resealed with it, said in one
+        line; a state.pt without the weights (written by several ranks: DCP shards) is damage like any other."""
+        if "model" not in state:
+            raise damage
+        try:
+            tmp = path / f".{WEIGHTS}.tmp"
+            export_tensors(state["model"], tmp)
+            _fsync(tmp)
+            os.replace(tmp, path / WEIGHTS)
+            manifest = json.loads((path / MANIFEST).read_bytes())
+            manifest[WEIGHTS] = {"bytes": (path / WEIGHTS).stat().st_size, "xxh3": _digest(path / WEIGHTS)}
+            tmp = path / f".{MANIFEST}.tmp"
+            tmp.write_text(json.dumps(manifest, indent=1) + "\n")
+            _fsync(tmp)
+            os.replace(tmp, path / MANIFEST)
+            _fsync(path)
+        except OSError as e:  # a read-only run directory: the weights still come from state.pt
+            self.warn(f"checkpoint: {damage}; using {path.name}/state.pt, which verifies, but could not rewrite "
+                      f"{WEIGHTS} ({e.strerror or e})")
+            return
+        self.warn(f"checkpoint: {damage}; {path.name}/state.pt verifies and holds the weights: rewrote {WEIGHTS} "
+                  f"from it and resealed the manifest")
 
     def none_error(self) -> FileNotFoundError:
         """What a run without a usable checkpoint says to whoever wanted one (resume, sample, export)."""
@@ -529,16 +573,33 @@ class Checkpointer:
 
         return load_file(str(exported), device=str(map_location))
 
-    def load(self, map_location="cpu", path: Path | None = None) -> dict:
-        """The newest checkpoint that verifies and loads; `path`: that checkpoint only (an error if it fails)."""
+    def load(self, map_location="cpu", path: Path | None = None, rewrite: bool = True) -> dict:
+        """The newest checkpoint that verifies and loads; `path`: that checkpoint only (an error if it fails).
+        rewrite=False: a damaged model.safetensors is left for another process to write again (one rank of many)."""
         if path is not None:
-            verify(path) if (path / MANIFEST).exists() else None
-            return torch.load(path / "state.pt", map_location=map_location, weights_only=True)
+            weights = verify_but_weights(path) if (path / MANIFEST).exists() else None
+            state = torch.load(path / "state.pt", map_location=map_location, weights_only=True)
+            if weights is not None and rewrite:
+                self._rewrite_weights(path, state, weights)
+            return state
         found, state = self._first_good(load=True, map_location=map_location)
         if found is None:
             raise self.none_error()
         self.loaded = found
         return state
+
+
+def verify_but_weights(path: Path) -> CheckpointCorrupt | None:
+    """verify(path), except that a damaged model.safetensors in a checkpoint one process wrote (its state.pt holds
+    the weights, and every other file verifies) is returned, not raised: state.pt can write it again."""
+    try:
+        verify(path)
+        return None
+    except CheckpointCorrupt as e:
+        if e.file != WEIGHTS or (path / "sharded").is_dir():
+            raise
+        verify(path, skip=WEIGHTS)
+        return e
 
 
 def _by_name(saved: dict, state) -> dict:

@@ -9,10 +9,8 @@ with a warning when it keeps growing) and the best validation loss so far (early
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING
 
-if TYPE_CHECKING:
-    from kiln.train.loop import TrainConfig
+from kiln.train.settings import TrainConfig
 
 
 class GapMonitor:

@@ -21,6 +21,8 @@ from pathlib import Path
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
+from kiln.errors import KilnError
+
 
 REFRESH_S = 0.5  # the live progress bar is redrawn at most this often
 KINDS = ("train", "eval", "numerics", "event")  # event: the run's life (restart, straggler)
@@ -34,9 +36,11 @@ class LogConfig:
 
     def validate(self):
         if self.interval < 1:
-            raise ValueError(f"log.interval must be ≥ 1, got {self.interval}")
+            raise KilnError(f"log.interval must be ≥ 1, got {self.interval}",
+                            key="log.interval", value=self.interval, fix="give a number of steps ≥ 1")
         if self.progress not in ("auto", "bar", "lines", "off"):
-            raise ValueError(f"log.progress={self.progress!r}; use auto, bar, lines or off")
+            raise KilnError(f"log.progress={self.progress!r}; use auto, bar, lines or off",
+                            key="log.progress", value=self.progress, fix="use auto, bar, lines or off")
 
 
 def _clean(value):

@@ -11,6 +11,7 @@ from dataclasses import dataclass, replace
 import torch
 import torch.nn as nn
 
+from kiln.errors import KilnError
 from kiln.train.adam8bit import AdamW8bit
 from kiln.train.host_optimizer import HostOptimizer
 from kiln.train.masked import MaskedAdam, MaskedSGD
@@ -44,29 +45,44 @@ class OptimConfig:
 
     def validate(self):
         if self.name not in OPTIMIZERS:
-            raise ValueError(f"optim.name={self.name!r} is unknown; use one of {OPTIMIZERS}")
+            raise KilnError(f"optim.name={self.name!r} is unknown; use one of {OPTIMIZERS}",
+                            key="optim.name", value=self.name, fix=f"use one of {OPTIMIZERS}")
         if self.lr <= 0:
-            raise ValueError(f"optim.lr must be > 0, got {self.lr}")
+            raise KilnError(f"optim.lr must be > 0, got {self.lr}",
+                            key="optim.lr", value=self.lr, fix="give a learning rate > 0, e.g. 3e-4")
         for key in ("beta1", "beta2"):
             if not 0.0 <= getattr(self, key) < 1.0:
-                raise ValueError(f"optim.{key} must be in [0, 1), got {getattr(self, key)}")
+                raise KilnError(f"optim.{key} must be in [0, 1), got {getattr(self, key)}",
+                                key=f"optim.{key}", value=getattr(self, key),
+                                fix="give a value in [0, 1), e.g. 0.9 or 0.95")
         if self.weight_decay < 0 or self.eps <= 0 or self.grad_clip < 0:
-            raise ValueError("optim.weight_decay and optim.grad_clip must be ≥ 0 and optim.eps > 0")
+            raise KilnError("optim.weight_decay and optim.grad_clip must be ≥ 0 and optim.eps > 0",
+                            key="optim.weight_decay")
         if self.clip_mode not in CLIP_MODES:
-            raise ValueError(f"optim.clip_mode={self.clip_mode!r}; use one of {CLIP_MODES}")
+            raise KilnError(f"optim.clip_mode={self.clip_mode!r}; use one of {CLIP_MODES}",
+                            key="optim.clip_mode", value=self.clip_mode, fix=f"use one of {CLIP_MODES}")
         if not 0 < self.clip_percentile <= 100:
-            raise ValueError(f"optim.clip_percentile must be in (0, 100], got {self.clip_percentile}")
+            raise KilnError(f"optim.clip_percentile must be in (0, 100], got {self.clip_percentile}",
+                            key="optim.clip_percentile", value=self.clip_percentile,
+                            fix="give a percentile in (0, 100]")
         if self.clip_history < 1:
-            raise ValueError(f"optim.clip_history must be ≥ 1, got {self.clip_history}")
+            raise KilnError(f"optim.clip_history must be ≥ 1, got {self.clip_history}",
+                            key="optim.clip_history", value=self.clip_history, fix="give a number of steps ≥ 1")
         if self.implementation not in ("auto", "fused", "foreach", "loop"):
-            raise ValueError(f"optim.implementation={self.implementation!r}; use auto, fused, foreach or loop")
+            raise KilnError(f"optim.implementation={self.implementation!r}; use auto, fused, foreach or loop",
+                            key="optim.implementation", value=self.implementation,
+                            fix="use auto, fused, foreach or loop")
         if self.lr_scaling not in LR_SCALING:
-            raise ValueError(f"optim.lr_scaling={self.lr_scaling!r}; use one of {LR_SCALING}")
+            raise KilnError(f"optim.lr_scaling={self.lr_scaling!r}; use one of {LR_SCALING}",
+                            key="optim.lr_scaling", value=self.lr_scaling, fix=f"use one of {LR_SCALING}")
         if self.lr_scaling != "none" and self.reference_batch_tokens < 1:
-            raise ValueError(f"optim.lr_scaling={self.lr_scaling} scales optim.lr from the batch it was tuned at: set "
-                             f"optim.reference_batch_tokens (e.g. the global batch of the run that found the lr)")
+            raise KilnError(f"optim.lr_scaling={self.lr_scaling} scales optim.lr from the batch it was tuned at: set "
+                            f"optim.reference_batch_tokens (e.g. the global batch of the run that found the lr)",
+                            key="optim.reference_batch_tokens", value=self.reference_batch_tokens,
+                            fix="set optim.reference_batch_tokens (e.g. the global batch of the run that found the lr)")
         if self.offload not in OFFLOAD_MODES:
-            raise ValueError(f"optim.offload={self.offload!r}; use one of {OFFLOAD_MODES}")
+            raise KilnError(f"optim.offload={self.offload!r}; use one of {OFFLOAD_MODES}",
+                            key="optim.offload", value=self.offload, fix=f"use one of {OFFLOAD_MODES}")
 
 
 def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
@@ -93,7 +109,8 @@ def _implementation(cfg: OptimConfig, params) -> str:
         return cfg.implementation
     fusable = all(p.is_floating_point() and p.device.type in ("cpu", "cuda") for p in params)
     if cfg.implementation == "fused" and not fusable:
-        raise ValueError("optim.implementation='fused' needs floating-point parameters on CPU or CUDA")
+        raise KilnError("optim.implementation='fused' needs floating-point parameters on CPU or CUDA",
+                        key="optim.implementation", value="fused", fix="use optim.implementation=auto")
     return "fused" if fusable else "foreach"
 
 
@@ -171,8 +188,9 @@ class AdaptiveClip:
 
     def load_state_dict(self, state: dict) -> None:
         if state["norms"].shape != self.norms.shape:
-            raise ValueError(f"the checkpoint's adaptive clipping history holds {len(state['norms'])} norms, this run "
-                             f"{len(self.norms)}; resume with its optim.clip_history")
+            raise KilnError(f"the checkpoint's adaptive clipping history holds {len(state['norms'])} norms, this run "
+                            f"{len(self.norms)}; resume with its optim.clip_history",
+                            key="optim.clip_history", value=len(self.norms), fix="resume with its optim.clip_history")
         self.norms.copy_(state["norms"])
         self.seen.copy_(state["seen"])
 

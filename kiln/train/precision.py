@@ -9,7 +9,8 @@ from dataclasses import dataclass
 
 import torch
 
-MODES = ("auto", "fp32", "tf32", "bf16", "fp16", "bf16-master", "fp8", "fp64")
+from kiln.errors import KilnError
+from kiln.precision import MODES, mode as mode_row  # noqa: F401  (MODES: precision.mode's values, re-exported)
 
 
 @dataclass
@@ -23,11 +24,16 @@ class PrecisionConfig:
 
     def validate(self):
         if self.mode not in MODES:
-            raise ValueError(f"precision.mode={self.mode!r} is unknown; use one of {MODES}")
+            raise KilnError(f"precision.mode={self.mode!r} is unknown; use one of {MODES}",
+                            key="precision.mode", value=self.mode, fix=f"use one of {MODES}")
         if self.init_scale <= 0 or self.growth_factor <= 1 or not 0 < self.backoff_factor < 1:
-            raise ValueError("precision: init_scale > 0, growth_factor > 1 and 0 < backoff_factor < 1 are required")
+            raise KilnError("precision.init_scale > 0, precision.growth_factor > 1 and 0 < precision.backoff_factor < 1 "
+                            "are required",
+                            key="precision.init_scale")
         if self.growth_interval < 1:
-            raise ValueError(f"precision.growth_interval must be ≥ 1, got {self.growth_interval}")
+            raise KilnError(f"precision.growth_interval must be ≥ 1, got {self.growth_interval}",
+                            key="precision.growth_interval", value=self.growth_interval,
+                            fix="give a number of steps ≥ 1")
 
 
 class Precision:
@@ -35,11 +41,11 @@ class Precision:
 
     def __init__(self, mode: str, device: torch.device):
         self.mode, self.device = mode, device
-        # fp8: the block linears run torchao's float8 matmuls; everything else runs as under bf16 autocast
-        self.autocast_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp8": torch.bfloat16}.get(mode)
-        self.param_dtype = {"bf16-master": torch.bfloat16, "fp64": torch.float64}.get(mode, torch.float32)
-        self.loss_scaling = mode == "fp16"
-        if mode == "tf32":
+        self.row = row = mode_row(mode)  # kiln.precision: what the mode computes in, keeps and scales
+        self.autocast_dtype = row.autocast
+        self.param_dtype = row.param_dtype
+        self.loss_scaling = row.loss_scaling
+        if row.tf32:
             torch.backends.cuda.matmul.allow_tf32 = True
             torch.backends.cudnn.allow_tf32 = True
 

@@ -4,6 +4,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from kiln.errors import KilnError
+
 SCHEDULES = ("constant", "cosine", "linear", "step", "onecycle", "wsd")
 
 
@@ -20,17 +22,24 @@ class ScheduleConfig:
 
     def validate(self):
         if self.name not in SCHEDULES:
-            raise ValueError(f"schedule.name={self.name!r} is unknown; use one of {SCHEDULES}")
+            raise KilnError(f"schedule.name={self.name!r} is unknown; use one of {SCHEDULES}",
+                            key="schedule.name", value=self.name, fix=f"use one of {SCHEDULES}")
         if self.warmup_steps < 0:
-            raise ValueError(f"schedule.warmup_steps must be ≥ 0, got {self.warmup_steps}")
+            raise KilnError(f"schedule.warmup_steps must be ≥ 0, got {self.warmup_steps}",
+                            key="schedule.warmup_steps", value=self.warmup_steps, fix="give a number of steps ≥ 0")
         if not 0.0 <= self.min_lr_ratio <= 1.0:
-            raise ValueError(f"schedule.min_lr_ratio must be in [0, 1], got {self.min_lr_ratio}")
+            raise KilnError(f"schedule.min_lr_ratio must be in [0, 1], got {self.min_lr_ratio}",
+                            key="schedule.min_lr_ratio", value=self.min_lr_ratio, fix="give a ratio in [0, 1]")
         if not 0.0 < self.decay_fraction <= 1.0:
-            raise ValueError(f"schedule.decay_fraction must be in (0, 1], got {self.decay_fraction}")
+            raise KilnError(f"schedule.decay_fraction must be in (0, 1], got {self.decay_fraction}",
+                            key="schedule.decay_fraction", value=self.decay_fraction, fix="give a fraction in (0, 1]")
         if self.total_steps < 0:
-            raise ValueError(f"schedule.total_steps must be ≥ 0, got {self.total_steps}")
+            raise KilnError(f"schedule.total_steps must be ≥ 0, got {self.total_steps}",
+                            key="schedule.total_steps", value=self.total_steps,
+                            fix="give a number of steps ≥ 0 (0 = train.max_steps)")
         if self.step_size < 1 or self.gamma <= 0 or self.div_factor < 1:
-            raise ValueError("schedule.step_size ≥ 1, schedule.gamma > 0 and schedule.div_factor ≥ 1 are required")
+            raise KilnError("schedule.step_size ≥ 1, schedule.gamma > 0 and schedule.div_factor ≥ 1 are required",
+                            key="schedule.step_size")
 
 
 def lr_factor(cfg: ScheduleConfig, step: int, total_steps: int) -> float:

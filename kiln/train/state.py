@@ -146,11 +146,11 @@ def build_state(model: nn.Module, objective, loader, *, device: torch.device, pr
     world = world or World()
     mode = Precision(precision, device)
     model = model.to(device=device, dtype=mode.param_dtype)
-    fsdp_dtype = mode.autocast_dtype if world.dp_strategy.shards_parameters and mode.mode == "bf16" else None
+    fsdp_dtype = mode.row.fsdp_gather if world.dp_strategy.shards_parameters else None
     prepared = prepare_model(model, plan, device, world, fsdp_dtype)
     groups = param_groups(prepared.model, optim.weight_decay)
     # With optim.offload the host optimizer keeps the fp32 masters itself.
-    masters = MasterWeights(prepared.model) if mode.mode == "bf16-master" and optim.offload == "none" else None
+    masters = MasterWeights(prepared.model) if mode.row.masters and optim.offload == "none" else None
     groups = masters.groups(groups) if masters else groups
     if world.dp_strategy.zero_optimizer:
         # Each rank keeps the optimizer state of its shard of the parameters and broadcasts its updated shard.

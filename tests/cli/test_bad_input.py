@@ -39,6 +39,7 @@ def world(tmp_path_factory, corpus_file):
         "short.txt": ("abc", "text"),
         "binary.bin": (bytes(range(256)) * 64, "bytes"),
         "a file": ("not a directory", "text"),
+        "bad prompts.jsonl": ('{"prompt": "a"}\n{"prompt": "b",\n', "text"),
     }
     for name, (content, kind) in files.items():
         path = root / name
@@ -143,6 +144,14 @@ def _cases():
         ("sample: not a run", ["sample", "{root}/not a run"], ["not a run"]),
         ("sample: negative tokens", ["sample", "{run}", "--max-new-tokens=-3"], ["--max-new-tokens"]),
         ("sample: nan temperature", ["sample", "{run}", "--temperature=nan"], ["--temperature"]),
+        ("sample: top-p above 1", ["sample", "{run}", "--top-p=1.5"], ["--top-p=1.5", "[0, 1]"]),
+        ("sample: prompt file not JSON", ["sample", "{run}", "--prompt-file={root}/bad prompts.jsonl"],
+         ["bad prompts.jsonl:2", "not a JSON object"]),
+        ("sample: missing prompt file", ["sample", "{run}", "--prompt-file={root}/nowhere.jsonl"], ["nowhere.jsonl"]),
+        ("sample: prompt and prompt file", ["sample", "{run}", "--prompt=a", "--prompt-file={root}/bad prompts.jsonl"],
+         ["--prompt-file"]),
+        ("sample: chat without a template", ["sample", "{run}", "--chat"], ["no chat template", "--chat-template"]),
+        ("sample: missing checkpoint", ["sample", "{run}/checkpoints/step_000009"], ["step_000009"]),
         ("checkpoints: missing run", ["checkpoints", "{root}/nowhere"], ["nowhere"]),
         ("estimate: zero GPUs", ["estimate", "--tokens=1B", "--device=H100", "--gpus=0"], ["--gpus"]),
         ("estimate: unknown device", ["estimate", "--tokens=1B", "--device=H1000"], ["H1000", "H100"]),
@@ -211,3 +220,54 @@ def test_kiln_debug_shows_the_traceback(tmp_path):
     proc = subprocess.run([sys.executable, "-m", "kiln", "memory", "--optim.lr=nan", "--out="], capture_output=True,
                           text=True, env=env, cwd=tmp_path)
     assert proc.returncode != 0 and "Traceback" in proc.stderr and "optim.lr" in proc.stderr
+
+
+# Word for word: the edges of issue 36, each once the one line a user reads.
+EXACT = [
+    ("negative width", [*SMALL, "--model.d_model=-64"],
+     "kiln train: error: model.d_model must be ≥ 1 (0: the preset's), got -64"),
+    ("triton on a CPU", [*SMALL, "--model.dropout=0", "--train.kernels=triton"],
+     "kiln train: error: train.kernels='triton' runs on CUDA; on cpu only through Triton's interpreter: set "
+     "TRITON_INTERPRET=1 in the environment before starting (slow, meant for tests), or use train.kernels='auto' or "
+     "'torch'"),
+    ("FSDP2's CPU offload on a CPU", [*SMALL, "--parallel.strategy=fsdp", "--parallel.cpu_offload=true"],
+     "kiln train: error: parallel.cpu_offload keeps FSDP2's parameters, gradients and optimizer state in host memory, "
+     "and train.device is the CPU, whose memory that is: nothing would move; drop --parallel.cpu_offload "
+     "(parallel.strategy=fsdp still shards them over the ranks)"),
+]
+
+
+@pytest.mark.parametrize("argv, line", [c[1:] for c in EXACT], ids=[c[0] for c in EXACT])
+def test_the_refusals_word_for_word(world, argv, line, capsys, monkeypatch, tmp_path):
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delenv("KILN_DEBUG", raising=False)
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)  # tests/kernels sets it for the interpreter
+    status = main(["train", *argv, f"--data.source={world['corpus']}", f"--run-dir={tmp_path / 'run'}"])
+    out, err = capsys.readouterr()
+    assert (status, err.splitlines()) == (2, [line]), out
+    assert not (tmp_path / "run" / "metrics.jsonl").exists()  # refused at start
+
+
+def test_sample_on_a_run_without_a_checkpoint_says_it_has_none(world, capsys, tmp_path):
+    """A config.toml and nothing else (its model.vocab_size 0: the tokenizer's, which only a trained run knows)."""
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "config.toml").write_text((world["run"] / "config.toml").read_text().replace("vocab_size = 256",
+                                                                                       "vocab_size = 0"))
+    assert main(["sample", str(run), "--device=cpu"]) == 2
+    assert capsys.readouterr().err.splitlines() == [
+        f"kiln sample: error: {run} has no checkpoint: the run saved none yet (it saves every checkpoint.interval "
+        f"steps and at its end); train it first"]
+
+
+def test_levers_that_do_nothing_on_a_cpu_say_so_at_start(world, capsys, tmp_path):
+    status = main(["train", *SMALL, f"--data.source={world['corpus']}", f"--run-dir={tmp_path / 'run'}",
+                   "--memory.offload_blocks=all", "--optim.offload=host"])
+    out = capsys.readouterr().out.splitlines()
+    assert status == 0
+    assert out[1:3] == [  # after "run directory: ...", before the data
+        "memory.offload_blocks=all does nothing on a CPU: it copies a GPU's saved activations to host memory, where a "
+        "CPU run keeps them already (drop it to train the same without this line)",
+        "optim.offload=host saves no memory on a CPU: the optimizer state it moves to the host is in host memory "
+        "already, and it keeps fp32 copies of the parameters and gradients beside them (8 bytes a parameter more when "
+        "the parameters are fp32); --optim.offload=none uses less memory"]

@@ -58,3 +58,79 @@ def test_train_help_lists_every_section():
     for section in ("[model]", "[data]", "[optim]", "[schedule]", "[train]", "[precision]", "[checkpoint]", "[log]"):
         assert section in out
     assert "--resume" in out and "--run-dir" in out
+
+
+def _help(*argv) -> str:
+    """What `kiln ARGV --help` prints, from the parser itself (in this process)."""
+    parser = build_parser()
+    if argv:
+        parser = next(a for a in parser._actions if a.dest == "command").choices[argv[0]]
+    return " ".join(parser.format_help().split())  # argparse's wrapping undone
+
+
+def _continuations(cls) -> dict[str, list[str]]:
+    """{field: the comment-only lines right below it}, read with Python's own tokenizer (not field_help's regex)."""
+    import inspect
+    import io
+    import textwrap
+    import tokenize
+
+    tokens = list(tokenize.generate_tokens(io.StringIO(textwrap.dedent(inspect.getsource(cls))).readline))
+    alone = {t.start[0]: t.string.lstrip("#").strip() for t in tokens
+             if t.type == tokenize.COMMENT and t.line.strip().startswith("#")}
+    fields = {t.start[0]: t.string for t, after in zip(tokens, tokens[1:])
+              if t.type == tokenize.NAME and t.start[1] == 4 and after.string == ":"}
+    out = {}
+    for row, name in fields.items():
+        while row + 1 in alone:
+            row += 1
+            out.setdefault(name, []).append(alone[row])
+    return out
+
+
+def test_help_says_what_the_code_accepts():
+    """The families `kiln export` writes, the forms data.source reads and every config key's whole comment, each as
+    the code has them: the help is derived from the tables the code dispatches on, so it cannot fall behind."""
+    import dataclasses
+    from pathlib import Path
+
+    from kiln.config import SECTIONS, describe
+    from kiln.data.corpus import EXTENSIONS, FORMAT_NAMES, by_extension, sources
+    from kiln.data.prepare import file_kind
+    from kiln.interop.hf import hf_config
+    from kiln.models.registry import FAMILIES
+
+    exporting = []  # a family exports when its Hugging Face config.json and tensor names can be written
+    for name, fam in FAMILIES.items():
+        cfg = dataclasses.replace(next(iter(fam.presets.values())), vocab_size=256).resolve()
+        try:
+            hf_config(cfg, 256), fam.hf_tensors(cfg)
+            exporting.append(name)
+        except (TypeError, NotImplementedError, ValueError):
+            pass
+    assert exporting == list(FAMILIES) and len(exporting) == 4  # every family kiln has exports today
+    for text in (_help(), _help("export")):
+        assert f"({', '.join(exporting)})" in text or f"(model.arch): {', '.join(exporting)}." in text, text
+    assert "GPT-2, Llama)" not in _help()
+
+    keys = {}
+    for line in describe().splitlines():
+        if line.startswith("  --"):
+            key, _, text = line.strip().partition("  ")
+            keys[key.split("=")[0]] = text
+    assert keys["--data.source"] == sources() and f"auto (by extension: {by_extension()})" in keys["--data.format"]
+    for ext, fmt in EXTENSIONS.items():  # each extension the help names is read as that format
+        assert file_kind(Path(f"corpus{ext}"), "auto")[0] == fmt
+        assert ext in sources() and FORMAT_NAMES[fmt] in sources() and f"{ext}" in by_extension()
+    assert file_kind(Path("corpus.jsonl.zst"), "auto") == ("jsonl", "zst")
+    assert file_kind(Path("notes.md"), "auto")[0] == "text"
+    for form in ("'stdlib'", "a text file", "a directory", "`datasets` save_to_disk directory", "data.format=tokens"):
+        assert form in sources()
+
+    continued = 0
+    for section, cls in SECTIONS.items():
+        for name, lines in _continuations(cls).items():
+            assert keys[f"--{section}.{name}"].endswith(" ".join(lines)), (section, name)
+            continued += 1
+    assert continued >= 2  # parallel.strategy and parallel.tp span lines today: the scan found them
+    assert keys["--parallel.strategy"].endswith("(FSDP2 fully_shard): the rows of kiln.parallel.strategy.STRATEGIES")

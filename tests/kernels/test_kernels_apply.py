@@ -25,7 +25,7 @@ def test_resolution(monkeypatch):
     with pytest.raises(ValueError, match="unknown"):
         resolve_kernels("cuda", "cpu")
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
-    with pytest.raises(RuntimeError, match="TRITON_INTERPRET=1"):
+    with pytest.raises(ValueError, match="TRITON_INTERPRET=1"):
         resolve_kernels("triton", "cpu")
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     assert resolve_kernels("triton", "cpu") == "triton"
@@ -35,7 +35,7 @@ def test_gpus_older_than_ampere_keep_torch(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (7, 0))  # V100
     assert resolve_kernels("auto", "cuda") == "torch"
-    with pytest.raises(RuntimeError, match="compute capability 8.0 or newer.*this GPU is 7.0"):
+    with pytest.raises(ValueError, match="compute capability 8.0 or newer.*this GPU is 7.0"):
         resolve_kernels("triton", "cuda")
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))  # H100
     assert resolve_kernels("auto", "cuda") == resolve_kernels("triton", "cuda") == "triton"

@@ -7,7 +7,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kiln.models import FAMILIES, PRESETS, ModelConfig, build_model, family, moe_metrics, param_count
+from kiln.models import FAMILIES, PRESETS, ModelConfig, build_model, costs, family, moe_metrics, param_count
+from kiln.models.family import Family
 from kiln.models.moe import MoE, moe_losses
 
 KILN = Path(__file__).resolve().parents[2] / "kiln"
@@ -34,6 +35,63 @@ def test_nothing_outside_kiln_models_branches_on_a_family_name(tmp_path):
     (tmp_path / "perf" / "flops.py").write_text('mlp = d * ff * (1 if cfg.arch == "gpt2" else 2) + ff * d\n'
                                                 'if kind in ("llama", "x"):\n    pass\n')
     assert len(branches_on_family_names(tmp_path)) == 2
+
+
+KINDS = "|".join(sorted((*costs.NORMS, *costs.MLPS, *costs.POSITIONS), key=len, reverse=True))
+# a part kind compared with something, or a description's part field compared at all
+PART_BRANCH = re.compile(rf"""(==|!=|\bin\s*[\(\[{{])\s*["']({KINDS})["']|["']({KINDS})["']\s*(==|!=)"""
+                         r"""|\.(mlp|norm|positions)\s*(==|!=|in\b)""")
+
+
+def branches_on_part_kinds(root: Path) -> list[str]:
+    hits = []
+    for path in sorted(root.rglob("*.py")):
+        if path.relative_to(root).parts[0] == "models":
+            continue
+        for n, line in enumerate(path.read_text().splitlines(), 1):
+            if PART_BRANCH.search(line.split("#")[0]):
+                hits.append(f"{path.relative_to(root.parent)}:{n}: {line.strip()}")
+    return hits
+
+
+def test_nothing_outside_kiln_models_branches_on_a_part_kind(tmp_path):
+    """The estimator, planner and FLOPs ask the part (kiln.models.costs): a branch on its name would cost a new
+    kind as whichever kind the else-branch names."""
+    assert branches_on_part_kinds(KILN) == []
+    # the check finds what it looks for (lines kiln/memory/estimate.py and kiln/perf/flops.py had before the parts)
+    (tmp_path / "memory").mkdir()
+    (tmp_path / "memory" / "estimate.py").write_text(
+        'wide = F if mlp == "gelu" else 3 * F\nif family(cfg.arch).positions != "rope":\n    pass\n'
+        'skipped = 0 if fam.mlp == "moe" else 2\nif kind in ("layernorm", "x"):\n    pass\n')
+    assert len(branches_on_part_kinds(tmp_path)) == 4
+
+
+def test_every_part_kind_is_built_by_a_registered_family():
+    """The family grids (list(FAMILIES), here and in tests/memory, tests/perf) exercise a part only through a
+    family that uses it: a kind no family builds would be costed by code no test runs."""
+    used = {(table, getattr(f, field)) for f in FAMILIES.values()
+            for table, field in (("norm", "norm"), ("mlp", "mlp"), ("positions", "positions"))}
+    for table, kinds in (("norm", costs.NORMS), ("mlp", costs.MLPS), ("positions", costs.POSITIONS)):
+        for kind in kinds:
+            assert (table, kind) in used, f"{table} {kind!r} is in kiln/models/costs.py but no family builds it"
+    assert {f.qk_norm for f in FAMILIES.values()} == {False, True}
+
+
+def test_an_unknown_part_kind_fails_loudly_and_a_kind_that_forgets_a_cost_too():
+    base = FAMILIES["llama"]
+    with pytest.raises(ValueError, match=r"family 'x': mlp='relu2' is not a part kiln knows; known: gelu, swiglu, moe"):
+        Family(name="x", summary="", block=base.block, norm="rmsnorm", mlp="relu2", positions="rope")
+    with pytest.raises(ValueError, match="norm='batchnorm' is not a part kiln knows"):
+        costs.make_norm("batchnorm", 8, 1e-5)
+
+    class Relu2(costs.MLP):  # a new kind that states its linears but not its saved tensors
+        name = "relu2"
+
+        def linears(self, cfg):
+            return [costs.Linear("mlp.fc", cfg.d_model, cfg.d_ff, "column")]
+
+    with pytest.raises(NotImplementedError, match="MLP 'relu2' states no saved tensors"):
+        Relu2().saved(PRESETS["tiny"], 4, None)
 
 
 @pytest.mark.parametrize("arch", list(FAMILIES))

@@ -5,6 +5,7 @@ import torch
 import torch.nn.functional as F
 
 from kiln.models import IGNORE_INDEX, PRESETS, ModelConfig, build_model, param_count
+from kiln.models.generate import Sampling, generate
 from kiln.models.transformer import Rotary, rope_cache
 from tests.conftest import small_model
 
@@ -107,8 +108,8 @@ def test_rope_is_a_rotation_of_pairs():
 def test_generate_respects_vocab_limit():
     torch.manual_seed(0)
     model = build_model(small_model(vocab_size=10))  # padded to 64
-    out = model.generate(torch.zeros(1, 1, dtype=torch.long), 50, temperature=1.0, vocab_limit=10)
-    assert out.shape == (1, 51) and out.max().item() < 10
+    out = generate(model, [[0]], 50, Sampling(temperature=1.0), vocab_limit=10)
+    assert len(out.tokens[0]) == 50 and max(out.tokens[0]) < 10
 
 
 def test_bad_shapes_are_clear_errors():

@@ -5,24 +5,34 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils.flop_counter import FlopCounterMode
 
 from kiln.memory.devices import DEVICES, cuda_device
-from kiln.models import ModelConfig, build_model
+from kiln.models import FAMILIES, ModelConfig, build_model
 from kiln.perf.flops import flops_per_token, names_gpu, peak_flops_for, recompute_flops_per_token
 from kiln.train.pipeline import ModelPlan, prepare_model
 
 
-@pytest.mark.parametrize("arch", [
-    dict(preset="tiny", n_layer=2, n_head=4, d_model=64, max_seq_len=32, vocab_size=259),
-    dict(preset="llama-125m", n_layer=2, n_head=4, n_kv_head=2, d_model=64, d_ff=96, max_seq_len=32,
-         vocab_size=300),
-    dict(preset="qwen3-0.6b", n_layer=2, n_head=4, n_kv_head=2, head_dim=24, d_model=64, d_ff=96, max_seq_len=32,
-         vocab_size=300),
-    dict(preset="qwen3-moe-nano", n_layer=2, n_head=4, n_kv_head=2, head_dim=24, d_model=64, n_experts=6,
-         n_experts_active=2, moe_d_ff=32, max_seq_len=32, vocab_size=300),
-], ids=["gpt2", "llama-gqa", "qwen3", "qwen3-moe"])
+# One small config per registered family (the grids below are list(FAMILIES)): a family added to
+# kiln.models.registry fails test_every_family_has_a_small_config until it has one here.
+SMALL = {
+    "gpt2": dict(preset="tiny", n_layer=2, n_head=4, d_model=64, max_seq_len=32, vocab_size=259),
+    "llama": dict(preset="llama-125m", n_layer=2, n_head=4, n_kv_head=2, d_model=64, d_ff=96, max_seq_len=32,
+                  vocab_size=300),
+    "qwen3": dict(preset="qwen3-0.6b", n_layer=2, n_head=4, n_kv_head=2, head_dim=24, d_model=64, d_ff=96,
+                  max_seq_len=32, vocab_size=300),
+    "qwen3_moe": dict(preset="qwen3-moe-nano", n_layer=2, n_head=4, n_kv_head=2, head_dim=24, d_model=64,
+                      n_experts=6, n_experts_active=2, moe_d_ff=32, max_seq_len=32, vocab_size=300),
+}
+
+
+def test_every_family_has_a_small_config():
+    assert set(SMALL) == set(FAMILIES), f"SMALL needs {set(FAMILIES) - set(SMALL)}"
+    assert all(ModelConfig(**SMALL[arch]).resolve().arch == arch for arch in SMALL)
+
+
+@pytest.mark.parametrize("arch", list(FAMILIES))
 def test_flops_per_token_equals_counted_matmul_flops(arch):
     """6·N + 12·L·T·d_attn is what the model's matmuls do, forward and backward, when attention is counted over
     the full T×T square (torch's math attention computes the whole square, masked)."""
-    cfg = ModelConfig(**arch).resolve()
+    cfg = ModelConfig(**SMALL[arch]).resolve()
     model = build_model(cfg)
     B, T = 3, 32
     x = torch.randint(0, cfg.vocab_size, (B, T))
@@ -57,17 +67,11 @@ def test_names_gpu_is_whole_word():
 @pytest.mark.parametrize("plan", [("none", "none", "none"), ("full", "full", "full"), ("full", "seg", "none"),
                                   ("selective", "selective", "selective"), ("selective", "full", "none")],
                          ids=["none", "full", "every_k-segment", "selective", "mixed-budget"])
-@pytest.mark.parametrize("arch", [
-    dict(preset="tiny", n_layer=3, n_head=4, d_model=64, max_seq_len=32, vocab_size=259),
-    dict(preset="llama-125m", n_layer=3, n_head=4, n_kv_head=2, d_model=64, d_ff=96, max_seq_len=32,
-         vocab_size=300),
-    dict(preset="qwen3-moe-nano", n_layer=3, n_head=4, n_kv_head=2, head_dim=24, d_model=64, n_experts=6,
-         n_experts_active=2, moe_d_ff=32, max_seq_len=32, vocab_size=300),
-], ids=["gpt2", "llama-gqa", "qwen3-moe"])
+@pytest.mark.parametrize("arch", list(FAMILIES))
 def test_hardware_flops_equal_counted_flops_with_each_recompute_plan(arch, plan):
     """HFU's numerator: the model's FLOPs plus what recomputation runs again, against torch's FLOP counter over a
     real forward and backward of the model with that recompute plan installed."""
-    cfg = ModelConfig(**arch).resolve()
+    cfg = ModelConfig(**{**SMALL[arch], "n_layer": 3}).resolve()
     model = build_model(cfg)
     prepare_model(model, ModelPlan(recompute=plan))
     B, T = 2, 32

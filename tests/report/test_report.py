@@ -242,7 +242,9 @@ def test_a_real_run_every_record_rendered(small_config, tmp_path, capsys):
     assert {("nonfinite", 5), ("nonfinite_trace", 5)} <= events
     marks = {(m.event, m.step): m for m in _chart(charts, "loss_step").marks}
     assert marks["nonfinite_trace", 5].text.startswith("blocks.1.attn")
-    assert sorted((s, k) for s, k, _ in event_rows(run)) == sorted((e["step"], e["event"]) for e in run.numerics)
+    # the numerics events, and the run's life: its layout record at the start (every run writes one)
+    assert sorted((s, k) for s, k, _ in event_rows(run)) == sorted([(e["step"], e["event"]) for e in run.numerics]
+                                                                  + [(0, "layout")])
 
     out = tmp_path / "report.html"
     assert main(["report", str(tmp_path / "run"), "--out", str(out)]) == 0

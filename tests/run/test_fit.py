@@ -2,6 +2,7 @@
 import io
 import json
 import math
+import re
 import warnings
 
 import pytest
@@ -84,6 +85,12 @@ def test_user_model_trains_and_resumes_bit_identically(name, tmp_path):
 
     a, b = _losses(tmp_path / "straight"), _losses(tmp_path / "resumed")
     assert a == b and len(a) == steps
+    # one process writes the layout record every torchrun run writes, its bytes those of MLP()'s fp32 parameters
+    records = [json.loads(line) for line in (tmp_path / "straight" / "metrics.jsonl").read_text().splitlines()]
+    whole = 4 * sum(p.numel() for p in MLP().parameters())
+    assert [r for r in records if r.get("event") == "layout"] == [
+        {"kind": "event", "step": 0, "event": "layout", "mesh": {"dp": 1}, "strategy": "none",
+         "sequence_parallel": False, "param_bytes_per_rank": [whole], "param_bytes_unsharded": whole}]
     assert a[steps] < a[1]  # it learned something
     for key, value in straight.state.model.state_dict().items():
         assert torch.equal(value, resumed.state.model.state_dict()[key]), key
@@ -281,7 +288,8 @@ def test_a_callback_ends_the_run_with_its_reason_and_sees_evals_and_checkpoints(
 
 
 def _logged_keys(run_dir):
-    first = json.loads((run_dir / "metrics.jsonl").read_text().splitlines()[0])
+    records = map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines())
+    first = next(r for r in records if r["kind"] == "train")  # after the run's layout record
     return [k for k in first if k != "kind"]
 
 
@@ -413,6 +421,13 @@ BAD = {
                     r"train_data's batches are \[Tensor\(8, 6\)\], and loss= takes \(inputs, targets\) pairs"),
     "eval strings": (dict(train_data=TensorDataset(X, Y[:, None]), eval_data=_Items(lambda i: ("a", "b"))),
                      r"eval_data\[0\] is \(str, str\)"),
+    "class id out of range": (dict(train_data=TensorDataset(X, torch.arange(40) % 3), loss="cross_entropy"),
+                              "^" + re.escape("train_data[0:8] holds class id 2 in its targets, and the model "
+                                              "outputs 1 class score per sample (ids 0 to 0); give the model's last "
+                                              "layer one output per class, or fix the labels (class ids run from 0 "
+                                              "to the number of classes - 1; -100 marks a target to skip)") + "$"),
+    "negative class id in a batch": (dict(train_data=[(X[:8], torch.full((8,), -3))], loss="cross_entropy"),
+                                     r"^train_data's first batch holds class id -3 in its targets"),
     "epochs and max_steps": (dict(train_data=TensorDataset(X, Y[:, None]), epochs=2, config={"train.max_steps": 5}),
                              r"epochs=2 and train.max_steps=5 both set the run's length; pass one of them"),
     "epochs of an iterator": (dict(train_data=iter([(X, Y[:, None])]), epochs=2),

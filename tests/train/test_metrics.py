@@ -1,6 +1,8 @@
 """metrics.jsonl: every line carries a `kind` and the fields docs/training.md documents for it."""
 import json
+from dataclasses import replace
 
+from kiln.models.config import param_count
 from kiln.run.lm import train
 from kiln.train.logging import KINDS
 
@@ -14,9 +16,13 @@ def test_every_record_has_a_kind_and_its_fields(small_config, tmp_path):
     train(cfg, tmp_path / "run")
     records = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     kinds = [r["kind"] for r in records]
-    # train, eval and numerics (the planted NaN) all occurred; event records (a restart, a straggler) come from
-    # torchrun runs only (tests/parallel/test_fleet.py)
-    assert set(kinds) == set(KINDS) - {"event"}
+    # train, eval and numerics (the planted NaN) all occurred; of the event records, a one-process run writes the
+    # layout (a restart and a straggler come from torchrun runs: tests/parallel/test_fleet.py)
+    assert set(kinds) == set(KINDS)
+    whole = 4 * param_count(replace(cfg.model, vocab_size=256).resolve())  # fp32, the bytes tokenizer's vocabulary
+    assert [r for r in records if r["kind"] == "event"] == [
+        {"kind": "event", "step": 0, "event": "layout", "mesh": {"dp": 1}, "strategy": "none",
+         "sequence_parallel": False, "param_bytes_per_rank": [whole], "param_bytes_unsharded": whole}]
     for r in records:
         if r["kind"] == "train":
             assert set(r) == TRAIN_KEYS, set(r) ^ TRAIN_KEYS

@@ -10,6 +10,7 @@ from kiln.memory import devices
 from kiln.memory.levers import precision_for
 from kiln.perf import flops, hardware
 from kiln.perf.hardware import auto_mode, native_bf16, precision_notice, resolve_mode
+from kiln.precision import PRECISIONS
 from kiln.train.precision import MODES
 
 CPU = torch.device("cpu")
@@ -129,7 +130,7 @@ def fake_cpu(monkeypatch, tmp_path):
         monkeypatch.setattr(hardware, "CPUINFO", path)
         monkeypatch.delenv("ONEDNN_MAX_CPU_ISA", raising=False)
         monkeypatch.delenv("DNNL_MAX_CPU_ISA", raising=False)
-        monkeypatch.setattr(flops, "_cpu_peak_cache", {flops.CPU_DTYPES[p]: r for p, r in rates.items()})
+        monkeypatch.setattr(flops, "_cpu_peak_cache", {PRECISIONS[p].cpu_matmul: r for p, r in rates.items()})
         monkeypatch.setattr(devices, "_cpu_cache", {})
         monkeypatch.setattr(devices, "measured_bandwidth", lambda: 20e9)
 

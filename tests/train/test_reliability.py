@@ -1,8 +1,10 @@
 """Runs survive signals, corrupt or missing checkpoints, failed writes, a second process and a crash's leftovers."""
 import errno
+import io
 import json
 import os
 import random
+import shutil
 import signal
 import subprocess
 import sys
@@ -125,14 +127,13 @@ def _damage(path: Path, how: str):
     elif how == "empty":
         state.write_bytes(b"")
     elif how == "deleted":
-        import shutil
-
         shutil.rmtree(path)
-    elif how == "safetensors":
+    elif how == "safetensors and state.pt":  # the weights file damaged, and state.pt too: nothing to write it from
         (path / "model.safetensors").write_bytes(b"garbage")
+        _damage(path, "flipped")
 
 
-@pytest.mark.parametrize("how", ["truncated", "flipped", "empty", "deleted", "safetensors"])
+@pytest.mark.parametrize("how", ["truncated", "flipped", "empty", "deleted", "safetensors and state.pt"])
 def test_a_damaged_newest_checkpoint_falls_back_to_the_previous_good_one(three_checkpoints, how):
     ckpts = three_checkpoints / "checkpoints"
     _damage(ckpts / "step_000006", how)
@@ -141,6 +142,49 @@ def test_a_damaged_newest_checkpoint_falls_back_to_the_previous_good_one(three_c
     state = checkpointer.load()
     assert state["step"] == 4 and checkpointer.loaded.name == "step_000004"
     assert len(said) == 1 and ("step_000006" in said[0])
+
+
+def _flip_or_cut(path: Path, how: str) -> None:
+    data = path.read_bytes()
+    if how == "flipped":
+        middle = len(data) // 2  # inside a tensor's bytes: the header still parses
+        path.write_bytes(data[:middle] + bytes(b ^ 0xFF for b in data[middle:middle + 64]) + data[middle + 64:])
+    else:
+        path.write_bytes(data[: len(data) // 2])
+
+
+def test_a_damaged_weights_file_is_written_again_from_a_state_that_verifies(small_config, tmp_path):
+    """model.safetensors flipped or truncated beside an intact state.pt: the resume takes that checkpoint (not the
+    one before), writes the file again byte for byte, reseals the manifest, says so in one line, and trains on
+    exactly as from the intact checkpoint."""
+    base = tmp_path / "base"
+    cfg = dict(checkpoint={"interval": 2}, schedule={"total_steps": 6})
+    train(small_config(train={"max_steps": 4}, **cfg), base)
+    weights = base / "checkpoints" / "step_000004" / "model.safetensors"
+    original = weights.read_bytes()
+    losses, said = {}, {}
+    for how in ("intact", "flipped", "truncated"):
+        run = tmp_path / how
+        shutil.copytree(base, run)
+        if how != "intact":
+            _flip_or_cut(run / "checkpoints" / "step_000004" / "model.safetensors", how)
+        out = io.StringIO()
+        result = train(small_config(train={"max_steps": 6}, **cfg), run, resume=True,
+                       console=Console(file=out, width=400, soft_wrap=True))
+        losses[how] = _train_losses(run)
+        said[how] = [line for line in out.getvalue().splitlines() if "checkpoint:" in line]
+        assert (run / "checkpoints" / "step_000004" / "model.safetensors").read_bytes() == original
+        ckpt.verify(run / "checkpoints" / "step_000004")
+        assert result.step == 6
+    assert losses["flipped"] == losses["truncated"] == losses["intact"]
+    assert sorted(losses["intact"]) == list(range(1, 7))
+    fix = "step_000004/state.pt verifies and holds the weights: rewrote model.safetensors from it and resealed the " \
+          "manifest"
+    damaged = "checkpoint: step_000004/model.safetensors"
+    assert said == {"intact": [],
+                    "flipped": [f"{damaged} does not match its checksum (corrupted); {fix}"],
+                    "truncated": [f"{damaged} has {len(original) // 2} bytes, the manifest {len(original)} "
+                                  f"(truncated?); {fix}"]}
 
 
 def test_a_garbage_latest_pointer_and_a_named_bad_checkpoint(three_checkpoints):
@@ -220,10 +264,13 @@ def test_kiln_checkpoints_lists_and_marks_the_corrupt_one(three_checkpoints, cap
     from kiln.cli.main import main
 
     _damage(three_checkpoints / "checkpoints" / "step_000006", "truncated")
+    _flip_or_cut(three_checkpoints / "checkpoints" / "step_000004" / "model.safetensors", "flipped")
     assert main(["checkpoints", str(three_checkpoints)]) == 0
     out = capsys.readouterr().out.splitlines()
     assert out[0].startswith("step_000006") and "CORRUPT" in out[0] and "(latest)" in out[0]
-    assert out[1].startswith("step_000004") and out[1].endswith("ok")
+    assert out[1].startswith("step_000004") and out[1].endswith(
+        "ok: step_000004/model.safetensors does not match its checksum (corrupted), written again from state.pt when "
+        "it is loaded")
     assert out[-1] == "resume takes: step_000004"
 
 

@@ -1,0 +1,353 @@
+"""Every place kiln raises a KilnError (or a subclass) reaches the user as one line, and each is accounted for.
+
+kiln/errors.py's KilnError carries `key`, `value` and `fix`; the `kiln` command prints it once as
+`kiln CMD: error: ...` and exits 2. Two checks:
+
+- `test_every_raise_site_is_in_the_table`: the sources are parsed (ast, no imports) for `raise KilnError(...)` and
+  `raise <subclass>(...)`; each site, named `path:qualname` of the function it is in, must be in SITES (one row
+  per raise in that function) or in ALLOWED with a reason. A row or allowance for a site that no longer raises
+  fails too, so the table cannot go stale.
+- `test_site_is_one_line`: each row runs the real entry point in this process: exit status 2, one stderr line
+  holding the fragments and naming the key, no traceback; then again with `--traceback`, which must raise, and the
+  innermost KilnError of the chain must come from the row's site (the row really reaches that raise).
+"""
+from __future__ import annotations
+
+import ast
+import os
+from pathlib import Path
+
+import pytest
+
+from kiln.cli.main import main
+from kiln.errors import KilnError
+
+ROOT = Path(__file__).resolve().parents[2]
+KILN = ROOT / "kiln"
+M = ["memory", "--out=", "--model.preset=tiny"]  # `kiln memory` validates the whole config and builds the layout
+P2 = [*M, "--ranks=2", "--parallel.strategy=fsdp"]
+
+# Config files the rows name, written into the test's working directory: [[data.mix]] is a list of tables, which
+# only a file can give.
+FILES = {
+    "mix_and_source.toml": '[data]\nsource = "a.txt"\n[[data.mix]]\nsource = "b.txt"\n',
+    "mix_not_table.toml": '[data]\nmix = [1]\n',
+    "mix_unknown_key.toml": '[[data.mix]]\nsource = "a.txt"\nwieght = 2\n',
+    "mix_no_source.toml": '[[data.mix]]\nweight = 2\n',
+    "mix_zero_weight.toml": '[[data.mix]]\nsource = "a.txt"\nweight = 0\n',
+    "mix_name_number.toml": '[[data.mix]]\nsource = "a.txt"\nname = 3\n',
+    "mix_bpe_tokens.toml": '[data]\ntokenizer = "bpe"\n[[data.mix]]\nsource = "a.bin"\nformat = "tokens"\n',
+    "mix_same_name.toml": '[[data.mix]]\nsource = "a.txt"\n[[data.mix]]\nsource = "x/a.txt"\n',
+}
+
+# (site, argv, fragments of the one line). The key a site's error carries must be in the line as well.
+SITES = [
+    # kiln/models/config.py
+    ("kiln/models/config.py:ModelConfig.resolve", [*M, "--model.preset=gpt5"], ["model.preset", "gpt5", "Presets:"]),
+    ("kiln/models/config.py:ModelConfig.resolve", [*M, "--model.n_layer=-1"], ["model.n_layer", "≥ 1"]),
+    ("kiln/models/config.py:ModelConfig.check", [*M, "--model.preset=llama-125m", "--model.n_kv_head=5"],
+     ["model.n_head=12", "n_kv_head=5"]),
+    ("kiln/models/config.py:ModelConfig.check", [*M, "--model.init=weights"], ["model.init='weights'", "hf:DIR"]),
+    ("kiln/models/config.py:ModelConfig.check", [*M, "--model.dropout=1.5"], ["model.dropout", "1.5"]),
+    # kiln/data/__init__.py
+    ("kiln/data/__init__.py:DataConfig.validate", [*M, "--data.source="], ["data.source is empty", "'stdlib'"]),
+    ("kiln/data/__init__.py:DataConfig.validate", [*M, "--data.format=csv"], ["data.format='csv'", "use one of"]),
+    ("kiln/data/__init__.py:DataConfig.validate", [*M, "--data.text_field="], ["data.text_field", "'text'"]),
+    ("kiln/data/__init__.py:DataConfig.validate", [*M, "--data.pattern="], ["data.pattern", "glob"]),
+    ("kiln/data/__init__.py:DataConfig.validate", [*M, "--data.tokenizer=hf:no such dir"],
+     ["data.tokenizer='hf:no such dir'", "tokenizer.json does not exist"]),
+    ("kiln/data/__init__.py:DataConfig.validate", [*M, "--data.tokenizer=words"], ["data.tokenizer='words'", "hf:DIR"]),
+    ("kiln/data/__init__.py:DataConfig.validate", [*M, "--data.tokenizer=bpe", "--data.vocab_size=100"],
+     ["data.vocab_size=100", "at least 257"]),
+    ("kiln/data/__init__.py:DataConfig.validate", [*M, "--data.val_fraction=1"], ["data.val_fraction=1"]),
+    ("kiln/data/__init__.py:DataConfig.validate", [*M, "--data.seq_len=-2"], ["data.seq_len=-2"]),
+    ("kiln/data/__init__.py:DataConfig.validate", [*M, "--data.seed=-1"], ["data.seed=-1"]),
+    ("kiln/data/__init__.py:DataConfig.validate", [*M, "--data.prefetch=-1"], ["data.prefetch=-1"]),
+    ("kiln/data/__init__.py:DataConfig.validate", [*M, "--data.workers=-1"], ["data.workers=-1"]),
+    ("kiln/data/__init__.py:DataConfig.validate", [*M, "--data.shard_tokens=0"], ["data.shard_tokens=0"]),
+    ("kiln/data/__init__.py:DataConfig.validate", [*M, "--data.tokenizer_sample_bytes=0"],
+     ["data.tokenizer_sample_bytes=0"]),
+    ("kiln/data/__init__.py:DataConfig.validate", [*M, "--data.on_bad_record=ignore"],
+     ["data.on_bad_record='ignore'"]),
+    ("kiln/data/__init__.py:DataConfig.validate", [*M, "--data.format=tokens", "--data.vocab_size=1"],
+     ["data.vocab_size=1", "data.format=tokens"]),
+    # kiln/data/mix.py
+    ("kiln/data/mix.py:check_mix", [*M, "mix_and_source.toml"], ["data.source='a.txt' and [[data.mix]]"]),
+    ("kiln/data/mix.py:check_mix", [*M, "mix_not_table.toml"], ["[[data.mix]] entry 1 is 1", "a table"]),
+    ("kiln/data/mix.py:check_mix", [*M, "mix_unknown_key.toml"], ["[[data.mix]] entry 1", "['wieght']"]),
+    ("kiln/data/mix.py:check_mix", [*M, "mix_no_source.toml"], ["[[data.mix]] entry 1 has no source"]),
+    ("kiln/data/mix.py:check_mix", [*M, "mix_zero_weight.toml"], ["[[data.mix]] entry 1: weight=0"]),
+    ("kiln/data/mix.py:check_mix", [*M, "mix_name_number.toml"], ["[[data.mix]] entry 1: name=3"]),
+    ("kiln/data/mix.py:check_mix", [*M, "mix_bpe_tokens.toml"], ["data.tokenizer=bpe", "hf:DIR"]),
+    ("kiln/data/mix.py:check_mix", [*M, "mix_same_name.toml"], ["[[data.mix]]: the name(s) ['a']"]),
+    # kiln/train/precision.py, logging.py, checkpoint.py
+    ("kiln/train/precision.py:PrecisionConfig.validate", [*M, "--precision.mode=fp12"], ["precision.mode='fp12'"]),
+    ("kiln/train/precision.py:PrecisionConfig.validate", [*M, "--precision.growth_factor=1"],
+     ["precision.growth_factor > 1"]),
+    ("kiln/train/precision.py:PrecisionConfig.validate", [*M, "--precision.growth_interval=0"],
+     ["precision.growth_interval"]),
+    ("kiln/train/logging.py:LogConfig.validate", [*M, "--log.interval=0"], ["log.interval"]),
+    ("kiln/train/logging.py:LogConfig.validate", [*M, "--log.progress=loud"], ["log.progress='loud'"]),
+    ("kiln/train/checkpoint.py:CheckpointConfig.validate", [*M, "--checkpoint.interval=-1"], ["checkpoint.interval"]),
+    ("kiln/train/checkpoint.py:CheckpointConfig.validate", [*M, "--checkpoint.every_minutes=-1"],
+     ["checkpoint.every_minutes"]),
+    ("kiln/train/checkpoint.py:CheckpointConfig.validate", [*M, "--checkpoint.on_error=ignore"],
+     ["checkpoint.on_error='ignore'"]),
+    ("kiln/train/checkpoint.py:CheckpointConfig.validate", [*M, "--checkpoint.keep_last=0"], ["checkpoint.keep_last"]),
+    # kiln/perf/hardware.py: the Triton refusal on a CPU (a RuntimeError's traceback before #37)
+    ("kiln/perf/hardware.py:resolve_kernels", ["train", "--model.preset=tiny", "--train.device=cpu",
+                                               "--data.source=nowhere.txt", "--train.kernels=triton"],
+     ["train.kernels='triton' runs on CUDA", "TRITON_INTERPRET=1"]),
+    ("kiln/models/catalog.py:family", [*M, "--model.arch=gtp2"], ["model.arch='gtp2'", "did you mean 'gpt2'"]),
+    # kiln/models/values.py
+    ("kiln/models/values.py:check_values", [*M, "--model.preset=llama-125m", "--model.rope_theta=-1"],
+     ["model.rope_theta=-1", "10000"]),
+    ("kiln/models/values.py:check_values", [*M, "--model.norm_eps=-1"], ["model.norm_eps=-1", "1e-5"]),
+    ("kiln/models/values.py:refuse_replaced", [*M, "--model.n_layer=0"], ["--model.n_layer=0 would be ignored"]),
+    # kiln/memory: offload, devices, planner, recompute
+    ("kiln/memory/offload.py:parse_blocks", [*M, "--memory.offload_blocks=abc"], ["memory.offload_blocks='abc'"]),
+    ("kiln/memory/offload.py:parse_blocks", [*M, "--memory.offload_blocks=0-99"], ["memory.offload_blocks='0-99'",
+                                                                                   "blocks run 0..5"]),
+    ("kiln/memory/devices.py:get_device", [*M, "--device=H900"], ["unknown device 'H900'", "Known:"]),
+    ("kiln/memory/planner.py:PlanConfig.validate", [*M, "--plan.global_batch_tokens=-1"],
+     ["plan.global_batch_tokens", "-1"]),
+    ("kiln/memory/planner.py:search", ["plan", "--model.preset=tiny", "--gpus=2", "--interconnect=carrier-pigeon"],
+     ["interconnect 'carrier-pigeon'", "nvlink4"]),
+    ("kiln/memory/planner.py:search", ["plan", "--model.preset=tiny", "--global-batch-tokens=100"],
+     ["--global-batch-tokens=100", "data.seq_len=256"]),
+    ("kiln/memory/planner.py:search", ["plan", "--model.preset=tiny", "--gpus=3", "--no-model-parallel",
+                                       "--global-batch-tokens=512"], ["--global-batch-tokens=512", "3 GPUs"]),
+    ("kiln/memory/recompute.py:solve_budget", [*M, "--memory.recompute=budget", "--memory.recompute_budget=1KiB"],
+     ["memory.recompute_budget=1.00 KiB", "raise the budget"]),
+    # kiln/memory/levers.py
+    ("kiln/memory/levers.py:MemoryConfig.validate", [*M, "--memory.recompute=al"], ["memory.recompute='al'"]),
+    ("kiln/memory/levers.py:MemoryConfig.validate", [*M, "--memory.recompute_every=0"], ["memory.recompute_every"]),
+    ("kiln/memory/levers.py:MemoryConfig.validate", [*M, "--memory.recompute=budget"],
+     ["memory.recompute_budget", "6GiB"]),
+    ("kiln/memory/levers.py:MemoryConfig.validate", [*M, "--memory.chunked_loss=-1"], ["memory.chunked_loss", "-1"]),
+    ("kiln/memory/levers.py:precision_for", [*M, "--device=V100-32GB", "--precision.mode=fp8"],
+     ["precision.mode='fp8'", "use bf16"]),
+    ("kiln/memory/levers.py:precision_for", [*M, "--device=V100-32GB", "--precision.mode=bf16"],
+     ["precision.mode='bf16'", "V100", "or auto"]),
+    ("kiln/memory/levers.py:for_rank", [*P2, "--parallel.cp=2", "--data.seq_len=15"],
+     ["parallel.cp=2", "data.seq_len=15", "divides"]),
+    # kiln/numerics/config.py
+    ("kiln/numerics/config.py:NumericsConfig.validate", [*M, "--numerics.spike_policy=panic"],
+     ["numerics.spike_policy='panic'", "use one of"]),
+    ("kiln/numerics/config.py:NumericsConfig.validate", [*M, "--numerics.rollback_from=tape"],
+     ["numerics.rollback_from='tape'", "'disk'"]),
+    ("kiln/numerics/config.py:NumericsConfig.validate", [*M, "--numerics.spike_threshold=0"], ["spike_threshold"]),
+    ("kiln/numerics/config.py:NumericsConfig.validate", [*M, "--numerics.spike_window=2"], ["spike_window", "≥ 3"]),
+    ("kiln/numerics/config.py:NumericsConfig.validate", [*M, "--numerics.rollback_lr_factor=2"],
+     ["numerics.rollback_lr_factor", "(0, 1]"]),
+    ("kiln/numerics/config.py:NumericsConfig.validate", [*M, "--numerics.max_rollbacks=0"],
+     ["numerics.max_rollbacks", "≥ 1"]),
+    ("kiln/numerics/config.py:NumericsConfig.validate", [*M, "--numerics.max_nonfinite_steps=-1"],
+     ["numerics.max_nonfinite_steps", "≥ 0"]),
+    # kiln/train/schedule.py
+    ("kiln/train/schedule.py:ScheduleConfig.validate", [*M, "--schedule.name=zigzag"], ["schedule.name='zigzag'"]),
+    ("kiln/train/schedule.py:ScheduleConfig.validate", [*M, "--schedule.warmup_steps=-1"],
+     ["schedule.warmup_steps", "-1"]),
+    ("kiln/train/schedule.py:ScheduleConfig.validate", [*M, "--schedule.min_lr_ratio=2"], ["schedule.min_lr_ratio"]),
+    ("kiln/train/schedule.py:ScheduleConfig.validate", [*M, "--schedule.decay_fraction=0"],
+     ["schedule.decay_fraction"]),
+    ("kiln/train/schedule.py:ScheduleConfig.validate", [*M, "--schedule.total_steps=-1"], ["schedule.total_steps"]),
+    ("kiln/train/schedule.py:ScheduleConfig.validate", [*M, "--schedule.gamma=0"], ["schedule.step_size"]),
+    # kiln/train/optim.py
+    ("kiln/train/optim.py:OptimConfig.validate", [*M, "--optim.name=adamz"], ["optim.name='adamz'"]),
+    ("kiln/train/optim.py:OptimConfig.validate", [*M, "--optim.lr=0"], ["optim.lr", "> 0"]),
+    ("kiln/train/optim.py:OptimConfig.validate", [*M, "--optim.beta2=1"], ["optim.beta2", "[0, 1)"]),
+    ("kiln/train/optim.py:OptimConfig.validate", [*M, "--optim.eps=0"], ["optim.weight_decay", "optim.eps > 0"]),
+    ("kiln/train/optim.py:OptimConfig.validate", [*M, "--optim.clip_mode=hard"], ["optim.clip_mode='hard'"]),
+    ("kiln/train/optim.py:OptimConfig.validate", [*M, "--optim.clip_percentile=0"], ["optim.clip_percentile"]),
+    ("kiln/train/optim.py:OptimConfig.validate", [*M, "--optim.clip_history=0"], ["optim.clip_history"]),
+    ("kiln/train/optim.py:OptimConfig.validate", [*M, "--optim.implementation=fast"],
+     ["optim.implementation='fast'", "foreach"]),
+    ("kiln/train/optim.py:OptimConfig.validate", [*M, "--optim.lr_scaling=cubic"], ["optim.lr_scaling='cubic'"]),
+    ("kiln/train/optim.py:OptimConfig.validate", [*M, "--optim.lr_scaling=linear", "--optim.reference_batch_tokens=0"],
+     ["optim.reference_batch_tokens"]),
+    ("kiln/train/optim.py:OptimConfig.validate", [*M, "--optim.offload=disk"], ["optim.offload='disk'"]),
+    # kiln/parallel/layout.py
+    ("kiln/parallel/layout.py:check_degrees", [*M, "--parallel.tp=0"], ["parallel.tp=0", "≥ 1"]),
+    ("kiln/parallel/layout.py:check_degrees", [*P2, "--parallel.tp=3"],
+     ["2 processes", "parallel.tp=3", "multiple of 3"]),
+    ("kiln/parallel/layout.py:check_degrees", [*M, "--ranks=2", "--parallel.strategy=none"],
+     ["parallel.strategy=none", "--parallel.strategy=ddp"]),
+    ("kiln/parallel/layout.py:check_degrees",
+     [*M, "--ranks=2", "--parallel.strategy=none", "--parallel.cp=2"], ["parallel.cp=2", "--parallel.strategy=fsdp"]),
+    ("kiln/parallel/layout.py:check_degrees", [*M, "--parallel.sequence_parallel=true"],
+     ["parallel.sequence_parallel", "--parallel.tp > 1"]),
+    ("kiln/parallel/layout.py:check_degrees", [*M, "--ranks=2", "--parallel.strategy=zero1",
+                                                     "--parallel.tp=2"], ["parallel.strategy=zero1", "fsdp or ddp"]),
+    ("kiln/parallel/layout.py:check_degrees", [*M, "--ranks=2", "--parallel.strategy=zero1",
+                                                     "--parallel.pp=2"], ["parallel.pp", "zero1"]),
+    ("kiln/parallel/layout.py:ParallelPlan.build", [*M, "--parallel.pp_schedule=zigzag"],
+     ["parallel.pp_schedule='zigzag'"]),
+    ("kiln/parallel/layout.py:ParallelPlan.build", [*P2, "--parallel.pp=2", "--parallel.pp_microbatches=3",
+                                                          "--train.micro_batch_size=4"], ["parallel.pp_microbatches=3"]),
+    ("kiln/parallel/layout.py:ParallelPlan.build", [*P2, "--parallel.pp=2", "--parallel.pp_schedule=1f1b",
+                                                          "--parallel.pp_microbatches=1"], ["1f1b", "gpipe"]),
+    ("kiln/parallel/layout.py:_check_model", [*P2, "--parallel.pp=2", "--model.n_layer=1"],
+     ["parallel.pp splits 1 blocks"]),
+    ("kiln/parallel/layout.py:_check_model", [*M, "--model.preset=qwen3-moe-nano", "--ranks=2", "--parallel.tp=2"],
+     ["parallel.tp=2", "mixture of experts"]),
+    ("kiln/parallel/layout.py:_check_model", [*P2, "--parallel.tp=2", "--model.n_head=3", "--model.d_model=48"],
+     ["parallel.tp=2 does not divide"]),
+]
+
+# Sites with fewer rows than raises, each with how many raises have no row (ALL: every one) and why.
+ALL = 99
+ALLOWED = {
+    "kiln/config.py:load_config": (
+        ALL, "holds 6 ConfigErrors of the config file (tests/cli/test_bad_input.py) and the re-raise of a section's "
+             "KilnError as a ConfigError (same key, value and fix)"),
+    "kiln/config.py:validate": (
+        ALL, "re-raises a section's KilnError as a ConfigError with the same key, value and fix"),
+    "kiln/models/config.py:ModelConfig.padded_vocab": (
+        ALL, "`kiln` sets model.vocab_size from the tokenizer before any caller asks for it: a library caller's "
+             "ModelConfig reaches it"),
+    "kiln/models/config.py:ModelConfig.check": (
+        1, "a size below 1: resolve() names a negative one first (row above) and fills 0 from the preset; a direct "
+           "check() reaches it"),
+    "kiln/models/values.py:check_values": (
+        1, "a negative model.vocab_size: resolve() names every negative size first (row above)"),
+    "kiln/memory/recompute.py:plan_for": (
+        ALL, "memory.recompute and memory.recompute_budget are checked by MemoryConfig.validate first (rows above); a "
+             "library caller of the estimator reaches it"),
+    "kiln/data/tokenizer.py:build_tokenizer": (
+        ALL, "data.tokenizer is checked by DataConfig.validate first (rows above); a library caller reaches it"),
+    "kiln/kernels/utils.py:check_device": (
+        ALL, "kiln's runs refuse train.kernels=triton on a CPU in resolve_kernels (row above); a library call of a "
+             "kiln.kernels op on a CPU tensor reaches it"),
+    "kiln/perf/hardware.py:resolve_kernels": (
+        3, "an unknown train.kernels is refused by TrainConfig.validate first; no triton package, or a GPU older "
+           "than Ampere, is not this machine (tests/kernels/test_kernels_apply.py fakes the old GPU)"),
+    "kiln/train/optim.py:_implementation": (
+        ALL, "kiln's own models hold floating-point parameters on CPU or CUDA; a fit() model elsewhere reaches it"),
+    "kiln/train/optim.py:AdaptiveClip.load_state_dict": (
+        ALL, "a resume with another optim.clip_history (a run and a resume: kept out of this table's time)"),
+}
+# Files whose errors were typed (ConfigError, SourceError, ...) before KilnError existed, with how many raises
+# each held then: their refusals are tested message by message by the files named. A raise added to one of them
+# beyond that count needs a row above (or the count raised here, with the test that covers it).
+ALLOWED_FILES = {
+    "kiln/config.py": (16, "ConfigError: tests/test_config.py, tests/cli/test_bad_input.py"),
+    **{f"kiln/cli/{name}.py": (n, "the command's own flags and files: tests/cli/test_bad_input.py, tests/cli/")
+       for name, n in [("checkpoints", 1), ("common", 1), ("data", 1), ("estimate", 4), ("eval", 4), ("export", 3),
+                       ("memory", 1), ("plan", 3), ("profile", 2), ("report", 1), ("sample", 6), ("train", 6)]},
+    "kiln/data/__init__.py": (9, "CorpusError, ShardError: tests/data/"),
+    "kiln/data/corpus.py": (4, "CorpusError: tests/data/test_data_corpus.py, tests/data/test_data_stream.py"),
+    "kiln/data/prepare.py": (10, "CorpusError, ShardError: tests/data/test_data_prepare.py"),
+    "kiln/data/pretokenized.py": (7, "ShardError: tests/data/"),
+    "kiln/data/shards.py": (8, "ShardError: tests/data/test_data_shards.py, tests/data/test_data_prepare.py"),
+    "kiln/evaluate/tasks.py": (17, "TaskError: tests/evaluate/test_tasks_and_metrics.py"),
+    "kiln/evaluate/score.py": (1, "TaskError: tests/evaluate/"),
+    "kiln/run/fit.py": (8, "FitInputError: tests/run/test_fit.py, tests/parallel/test_fit_tensor_parallel.py"),
+    "kiln/run/fit_checks.py": (14, "FitInputError: tests/run/test_fit.py"),
+    "kiln/run/predict.py": (7, "MetricError: tests/run/test_fit.py (metrics=)"),
+    "kiln/run/source.py": (8, "SourceError: tests/run/test_source.py"),
+    "kiln/train/checkpoint.py": (9, "CheckpointCorrupt: tests/train/test_reliability.py, test_damaged_files.py"),
+}
+
+
+def _family(trees: list[ast.Module]) -> set[str]:
+    """KilnError and every class in kiln that derives from it, by name (bases read from the source)."""
+    bases: dict[str, set[str]] = {}
+    for tree in trees:
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ClassDef):
+                bases.setdefault(node.name, set()).update(ast.unparse(b).split(".")[-1] for b in node.bases)
+    family = {"KilnError"}
+    while True:
+        more = {name for name, b in bases.items() if b & family} - family
+        if not more:
+            return family
+        family |= more
+
+
+def raise_sites(root: Path = KILN) -> dict[str, int]:
+    """{"kiln/x.py:Class.function": how many KilnError raises it holds}."""
+    files = sorted(root.rglob("*.py"))
+    trees = [ast.parse(path.read_text()) for path in files]
+    family = _family(trees)
+    sites: dict[str, int] = {}
+
+    def visit(node, path, scope):
+        for child in ast.iter_child_nodes(node):
+            if isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+                visit(child, path, scope + [child.name])
+                continue
+            if isinstance(child, ast.Raise) and isinstance(child.exc, ast.Call):
+                name = ast.unparse(child.exc.func).split(".")[-1]
+                if name in family:
+                    site = f"{path}:{'.'.join(scope) or '<module>'}"
+                    sites[site] = sites.get(site, 0) + 1
+            visit(child, path, scope)
+
+    for path, tree in zip(files, trees):
+        visit(tree, path.relative_to(root.parent).as_posix(), [])
+    return sites
+
+
+def test_every_raise_site_is_in_the_table():
+    sites = raise_sites()
+    rows: dict[str, int] = {}
+    for site, _, _ in SITES:
+        rows[site] = rows.get(site, 0) + 1
+    unlisted: dict[str, list[str]] = {}  # file -> its sites' raises without a row, one entry per raise
+    for site, n in sorted(sites.items()):
+        left = n - rows.get(site, 0) - ALLOWED.get(site, (0, ""))[0]
+        unlisted.setdefault(site.split(":")[0], []).extend([site] * max(0, left))
+    missing = []
+    for path, left in unlisted.items():
+        allowed = ALLOWED_FILES.get(path, (0, ""))[0]
+        if len(left) > allowed:
+            missing += [f"{site}: {sites[site]} raise(s), {rows.get(site, 0)} row(s) in SITES" for site in sorted(set(left))]
+            if allowed:
+                missing.append(f"  ({path} may hold {allowed} raises without rows, ALLOWED_FILES; it holds {len(left)})")
+    stale = [f"{site}: in the table, but it raises no KilnError" for site in sorted({*rows, *ALLOWED}) if site not in sites]
+    stale += [f"{path}: in ALLOWED_FILES, but it raises no KilnError" for path in ALLOWED_FILES
+              if not any(site.startswith(path + ":") for site in sites)]
+    assert not missing and not stale, "\n".join(
+        ["each `raise KilnError(...)` (or a subclass) needs a row in SITES (a bad input that reaches it) or an "
+         "entry in ALLOWED with the reason:", *missing, *stale])
+    assert len(sites) > 50, sites  # the scan finds the sites that exist (it is not looking at nothing)
+
+
+def _innermost(e: BaseException) -> BaseException:
+    """The deepest KilnError in the chain: a section's error re-raised as a ConfigError is where it came from."""
+    while isinstance(e.__cause__, KilnError):
+        e = e.__cause__
+    return e
+
+
+def _site_of(e: BaseException) -> str:
+    tb = e.__traceback__
+    while tb.tb_next is not None:
+        tb = tb.tb_next
+    path = Path(tb.tb_frame.f_code.co_filename).resolve().relative_to(ROOT).as_posix()
+    return f"{path}:{tb.tb_frame.f_code.co_qualname}"
+
+
+@pytest.mark.parametrize("site, argv, fragments", SITES, ids=[f"{s[0].split(':')[0][5:]}:{' '.join(s[1][3:])}"
+                                                             for s in SITES])
+def test_site_is_one_line(site, argv, fragments, capsys, monkeypatch, tmp_path):
+    monkeypatch.chdir(tmp_path)
+    for name in ("KILN_TRACEBACK", "KILN_DEBUG", "TRITON_INTERPRET"):  # (tests/kernels sets the interpreter)
+        monkeypatch.delenv(name, raising=False)
+    for name, text in FILES.items():
+        (tmp_path / name).write_text(text)
+    status = main(argv)
+    out, err = capsys.readouterr()
+    lines = err.strip().splitlines()
+    assert status == 2, f"exit status {status}\nstdout: {out}\nstderr: {err}"
+    assert len(lines) == 1 and lines[0].startswith(f"kiln {argv[0]}: error: "), err
+    assert "Traceback" not in out + err
+    for fragment in fragments:
+        assert fragment in lines[0], f"{fragment!r} not in: {lines[0]}"
+
+    with pytest.raises(KilnError) as info:
+        main(["--traceback", *argv])
+    deep = _innermost(info.value)
+    assert _site_of(deep) == site, f"the row reaches {_site_of(deep)}, not {site}: {deep}"
+    assert deep.key and deep.key.split("=")[0] in lines[0], f"key {deep.key!r} is not named in: {lines[0]}"

@@ -39,7 +39,7 @@ from dataclasses import replace
 
 from kiln.config import Config
 from kiln.memory.devices import get_device
-from kiln.memory.estimate import Job, Target, estimate, recompute_plan
+from kiln.memory.estimate import Job, Target, data_parallel, estimate, recompute_plan
 from kiln.memory.levers import rank_jobs
 from kiln.memory.planner import search, step_time
 from kiln.models import FAMILIES, ModelConfig, param_count
@@ -125,6 +125,8 @@ def cases(h100) -> None:
             kw = dict(levers)
             policy = kw.pop("recompute", "none")
             offload = kw.pop("offload", False)
+            if "parallel" in kw:  # data parallelism alone: the Job's plan
+                kw["plan"] = data_parallel(kw.pop("parallel"), kw.pop("world"))
             T = min(cfg.max_seq_len, 1024)
             job = Job(model=cfg, micro_batch=2, seq_len=T, target=Target(target, 9.0), **kw,
                       recompute=recompute_plan(policy, cfg.n_layer, 2),

@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import replace
 
 from kiln.memory.devices import get_device
-from kiln.memory.estimate import Job, Target
+from kiln.memory.estimate import Job, Target, data_parallel
 from kiln.memory.planner import INTERCONNECTS, step_time
 from kiln.models import ModelConfig
 
@@ -21,7 +21,7 @@ def scaling_table(job: Job, device, counts=(1, 8, 64, 512, 1024), node: int = 8,
     rows, base = [], None
     for n in counts:
         link = INTERCONNECTS[intra if n <= node else inter]
-        t = step_time(replace(job, world=n), device, link)
+        t = step_time(replace(job, plan=data_parallel(job.parallel, n)), device, link)
         tokens = n * job.grad_accum * job.micro_batch * job.seq_len
         rate = tokens / t["total"]
         base = base or rate
@@ -38,7 +38,7 @@ def main() -> None:
     for preset, parallel, B in (("gpt2-124m", "ddp", 8), ("gpt2-124m", "fsdp", 8), ("llama-7b", "fsdp", 4)):
         model = ModelConfig(preset=preset).resolve()
         job = Job(model=model, micro_batch=B, seq_len=1024, precision="bf16", target=Target("cuda", 9.0),
-                  parallel=parallel)
+                  plan=data_parallel(parallel))
         for row in scaling_table(job, h100):
             print(f"| {preset} {parallel}, {B}×1024 per GPU | {row['gpus']} | {row['link']} | {row['step_s']:.3f} | "
                   f"{row['communication_s']:.3f} | {row['exposed_s']:.3f} | {row['tokens_per_s']:,.0f} | "

@@ -24,6 +24,7 @@ from dataclasses import dataclass, field, replace
 
 from kiln.models.config import ModelConfig
 from kiln.models.registry import family
+from kiln.parallel.layout import ParallelPlan
 from kiln.parallel.strategy import Strategy, strategy
 from kiln.precision import PRECISIONS, mode
 
@@ -134,6 +135,11 @@ def attention_backend(cfg: ModelConfig, num: Numerics, target: Target) -> str:
 # ---------------------------------------------------------------- the job
 
 
+def data_parallel(strategy_name: str = "none", ranks: int = 1) -> ParallelPlan:
+    """The plan of data parallelism alone: `ranks` copies of the whole model under parallel.strategy."""
+    return ParallelPlan(ranks, strategy=strategy_name)
+
+
 @dataclass(frozen=True)
 class Job:
     """Everything the bytes of a training step depend on."""
@@ -151,20 +157,51 @@ class Job:
     optimizer: str = "adamw"  # "adamw" | "adam" | "sgd" | "adamw8bit"
     sgd_momentum: float = 0.9
     optimizer_offload: str = "none"  # "none" | "host" | "host-async"
-    parallel: str = "none"  # data parallelism: "none" | "ddp" | "zero1" | "fsdp" (kiln.parallel)
-    world: int = 1  # ranks sharing the model state; the breakdown is one rank's
     reshard_after_forward: bool = True  # fsdp: gathered parameters freed after each block's forward (ZeRO-3)
-    # The model-parallel layout of this rank (kiln.parallel.layout.ParallelPlan; levers.for_rank sets these from
-    # one). With pp > 1, `model` is this rank's stage: n_layer is the blocks it holds, micro_batch the pipeline's
+    # The layout this rank belongs to (kiln.parallel.layout.ParallelPlan, the run's one layout object: Job asks
+    # it, never keeps its own degrees; data_parallel(strategy, ranks) for data parallelism alone). With pp > 1,
+    # `model` is this rank's stage (levers.for_rank): n_layer is the blocks it holds, micro_batch the pipeline's
     # micro-batch and grad_accum the pipeline micro-batches per step.
-    tp: int = 1  # tensor-parallel degree: column/row linears and their activations split tp ways
-    sequence_parallel: bool = False  # tp: norms, dropout and the residual stream on 1/tp of the sequence
-    vocab_parallel: bool = False  # tp: embedding and head split by vocabulary rows (else replicated)
-    cp: int = 1  # context parallel (modelled only): the sequence split cp ways, ring attention
-    pp: int = 1  # pipeline stages
+    plan: ParallelPlan = field(default_factory=lambda: ParallelPlan(1))
     stage: int = 0  # this rank's pipeline stage (0: holds the embeddings; pp - 1: the final norm, head, loss)
-    pp_schedule: str = "1f1b"  # gpipe | 1f1b | interleaved_1f1b
-    virtual_stages: int = 1  # model chunks per pipeline rank (interleaved_1f1b: 2)
+
+    @property
+    def parallel(self) -> str:
+        """Data parallelism: none | ddp | zero1 | fsdp (kiln.parallel)."""
+        return self.plan.strategy
+
+    @property
+    def world(self) -> int:
+        """Ranks sharing the model state (dp × cp); the breakdown is one rank's."""
+        return self.plan.dp * self.plan.cp
+
+    @property
+    def tp(self) -> int:  # column/row linears and their activations split tp ways
+        return self.plan.tp
+
+    @property
+    def sequence_parallel(self) -> bool:  # tp: norms, dropout and the residual stream on 1/tp of the sequence
+        return self.plan.sequence_parallel
+
+    @property
+    def vocab_parallel(self) -> bool:  # tp: embedding and head split by vocabulary rows (kiln.parallel.tensor)
+        return self.plan.tp > 1
+
+    @property
+    def cp(self) -> int:  # context parallel (modelled only): the sequence split cp ways, ring attention
+        return self.plan.cp
+
+    @property
+    def pp(self) -> int:
+        return self.plan.pp
+
+    @property
+    def pp_schedule(self) -> str:  # gpipe | 1f1b | interleaved_1f1b
+        return self.plan.pp_schedule
+
+    @property
+    def virtual_stages(self) -> int:  # model chunks per pipeline rank (interleaved_1f1b: 2)
+        return self.plan.virtual_stages
 
     @property
     def dp_strategy(self) -> Strategy:

@@ -5,8 +5,8 @@
                                           the one builder of the estimator's Job, from the sections it reads
     job_of(cfg, model, precision, target) ... from a Config
     job_for(cfg, device)                  ... for a Device (kiln.memory.devices)
-    runtime_job(cfg, model_cfg, mode, d)  ... for the torch device this process trains on: its recompute plan is
-                                          what kiln's model pipeline (kiln.train.pipeline) applies
+    runtime_job(model_cfg, mode, d, **sections(cfg))  ... for the torch device this process trains on: its
+                                          recompute plan is what kiln's model pipeline (kiln.train.pipeline) applies
     for_rank(job, plan, stage)            one rank of a ParallelPlan (tensor, pipeline, context, data parallel)
     rank_jobs(cfg, device, ranks)         the plan of `ranks` processes checked as training checks it, and the
                                           Job of every pipeline stage (the planner's too)
@@ -18,7 +18,7 @@ from dataclasses import dataclass, replace
 import torch
 
 from kiln.errors import KilnError
-from kiln.memory.estimate import Job, Target, parse_bytes
+from kiln.memory.estimate import Job, Target, data_parallel, parse_bytes
 from kiln.memory.offload import parse_blocks
 from kiln.models.registry import family
 from kiln.parallel.layout import ParallelPlan
@@ -93,7 +93,7 @@ def make_job(model, precision: str, target: Target, *, train, seq_len: int, memo
     job = Job(model=model, micro_batch=train.micro_batch_size, seq_len=seq_len, grad_accum=train.grad_accum_steps,
               precision=precision, target=target, offload=parse_blocks(memory.offload_blocks, model.n_layer),
               chunked_loss=memory.chunked_loss, optimizer=optim.name, sgd_momentum=optim.momentum,
-              optimizer_offload=optim.offload, parallel=parallel.strategy, world=world,
+              optimizer_offload=optim.offload, plan=data_parallel(parallel.strategy, world),
               reshard_after_forward=parallel.reshard_after_forward)
     if recompute_plan is None:
         recompute_plan = plan_for(memory.recompute, memory.recompute_every, memory.recompute_budget, job)
@@ -121,10 +121,18 @@ def runtime_target(torch_device) -> Target:
     return Target(torch_device.type)
 
 
-def runtime_job(cfg, model_cfg, precision: str, torch_device) -> Job:
-    """The Job of the step this process is about to train (its concrete precision, its device, nothing measured):
-    its recompute plan is what kiln's model pipeline applies."""
-    return job_of(cfg, model_cfg, precision, runtime_target(torch_device))
+def runtime_job(model_cfg, precision: str, torch_device, *, train, seq_len: int, memory: MemoryConfig, optim,
+                parallel) -> Job:
+    """The Job of the step this process is about to train (its concrete precision, its device, nothing measured),
+    from the sections make_job reads: its recompute plan is what kiln's model pipeline applies."""
+    return make_job(model_cfg, precision, runtime_target(torch_device), train=train, seq_len=seq_len, memory=memory,
+                    optim=optim, parallel=parallel)
+
+
+def sections(cfg) -> dict:
+    """A Config's sections that make_job and runtime_job read, as their keyword arguments."""
+    return {"train": cfg.train, "seq_len": cfg.data.seq_len, "memory": cfg.memory, "optim": cfg.optim,
+            "parallel": cfg.parallel}
 
 
 def for_rank(job: Job, plan: ParallelPlan, stage: int = 0) -> Job:
@@ -148,9 +156,7 @@ def for_rank(job: Job, plan: ParallelPlan, stage: int = 0) -> Job:
         recompute = ("full",) + recompute[1:]
     return replace(job, model=replace(model, n_layer=len(blocks)), micro_batch=micro, grad_accum=accum,
                    recompute=recompute, offload=frozenset(k for k, i in enumerate(blocks) if i in job.offload),
-                   parallel=plan.strategy, world=plan.dp * plan.cp, tp=plan.tp,
-                   sequence_parallel=plan.sequence_parallel, vocab_parallel=plan.tp > 1, cp=plan.cp,
-                   pp=plan.pp, stage=stage, pp_schedule=plan.pp_schedule, virtual_stages=plan.virtual_stages)
+                   plan=plan, stage=stage)
 
 
 def rank_jobs(cfg, device, ranks: int, recompute_plan: tuple[str, ...] | None = None, stages=None

@@ -25,6 +25,7 @@ from kiln.memory.estimate import (Breakdown, Job, block_matmul_numel, estimate, 
 from kiln.memory.levers import job_for, rank_jobs
 from kiln.memory.recompute import solve_budget
 from kiln.models.registry import family
+from kiln.parallel.layout import ParallelPlan
 from kiln.parallel.strategy import STRATEGIES, strategy
 from kiln.errors import KilnError
 
@@ -286,13 +287,37 @@ class Choice:
     optimizer: str = "adamw"
     optim_offload: str = "none"
     chunked_loss: int = 0
-    parallel: str = "none"  # parallel.strategy (kiln plan --gpus N searches ddp, zero1 and fsdp)
-    tp: int = 1  # the model-parallel layout (kiln plan --gpus N searches tp × pp × cp; the rest is data parallel)
-    pp: int = 1
-    cp: int = 1
-    sequence_parallel: bool = False
-    pp_schedule: str = "1f1b"
-    pp_microbatches: int = 0
+    # the layout over `kiln plan --gpus N` (tp × pp × cp searched, the rest data parallel under ddp, zero1 or
+    # fsdp): the one layout object (kiln.parallel.layout), asked below, never copied into fields of its own
+    plan: ParallelPlan = field(default_factory=lambda: ParallelPlan(1))
+
+    @property
+    def parallel(self) -> str:  # parallel.strategy
+        return self.plan.strategy
+
+    @property
+    def tp(self) -> int:
+        return self.plan.tp
+
+    @property
+    def pp(self) -> int:
+        return self.plan.pp
+
+    @property
+    def cp(self) -> int:
+        return self.plan.cp
+
+    @property
+    def sequence_parallel(self) -> bool:
+        return self.plan.sequence_parallel
+
+    @property
+    def pp_schedule(self) -> str:
+        return self.plan.pp_schedule
+
+    @property
+    def pp_microbatches(self) -> int:
+        return self.plan.pp_microbatches
 
     def overrides(self) -> dict[str, object]:
         """The choice as command-line flags (section.key: value), for the user to read and type."""
@@ -516,7 +541,7 @@ def search(cfg, device, memory: int | None = None, global_batch_tokens: int = 0,
             choices += [
                 c for c in (
                     Choice(precision, mb, per_rank // mb, policy, offload_blocks=offload, optimizer=optimizer,
-                           optim_offload=opt_off, chunked_loss=chunk, parallel=name)
+                           optim_offload=opt_off, chunked_loss=chunk, plan=ParallelPlan(gpus, strategy=name))
                     for name, precision, mb, policy, optimizer, opt_off in itertools.product(
                         strategies, _precisions(device), _divisors(per_rank), ("none", "selective", "every_k",
                                                                                 "full", "budget"), optimizers,
@@ -565,9 +590,9 @@ def _search_layout(cfg, device, memory, L, gpus, links, gpus_per_node, tp, pp, c
                     fitted, refused = False, False
                     chunks = (0,) if tp > 1 else (0, chunk_for(vocab, mb * T // cp))
                     for policy, chunk in itertools.product(("none", "selective", "full"), chunks):
-                        c = Choice(precision, mb, m, policy, chunked_loss=chunk, parallel=name, tp=tp, pp=pp,
-                                   cp=cp, sequence_parallel=tp > 1, pp_schedule=schedule,
-                                   pp_microbatches=m if pp > 1 else 0)
+                        layout = ParallelPlan(gpus, tp, pp, name, tp > 1, schedule, m if pp > 1 else 0,
+                                              2 if schedule == "interleaved_1f1b" and pp > 1 else 1, cp)
+                        c = Choice(precision, mb, m, policy, chunked_loss=chunk, plan=layout)
                         if not _valid(c):
                             refused = True
                             break

@@ -3,6 +3,7 @@ FSDP2 (fully_shard per transformer block plus the root). Never a home-made engin
 
     ParallelConfig                    the `parallel` section
     world = init_world(cfg, device)   the process group from torchrun's environment (or a world of one)
+    world.lay_out(plan)               the run's ParallelPlan (built once, with the model) and its DeviceMesh
     parallelize(model, cfg, world, precision)   the model pipeline's parallelize step
     gradient_sync(step_model, on)     accumulation: no gradient reduction until the last micro-batch
     world.all_reduce(t, op, dim)      in place, over every rank or one mesh dim ("dp"); a no-op in a world of one
@@ -10,7 +11,7 @@ FSDP2 (fully_shard per transformer block plus the root). Never a home-made engin
 
 Tensor parallelism (kiln.parallel.tensor) splits kiln's Transformer over the mesh's tp dim before data parallelism
 wraps it, or a user's own plan splits a model of theirs (kiln.parallel.user_plan, `kiln.fit(tensor_parallel=fn)`);
-kiln.parallel.layout's ParallelPlan holds the degrees (world.plan) and world.mesh the DeviceMesh.
+kiln.parallel.layout's ParallelPlan holds the degrees (world.plan; World keeps none) and world.mesh the DeviceMesh.
 
 Surviving failures (multi-node, elastic restarts) lives beside it: kiln.parallel.watchdog (a collective that fails or
 times out becomes one line naming the rank, the step and the collective), kiln.parallel.elastic (--auto-resume under
@@ -24,7 +25,7 @@ import atexit
 import contextlib
 import os
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import timedelta
 
 import torch
@@ -34,7 +35,7 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
 from kiln.parallel.elastic import agent_store_in_use, round_store
-from kiln.parallel.layout import ParallelPlan
+from kiln.parallel.layout import ParallelPlan, check_degrees
 from kiln.parallel.strategy import Strategy, strategy
 from kiln.parallel.tensor import apply_tensor_parallel
 from kiln.parallel.user_plan import apply_user_plan
@@ -104,48 +105,62 @@ def _timed_allreduce(timer, bucket):  # no annotations: DDP checks them, and the
 
 @dataclass
 class World:
+    """This process's place in the run: rank, size, collectives; the layout is world.plan's (set by lay_out)."""
+
     rank: int = 0
     size: int = 1
     local_rank: int = 0
-    strategy: str = "none"
     comm: CommTimer | None = None  # ddp, zero1: the gradient all-reduces timed (FSDP2 offers no hook to time)
     timeout: float = 300.0  # parallel.timeout: how long a collective waits for the others
     broken: bool = False  # a collective failed (a rank died or hung): no further collective is attempted
     _side: object = None  # side_group()
-    plan: ParallelPlan | None = None  # the layout: tp × pp × dp degrees (None: a world of one, nothing split)
-    mesh: object = None  # the DeviceMesh (dims pp, dp, tp) of a multi-process or model-parallel run, else None
+    plan: ParallelPlan | None = field(default_factory=lambda: ParallelPlan(1))  # None from init_world to lay_out
+    mesh: object = None  # the DeviceMesh (dims pp, dp, tp) of a run under torchrun, else None
+    device_type: str = "cpu"  # the mesh's, built by lay_out when launched by torchrun
+    torchrun: bool = False
+
+    def lay_out(self, plan: ParallelPlan) -> "World":
+        """Take the run's plan (built once, with the model: kiln.run.builder) and, under torchrun, its mesh."""
+        if plan.world_size != self.size:
+            raise ValueError(f"a plan for {plan.world_size} ranks laid over a world of {self.size}")
+        self.plan = plan
+        self.mesh = _mesh(plan, self.device_type) if self.torchrun else None
+        return self
 
     @property
     def main(self) -> bool:
         return self.rank == 0
 
     @property
+    def strategy(self) -> str:  # parallel.strategy, as the plan holds it
+        return self.plan.strategy
+
+    @property
     def dp_strategy(self) -> Strategy:
         """What parallel.strategy does over the data-parallel ranks (kiln.parallel.strategy)."""
-        return strategy(self.strategy)
+        return self.plan.dp_strategy
 
     @property
     def sharded(self) -> bool:
         """Collectives and a sharded checkpoint: data parallelism (gradients averaged over the dp ranks), or the
         model split over ranks (tp, pp)."""
-        return self.dp_strategy.reduces or (self.plan is not None and self.plan.model_parallel)
+        return self.dp_strategy.reduces or self.plan.model_parallel
 
     @property
     def splits_weights(self) -> bool:
         """No rank holds the whole model: FSDP shards it, tensor or pipeline parallelism splits it."""
-        return self.size > 1 and (self.dp_strategy.shards_parameters or
-                                  (self.plan is not None and self.plan.model_parallel))
+        return self.size > 1 and (self.dp_strategy.shards_parameters or self.plan.model_parallel)
 
     @property
     def dp_size(self) -> int:
         """Model copies that see different data: the ranks a batch is shared by, and gradients averaged over."""
-        return self.plan.dp if self.plan is not None else self.size
+        return self.plan.dp
 
     @property
     def dp_rank(self) -> int:
         """This rank's index among the data-parallel copies: which share of the data it reads (tp ranks of one copy
         read the same)."""
-        return self.plan.coords(self.rank)["dp"] if self.plan is not None else self.rank
+        return self.plan.coords(self.rank)["dp"]
 
     def all_reduce(self, t: torch.Tensor, op=dist.ReduceOp.SUM, dim: str | None = None) -> torch.Tensor:
         """Reduce over every rank, or over the ranks of one mesh dim (dim="dp": the copies that saw different data;
@@ -207,10 +222,11 @@ def layout_event(world: World, model: nn.Module) -> dict:
     whole = sum(p.numel() * p.element_size() for p in params if p is not duplicate)
     plan = world.plan
     per_rank = world.gather_objects((held, whole))
-    if plan is not None and plan.pp > 1:  # each pipeline rank holds its stage's part: one copy's stages summed
+    if plan.pp > 1:  # each pipeline rank holds its stage's part: one copy's stages summed
         whole = sum(w for r, (_, w) in enumerate(per_rank) if plan.coords(r)["dp"] == plan.coords(r)["tp"] == 0)
-    return {"event": "layout", "mesh": plan.mesh_shape if plan is not None else {"dp": world.size},
-            "strategy": world.strategy, "sequence_parallel": bool(plan is not None and plan.sequence_parallel),
+    one = not world.torchrun and not plan.dp_strategy.reduces  # a plain world of one: {"dp": 1}, as ever
+    return {"event": "layout", "mesh": {"dp": world.size} if one else plan.mesh_shape,
+            "strategy": world.strategy, "sequence_parallel": plan.sequence_parallel,
             "param_bytes_per_rank": [h for h, _ in per_rank], "param_bytes_unsharded": whole}
 
 
@@ -223,7 +239,9 @@ def launched_by_torchrun() -> bool:
 
 
 def init_world(cfg: ParallelConfig, device_type: str) -> World:
-    """The world this process is part of. Errors name the fix for a launch that does not match the config."""
+    """The world this process is part of: the process group, not yet its layout (the run builder builds the
+    ParallelPlan once the model is known and calls world.lay_out). Errors name the fix for a launch that does not
+    match the config: the degrees are checked against the world here, before any rank reads data."""
     if cfg.cp > 1:
         raise ValueError(f"parallel.cp={cfg.cp}: context parallelism is modelled only (kiln memory, kiln plan); "
                          f"training it needs CUDA SDPA's ring attention, which kiln does not run yet: set "
@@ -235,12 +253,12 @@ def init_world(cfg: ParallelConfig, device_type: str) -> World:
             raise ValueError(f"parallel.tp={cfg.tp} × parallel.pp={cfg.pp} splits the model over {cfg.tp * cfg.pp} "
                              f"processes: launch with torchrun --nproc_per_node={cfg.tp * cfg.pp} (or a multiple)")
         if not strategy(cfg.strategy).reduces:
-            return World()
+            return World(plan=None, device_type=device_type)
         # A world of one: the same code path without torchrun (tests, resuming a parallel run on one device).
         if not dist.is_initialized():
             _init(backend, timeout, init_method=f"tcp://127.0.0.1:{_free_port()}", rank=0, world_size=1)
-        return World(0, dist.get_world_size(), 0, cfg.strategy, timeout=cfg.timeout,
-                     plan=ParallelPlan.build(cfg, dist.get_world_size()))
+        check_degrees(cfg, dist.get_world_size())
+        return World(0, dist.get_world_size(), 0, timeout=cfg.timeout, plan=None, device_type=device_type)
     size = int(os.environ["WORLD_SIZE"])
     missing = [k for k in TORCHRUN_ENV if k not in os.environ]
     if missing:
@@ -249,7 +267,7 @@ def init_world(cfg: ParallelConfig, device_type: str) -> World:
     if not strategy(cfg.strategy).reduces and size > cfg.tp * cfg.pp:
         raise ValueError(f"torchrun started {size} processes but parallel.strategy=none would train {size} "
                          f"independent copies; set --parallel.strategy=ddp, zero1 or fsdp")
-    plan = ParallelPlan.build(cfg, size)
+    check_degrees(cfg, size)
     if not dist.is_initialized():
         rank = int(os.environ["RANK"])
         if agent_store_in_use():  # torchrun's store, shared by its rounds: a namespace of this round's own
@@ -258,8 +276,8 @@ def init_world(cfg: ParallelConfig, device_type: str) -> World:
             _init(backend, timeout)
     elif hasattr(dist.distributed_c10d, "_set_pg_timeout"):  # a later run in this process: its own timeout
         dist.distributed_c10d._set_pg_timeout(timeout)
-    return World(int(os.environ["RANK"]), size, int(os.environ["LOCAL_RANK"]), cfg.strategy, timeout=cfg.timeout,
-                 plan=plan, mesh=_mesh(plan, device_type))
+    return World(int(os.environ["RANK"]), size, int(os.environ["LOCAL_RANK"]), timeout=cfg.timeout, plan=None,
+                 device_type=device_type, torchrun=True)
 
 
 _MESHES: dict = {}  # (shape, device type) -> DeviceMesh: like the process group, one per process, kept across runs

@@ -96,7 +96,7 @@ def batch_after_resharding(resumed_dp: int, dp: int, tc) -> str | None:
     """The line a resume on another number of data-parallel ranks prints (None when it is the same): with
     train.global_batch_size the global batch is kept and accumulation follows the world; without it each rank
     keeps its accumulation and the global batch changes with the world, said with the number to set. tc: the run's
-    train section, grad_accum_steps resolved for this world (kiln.train.loop.accumulation_for)."""
+    train section, grad_accum_steps resolved for this world (kiln.run.builder.accumulation_for)."""
     if resumed_dp == dp:
         return None
     ranks = f"resumed on {dp} data-parallel rank{'s' if dp > 1 else ''}, the checkpoint's world had {resumed_dp}"

@@ -6,6 +6,12 @@ it see different data (data parallel), decided once from the `parallel` section,
     plan.device_mesh(device_type)      torch's DeviceMesh with those named dims (init_device_mesh)
     plan.stage_layers()                the blocks each pipeline stage holds (even split, the remainder first)
     plan.rank_blocks(n_layer, stage)   the blocks one pipeline rank holds (interleaved: its v chunks)
+    plan.ranks_of(dim, rank)           the ranks of `rank`'s group along one mesh dim (its tp peers, its dp copies)
+    plan.holds(rank, n_layer)          what one rank holds: its coordinates, pipeline stage and blocks, tp shard
+
+One plan per run, built by the run builder (kiln.run.builder) once the model is known and asked by everything
+else: World (kiln.parallel) keeps the process group and its collectives and reads its degrees from world.plan;
+the estimator's Job and the planner's Choice hold one (kiln.memory).
 
 Context parallelism (parallel.cp, the sequence split over cp ranks with ring attention) is modelled by the
 estimator and the planner only: it needs CUDA SDPA's ring attention (torch.distributed.tensor.experimental.
@@ -25,6 +31,8 @@ from kiln.parallel.strategy import Strategy, strategy
 
 PP_SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b")
 MESH_DIMS = ("pp", "dp", "tp")  # outermost to innermost
+# Expert parallelism goes here when it is built: a field `ep` (experts split over ep ranks, carved out of dp as
+# torchtitan's ParallelDims does), a dim in MESH_DIMS between dp and tp, and its check in build().
 
 
 @dataclass(frozen=True)
@@ -42,6 +50,12 @@ class ParallelPlan:
     @property
     def dp(self) -> int:
         return self.world_size // (self.tp * self.pp * self.cp)
+
+    @staticmethod
+    def data_copies(cfg, world_size: int) -> int:
+        """The dp degree the `parallel` section gives `world_size` ranks, before the plan is built: the builder
+        splits the batch over it (train.global_batch_size) first, and the plan checks the pipeline's share of it."""
+        return world_size // (cfg.tp * cfg.pp * getattr(cfg, "cp", 1))
 
     @property
     def mesh_shape(self) -> dict[str, int]:
@@ -63,6 +77,20 @@ class ParallelPlan:
         for dim in reversed(MESH_DIMS):
             out[dim], rest = rest % self.mesh_shape[dim], rest // self.mesh_shape[dim]
         return out
+
+    def ranks_of(self, dim: str, rank: int = 0) -> list[int]:
+        """The ranks of `rank`'s group along mesh dim `dim`: those whose other coordinates are rank's (its tp peers,
+        the dp copies it averages gradients with, the stages of its pipeline), in order along the dim."""
+        mine = self.coords(rank)
+        return [r for r in range(self.world_size // self.cp)
+                if all(c == mine[d] for d, c in self.coords(r).items() if d != dim)]
+
+    def holds(self, rank: int, n_layer: int) -> dict:
+        """What `rank` holds of a model of n_layer blocks: its mesh coordinates, its pipeline stage and blocks, and
+        which 1/tp shard of every split linear (tp_shard of tp)."""
+        at = self.coords(rank)
+        return {"coords": at, "stage": at["pp"], "blocks": self.rank_blocks(n_layer, at["pp"]),
+                "tp_shard": at["tp"], "tp": self.tp, "dp_copy": at["dp"]}
 
     def stage_layers(self, n_layer: int) -> list[range]:
         """The blocks of each of the pp × virtual_stages stages, in model order: an even split, the first
@@ -97,39 +125,8 @@ class ParallelPlan:
 
         batch_sequences: sequences one data-parallel rank computes per step (micro_batch_size ×
         grad_accum_steps), which the pipeline's micro-batches must divide."""
+        check_degrees(cfg, world_size)
         tp, pp, cp = cfg.tp, cfg.pp, getattr(cfg, "cp", 1)
-        if tp < 1 or pp < 1 or cp < 1:
-            raise KilnError(f"parallel.tp={tp}, parallel.pp={pp} and parallel.cp={cp} must be ≥ 1 (1 = not split)",
-                            key="parallel.tp", fix="give each a whole number ≥ 1")
-        if world_size % (tp * pp * cp):
-            what = f"parallel.tp={tp} × parallel.pp={pp}" + (f" × parallel.cp={cp}" if cp > 1 else "")
-            raise KilnError(f"{world_size} processes do not divide into {what} = {tp * pp * cp} ranks per model "
-                            f"copy: launch a multiple of {tp * pp * cp} processes (torchrun --nproc_per_node) or "
-                            f"change tp/pp" + ("/cp" if cp > 1 else ""), key="parallel.tp", value=tp)
-        dp = world_size // (tp * pp * cp)
-        data = strategy(cfg.strategy)
-        if dp > 1 and not data.reduces:
-            raise KilnError(f"{world_size} processes with tp={tp} × pp={pp} leave {dp} data-parallel copies, but "
-                            f"parallel.strategy=none would train them independently: set "
-                            f"--parallel.strategy=ddp, zero1 or fsdp",
-                            key="parallel.strategy", value=cfg.strategy,
-                            fix="set --parallel.strategy=ddp, zero1 or fsdp")
-        if cp > 1 and not data.reduces:
-            raise KilnError(f"parallel.cp={cp} ranks hold the same weights and must reduce their gradients: set "
-                            f"--parallel.strategy=fsdp (or ddp, zero1); the state is sharded over dp × cp ranks",
-                            key="parallel.strategy", value=cfg.strategy)
-        if cfg.sequence_parallel and tp == 1:
-            raise KilnError("parallel.sequence_parallel splits the sequence among tensor-parallel ranks: it needs "
-                            "--parallel.tp > 1",
-                            key="parallel.sequence_parallel", value=True, fix="it needs --parallel.tp > 1")
-        if tp > 1 and data.refuses_tp:
-            raise KilnError(f"parallel.strategy={data.name} {data.refuses_tp} with parallel.tp={tp}: use "
-                            f"--parallel.strategy=fsdp or ddp",
-                            key="parallel.strategy", value=data.name, fix="use --parallel.strategy=fsdp or ddp")
-        if pp > 1 and data.zero_optimizer:
-            raise KilnError(f"parallel.pp with parallel.strategy={data.name} is not built (ZeroRedundancyOptimizer's "
-                            f"state would need one consolidated checkpoint per stage): use --parallel.strategy=fsdp "
-                            f"or ddp", key="parallel.strategy", value=data.name)
         if cfg.pp_schedule not in PP_SCHEDULES:
             raise KilnError(f"parallel.pp_schedule={cfg.pp_schedule!r} is unknown; use one of {PP_SCHEDULES}",
                             key="parallel.pp_schedule", value=cfg.pp_schedule, fix=f"use one of {PP_SCHEDULES}")
@@ -150,6 +147,44 @@ class ParallelPlan:
                                 f"pipeline micro-batches (parallel.pp_microbatches={micro}); raise it or use gpipe",
                                 key="parallel.pp_microbatches", value=micro, fix="raise it or use gpipe")
         return cls(world_size, tp, pp, cfg.strategy, cfg.sequence_parallel, cfg.pp_schedule, micro, virtual, cp)
+
+
+def check_degrees(cfg, world_size: int) -> None:
+    """The `parallel` section's degrees and strategy against `world_size` ranks, without the model: what a launch
+    can be refused for before any rank reads data (init_world), and the first part of ParallelPlan.build."""
+    tp, pp, cp = cfg.tp, cfg.pp, getattr(cfg, "cp", 1)
+    if tp < 1 or pp < 1 or cp < 1:
+        raise KilnError(f"parallel.tp={tp}, parallel.pp={pp} and parallel.cp={cp} must be ≥ 1 (1 = not split)",
+                        key="parallel.tp", fix="give each a whole number ≥ 1")
+    if world_size % (tp * pp * cp):
+        what = f"parallel.tp={tp} × parallel.pp={pp}" + (f" × parallel.cp={cp}" if cp > 1 else "")
+        raise KilnError(f"{world_size} processes do not divide into {what} = {tp * pp * cp} ranks per model "
+                        f"copy: launch a multiple of {tp * pp * cp} processes (torchrun --nproc_per_node) or "
+                        f"change tp/pp" + ("/cp" if cp > 1 else ""), key="parallel.tp", value=tp)
+    dp = world_size // (tp * pp * cp)
+    data = strategy(cfg.strategy)
+    if dp > 1 and not data.reduces:
+        raise KilnError(f"{world_size} processes with tp={tp} × pp={pp} leave {dp} data-parallel copies, but "
+                        f"parallel.strategy=none would train them independently: set "
+                        f"--parallel.strategy=ddp, zero1 or fsdp",
+                        key="parallel.strategy", value=cfg.strategy,
+                        fix="set --parallel.strategy=ddp, zero1 or fsdp")
+    if cp > 1 and not data.reduces:
+        raise KilnError(f"parallel.cp={cp} ranks hold the same weights and must reduce their gradients: set "
+                        f"--parallel.strategy=fsdp (or ddp, zero1); the state is sharded over dp × cp ranks",
+                        key="parallel.strategy", value=cfg.strategy)
+    if cfg.sequence_parallel and tp == 1:
+        raise KilnError("parallel.sequence_parallel splits the sequence among tensor-parallel ranks: it needs "
+                        "--parallel.tp > 1",
+                        key="parallel.sequence_parallel", value=True, fix="it needs --parallel.tp > 1")
+    if tp > 1 and data.refuses_tp:
+        raise KilnError(f"parallel.strategy={data.name} {data.refuses_tp} with parallel.tp={tp}: use "
+                        f"--parallel.strategy=fsdp or ddp",
+                        key="parallel.strategy", value=data.name, fix="use --parallel.strategy=fsdp or ddp")
+    if pp > 1 and data.zero_optimizer:
+        raise KilnError(f"parallel.pp with parallel.strategy={data.name} is not built (ZeroRedundancyOptimizer's "
+                        f"state would need one consolidated checkpoint per stage): use --parallel.strategy=fsdp "
+                        f"or ddp", key="parallel.strategy", value=data.name)
 
 
 def _check_model(tp: int, stages: int, model: ModelConfig, family, schedule: str) -> None:

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import itertools
 import math
+import os
 import time
 import warnings
 from collections.abc import Iterator, Sized
@@ -39,9 +40,9 @@ import torch
 import torch.nn as nn
 from rich.console import Console
 
-from kiln.config import Config, apply_overrides, load_config, parse_override, to_toml
+from kiln.config import Config, apply_overrides, load_config, parse_override
 from kiln.data.batches import BatchLoader, eval_batches, is_dataset, to_device
-from kiln.parallel import device_for, init_world
+from kiln.parallel import ParallelPlan, launched_by_torchrun
 from kiln.memory.offload import parse_blocks
 from kiln.memory.estimate import recompute_plan
 from kiln.models.transformer import Transformer
@@ -50,17 +51,17 @@ from kiln.perf.compile import compile_setting
 from kiln.perf.hardware import precision_notice, resolve_kernels, resolve_mode
 from kiln.run.fit_checks import (FitInputError, FitWarning, check_data, check_first_loss, first_batch, given_keys,
                                  ignored_keys, recorded, schedule_change)
+from kiln.run.builder import build_run, recorded_cpu_linear
 from kiln.run.device_levers import device_levers
-from kiln.run.lm import pick_device, recorded_cpu_linear
 from kiln.run.predict import check_metrics, evaluate_metrics, remember
 from kiln.train.callbacks import Callbacks
 from kiln.train.checkpoint import Checkpointer, RunLock
-from kiln.train.loop import TrainResult, Trainer, accumulation_for
+from kiln.train.loop import TrainResult
 from kiln.train.losses import NTXent
 from kiln.train.objective import Contrastive, Supervised
 from kiln.train.optim import scaled_lr
 from kiln.train.pipeline import ModelPlan
-from kiln.train.state import build_state, determinism, seed_everything
+from kiln.train.state import determinism
 from kiln.train.step import evaluate
 from kiln.util import format_count
 
@@ -243,15 +244,19 @@ def fit(model: nn.Module, train_data, *, loss="cross_entropy", config=None, eval
     if not resume and latest is not None:
         raise FileExistsError(f"{run_dir} already holds a run with checkpoints; pass resume=True to continue it, "
                               f"or choose another run_dir")
-    world = init_world(cfg.parallel, pick_device(cfg.train.device).type)
     recorded_toml = (latest / "config.toml").read_text() if resume and latest is not None \
         and (latest / "config.toml").is_file() else None
-    try:
-        with RunLock(run_dir, enabled=world.main), determinism(cfg.train.deterministic):
-            return _fit(model, train_data, objective, cfg, eval_data, run_dir, resume, console, flops_per_sample,
-                        world, _Extras(epochs, given, Callbacks(callbacks), metrics, recorded_toml, tensor_parallel))
-    finally:
-        world.close()
+    con = console or Console(soft_wrap=True)
+    parts = FitParts(model, train_data, objective, _Extras(epochs, given, Callbacks(callbacks), metrics, recorded_toml,
+                                                           tensor_parallel, eval_data))
+    main = not launched_by_torchrun() or int(os.environ["RANK"]) == 0
+    with RunLock(run_dir, enabled=main), determinism(cfg.train.deterministic):
+        run = build_run(cfg, parts, log=con.print)
+        try:
+            return _fit(run, parts, eval_data, run_dir, resume, con if run.world.main else Console(quiet=True),
+                        flops_per_sample)
+        finally:
+            run.world.close()
 
 
 @dataclass
@@ -262,29 +267,60 @@ class _Extras:
     metrics: dict
     recorded_toml: str | None
     tensor_plan: object = None  # fit()'s tensor_parallel
+    eval_data: object = None
 
 
-def _fit(model, train_data, objective, cfg, eval_data, run_dir, resume, console, flops_per_sample,
-         world, extras: _Extras) -> TrainResult:
-    con = console or Console(soft_wrap=True)
-    if not world.main:
-        con = Console(quiet=True)  # rank 0 speaks for the run
-    device = device_for(world, pick_device(cfg.train.device))
-    device_notes = device_levers(cfg, device)  # a lever this device cannot run: refused here, before the data
-    # the tp ranks of one copy see the same batches: data is shared by the dp_size copies
-    cfg = replace(cfg, train=replace(cfg.train, grad_accum_steps=accumulation_for(cfg.train, world.dp_size)))
-    cfg, length_note = _run_length(cfg, train_data, extras.epochs, extras.given, world.dp_size)
-    cfg, defaults_note = _fit_defaults(cfg, extras.given, extras.recorded_toml)
-    first = check_data(train_data, "train_data", cfg.train.micro_batch_size)
-    eval_first = check_data(eval_data, "eval_data", cfg.train.micro_batch_size) if eval_data is not None else None
-    seed_everything(cfg.train.seed)  # dropout and any init the model does lazily draw from here
-    precision = resolve_mode(cfg.precision.mode, device)
-    linears = [(cfg.train.micro_batch_size, m.in_features, m.out_features) for m in model.modules()
-               if type(m) is nn.Linear]  # (rows: a sample a row, as for an MLP)
-    cfg = replace(cfg, train=recorded_cpu_linear(cfg.train, device, precision, linears, world))
-    loader = BatchLoader(train_data, cfg.train.micro_batch_size, cfg.train.seed, device, world.dp_rank, world.dp_size)
-    state = build_state(model, objective, loader, device=device, precision=precision, precision_cfg=cfg.precision,
-                        optim=cfg.optim, plan=_plan(cfg, model, precision, device, extras.tensor_plan), world=world)
+@dataclass
+class FitParts:
+    """What fit() hands the run builder (kiln.run.builder): the user's model, data and objective. Each step returns
+    what it decided; the builder records it."""
+
+    model_: nn.Module
+    train_data: object
+    objective: object
+    extras: _Extras
+    notes: tuple = ()  # the run length's and the defaults' lines, printed before training
+    first: tuple = (None, None)  # the first train_data and eval_data batches, checked
+
+    def inputs(self, cfg: Config, world, device, log) -> dict:
+        """The run's length from `epochs` (or one epoch), fit()'s defaults, the first batches checked."""
+        x = self.extras
+        device_notes = device_levers(cfg, device)  # a lever this device cannot run: refused here, before the data
+        cfg, length_note = _run_length(cfg, self.train_data, x.epochs, x.given,
+                                        ParallelPlan.data_copies(cfg.parallel, world.size))
+        cfg, defaults_note = _fit_defaults(cfg, x.given, x.recorded_toml)
+        self.notes = (length_note, defaults_note, *device_notes)
+        mb = cfg.train.micro_batch_size
+        self.first = (check_data(self.train_data, "train_data", mb),
+                      check_data(x.eval_data, "eval_data", mb) if x.eval_data is not None else None)
+        return {"train": cfg.train, "optim": cfg.optim, "schedule": cfg.schedule}
+
+    def precision(self, cfg: Config, device, log) -> tuple[dict, str]:
+        return {}, resolve_mode(cfg.precision.mode, device)  # recorded as given (auto stays auto)
+
+    def layout(self, cfg: Config, world_size: int) -> ParallelPlan:
+        return ParallelPlan.build(cfg.parallel, world_size)  # a model of the user's: no family to check
+
+    def decisions(self, cfg: Config, device, world, precision: str) -> dict:
+        linears = [(cfg.train.micro_batch_size, m.in_features, m.out_features) for m in self.model_.modules()
+                   if type(m) is nn.Linear]  # (rows: a sample a row, as for an MLP)
+        return {"train": recorded_cpu_linear(cfg.train, device, precision, linears, world)}
+
+    def model(self, cfg: Config, device) -> nn.Module:
+        return self.model_
+
+    def loader(self, cfg: Config, world, device) -> BatchLoader:
+        return BatchLoader(self.train_data, cfg.train.micro_batch_size, cfg.train.seed, device, world.dp_rank,
+                           world.dp_size)
+
+    def levers(self, cfg: Config, model, precision: str, device, plan: ParallelPlan) -> ModelPlan:
+        return _plan(cfg, model, precision, device, self.extras.tensor_plan)
+
+
+def _fit(run, parts: FitParts, eval_data, run_dir, resume, con, flops_per_sample) -> TrainResult:
+    cfg, state, world, extras, objective = run.cfg, run.state, run.world, parts.extras, parts.objective
+    device, precision, model, train_data = state.device, state.precision.mode, parts.model_, parts.train_data
+    first, eval_first = parts.first
     if not world.dp_strategy.shards_parameters:  # FSDP2's sharded forward is the step's to run
         for name, data, batch in (("train_data", train_data, first), ("eval_data", eval_data, eval_first)):
             if batch is not None:
@@ -302,9 +338,9 @@ def _fit(model, train_data, objective, cfg, eval_data, run_dir, resume, console,
             return evaluate(m, batches, objective, state.precision, device, reduce)
     # optim.lr_scaling counts the global batch in samples here (the objective's unit)
     peak_lr, scaled = scaled_lr(cfg.optim, cfg.train.micro_batch_size * cfg.train.grad_accum_steps * world.dp_size)
-    trainer = Trainer(state, cfg, run_dir, con, evaluate=evaluate_fn, config_toml=to_toml,
-                      flops_per_unit=flops_per_sample, peak_flops=device_peak_flops(device, precision),
-                      peak_lr=peak_lr, callbacks=extras.callbacks.callbacks)
+    trainer = run.trainer(run_dir, con, evaluate=evaluate_fn, flops_per_unit=flops_per_sample,
+                          peak_flops=device_peak_flops(device, precision), peak_lr=peak_lr,
+                          callbacks=extras.callbacks.callbacks)
     remember(state.model, state.precision, device, cfg.train.micro_batch_size)  # predict() runs as the run did
     if resume:
         path = trainer.resume()
@@ -317,10 +353,11 @@ def _fit(model, train_data, objective, cfg, eval_data, run_dir, resume, console,
     con.print(f"model: {type(model).__name__} {format_count(state.n_params)} parameters | device {device} | "
               f"precision {precision} | {objective!r} | {tc.micro_batch_size}×{tc.grad_accum_steps} per step",
               highlight=False)
-    for line in (length_note, defaults_note, scaled, precision_notice(cfg.precision.mode, device), *device_notes):
+    for line in (*parts.notes[:2], scaled, precision_notice(cfg.precision.mode, device), *parts.notes[2:]):
         if line:
             con.print(line, highlight=False)
     result = trainer.run()
+    result.cfg = run.cfg  # the run as recorded
     if result.signal is not None:
         con.print(f"stopped by signal {result.signal} at step {result.step}: checkpoint {result.checkpoint}; resume "
                   f"with fit(..., resume=True)", highlight=False)

@@ -1,33 +1,32 @@
 """kiln's language-model job, built from a Config: what `kiln train`, `kiln doctor`, `kiln memory --measure`,
 `kiln plan --verify` and the benchmarks build.
 
-    lm = build_lm(cfg, run_dir)         data, the resolved config, the model, and the TrainState (one builder)
+    lm = build_lm(cfg, run_dir)         kiln.run.builder's steps with LMParts: data, the model, the TrainState
     result = train(cfg, run_dir)        build, (resume,) run the Trainer, sample; returns a TrainResult
 
-The model is kiln's Transformer; everything after building it (kernels, memory levers, compile) is the model
-pipeline's (kiln.train.pipeline), with the plan made here from the config.
+The model is kiln's Transformer; the model pipeline (kiln.train.pipeline) applies its levers (model_plan).
 """
 from __future__ import annotations
 
 import itertools
 import os
 import signal
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 
 import torch
 from rich.console import Console
 
-from kiln.config import Config, checked, to_toml
+from kiln.config import Config, checked
 from kiln.data import PreparedData, TokenLoader, prepare_data, val_batches
 from kiln.data.batches import to_device
 from kiln.evaluate import Prepared, load_tasks, prepare, score_task
-from kiln.parallel import ParallelPlan, device_for, init_world, launched_by_torchrun
+from kiln.parallel import ParallelPlan, launched_by_torchrun
 from kiln.parallel.elastic import batch_after_resharding, restart_record
 from kiln.interop.hf import read_hf
 from kiln.memory.devices import get_device, local_device
 from kiln.memory.estimate import fmt_bytes, parse_bytes
-from kiln.memory.levers import runtime_job
+from kiln.memory.levers import runtime_job, sections
 from kiln.memory.planner import search
 from kiln.models import ModelConfig, Transformer, build_model
 from kiln.models.config import with_training_fields
@@ -35,32 +34,23 @@ from kiln.models.generate import Sampling
 from kiln.models.registry import family
 from kiln.numerics.faults import DelayedLoader
 from kiln.perf import flops_per_token
-from kiln.perf.compile import compile_key, compile_setting, decide_compile
 from kiln.perf.flops import recompute_flops_per_token
-from kiln.perf.cpu_linear import decide_cpu_linear
 from kiln.perf.peak import linear_shapes, model_peak_flops
-from kiln.perf.hardware import decide_mode, precision_notice, resolve_kernels
+from kiln.perf.hardware import precision_notice, resolve_kernels
 from kiln.precision import mode
+from kiln.run.builder import (RunRecord, build_run, pick_device, recorded_compile, recorded_cpu_linear,
+                              recorded_precision, trainer_sections)
 from kiln.run.device_levers import device_levers
 from kiln.run.generate import complete
 from kiln.run.oom import OomContext, OutOfMemory, oom_report, ram_check
 from kiln.train.checkpoint import Checkpointer, RunLock, full_weights
-from kiln.train.loop import TrainResult, Trainer, accumulation_for
+from kiln.train.loop import TrainResult, Trainer
 from kiln.train.objective import LanguageModeling
 from kiln.train.optim import scaled_lr
 from kiln.train.pipeline import ModelPlan
 from kiln.train.precision import Precision
-from kiln.train.state import TrainState, build_state, determinism, seed_everything
+from kiln.train.state import TrainState, determinism
 from kiln.train.step import evaluate
-
-
-def pick_device(name: str) -> torch.device:
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    device = torch.device(name)
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise ValueError("train.device asks for CUDA but torch sees no GPU; use --train.device=cpu")
-    return device
 
 
 def resolve_model(cfg: Config, vocab: int) -> ModelConfig:
@@ -81,7 +71,7 @@ def model_plan(cfg: Config, model_cfg: ModelConfig, precision: str, device: torc
     kernels = resolve_kernels(cfg.train.kernels, device)
     if kernels == "triton" and model_cfg.dropout > 0:
         kernels = "torch"  # train.kernels=auto with dropout: FlashAttention has none (explicit triton is refused)
-    job = runtime_job(cfg, model_cfg, precision, device)
+    job = runtime_job(model_cfg, precision, device, **sections(cfg))
     # tp > 1: kiln.parallel.tensor puts its vocabulary-parallel loss in the plain LMLoss's place
     fused = kernels == "triton" and cfg.parallel.tp == 1
     loss = "chunked" if cfg.memory.chunked_loss else ("fused" if fused else "plain")
@@ -103,58 +93,13 @@ def plan_memory(cfg: Config, device: torch.device, log=print) -> Config:
     return checked(best.choice.on(cfg))
 
 
-def recorded_precision(pc, asked: str, device: torch.device):
-    """The precision section with its concrete mode and what decided it, as the run's config.toml records them:
-    a resume (and `--train.max_steps=N` repeats) runs that mode, whatever auto would measure on the machine then.
-    A config that already says what decided it (a resumed run's) keeps its words."""
-    mode, why = decide_mode(pc.mode, device)
-    if pc.mode != asked:
-        why = f"plan.memory chose precision.mode={mode} (precision.mode={asked} was given)"
-    return replace(pc, mode=mode, decided_by=pc.decided_by if pc.decided_by and pc.mode == asked != "auto" else why)
-
-
-def recorded_compile(cfg: Config, device: torch.device):
-    """The train section with train.compile resolved (auto: from its measured cost and gain, kiln.perf.compile) and
-    why, as config.toml records them: a resume, or `--train.max_steps=N`, compiles as the run did. A concrete
-    value that already says why (a resumed run's) keeps its words."""
-    tc = cfg.train
-    setting = compile_setting(tc.compile)
-    why = tc.compile_decided_by
-    recorded = "true" if why.startswith("auto: on,") else "false" if why.startswith("auto: off,") else ""
-    if setting != "auto" and recorded == setting:  # the run's own reason for the value it has (not an override's)
-        return replace(tc, compile=setting == "true")
-    rows = tc.micro_batch_size * cfg.data.seq_len
-    on, why = decide_compile(tc.compile, device, compile_key(cfg.model, cfg.precision.mode, rows), tc.max_steps,
-                             tc.time_budget, blocked_by="faults.* hook the eager modules" if cfg.faults.any else
-                             "parallel.pp runs torch's pipeline schedules on eager stages" if cfg.parallel.pp > 1
-                             else None)
-    return replace(tc, compile=on, compile_decided_by=why)
-
-
-def recorded_cpu_linear(tc, device: torch.device, precision: str, shapes: list[tuple[int, int, int]], world):
-    """The train section `tc` with train.cpu_linear resolved to onednn or torch (auto: measured once per machine at
-    the largest of `shapes`, the model's linears as (rows, in, out); kiln.perf.cpu_linear) and why, as config.toml
-    records them: a resume runs the products the run ran."""
-    if tc.cpu_linear != "auto" and tc.cpu_linear_decided_by.startswith(f"auto: {tc.cpu_linear},"):
-        return tc  # a resumed run's choice, with its reason
-
-    def decide():
-        compiled = compile_setting(tc.compile) == "true"
-        return decide_cpu_linear(tc.cpu_linear, device, precision, shapes, compiled=compiled)
-
-    if tc.cpu_linear == "auto":  # rank 0 measures and decides (auto never raises): every rank runs its products
-        on, why = world.broadcast_object(decide() if world.main else None)
-    else:
-        on, why = decide()  # an explicit value: the same answer, or the same refusal, on every rank
-    return replace(tc, cpu_linear="onednn" if on else "torch", cpu_linear_decided_by=why)
-
-
 @dataclass
 class LMRun:
     cfg: Config  # resolved: model shape and vocabulary filled in, the plan applied
     state: TrainState
     data: PreparedData | None  # None when built to measure (random tokens)
     tasks: list[Prepared] = field(default_factory=list)  # train.eval_tasks, tokenized once
+    record: RunRecord | None = None  # the builder's record of the run: what config.toml saves
 
     @property
     def model_cfg(self) -> ModelConfig:
@@ -230,8 +175,8 @@ class LMRun:
         c, state = self.cfg, self.state
         model_flops = flops_per_token(c.model, c.data.seq_len)
         recomputed = recompute_flops_per_token(c.model, c.data.seq_len, self.state.applied.get("recompute", ()))
-        return Trainer(state, c, run_dir, console, evaluate=self.evaluate if self.data is not None else None,
-                       config_toml=to_toml, flops_per_unit=model_flops,
+        return Trainer(state, run_dir, console, **trainer_sections(c), record=self.record or RunRecord(c),
+                       evaluate=self.evaluate if self.data is not None else None, flops_per_unit=model_flops,
                        hardware_flops_per_unit=model_flops + recomputed,
                        peak_flops=model_peak_flops(state.device, state.precision.mode, c.model,
                                                    c.train.micro_batch_size * c.data.seq_len,
@@ -242,66 +187,87 @@ class LMRun:
 
 def build_lm(cfg: Config, run_dir: Path | None = None, log=print, device: torch.device | None = None,
              with_data: bool = True) -> LMRun:
-    """Data (tokenized once, cached), the resolved config, the model through the pipeline, the TrainState.
+    """Data (tokenized once, cached), the resolved config, the model through the pipeline, the TrainState: the run
+    builder's steps (kiln.run.builder) with kiln train's parts.
 
     with_data=False builds without data (vocabulary from the config, 256 for bytes): for measuring memory on
     random tokens.
     """
-    for note in device_levers(cfg, device or pick_device(cfg.train.device)):
+    for note in device_levers(cfg, device or pick_device(cfg.train.device)):  # refused before the data
         log(note)
-    world = init_world(cfg.parallel, (device or pick_device(cfg.train.device)).type)
-    try:
-        return _build_lm(cfg, run_dir, log, device_for(world, device or pick_device(cfg.train.device)), with_data,
-                         world)
-    except BaseException:
-        world.close()
-        raise
+    parts = LMParts(Path(run_dir) if run_dir is not None else None, with_data, log)
+    run = build_run(cfg, parts, device, log)
+    return LMRun(run.cfg, run.state, parts.data, parts.tasks, run.record)
 
 
-def _build_lm(cfg: Config, run_dir, log, device: torch.device, with_data: bool, world) -> LMRun:
-    cfg = replace(cfg, train=replace(cfg.train, grad_accum_steps=accumulation_for(cfg.train, world.dp_size)))
-    seed_everything(cfg.train.seed)  # the same on every rank: the same initial weights
-    initial = None
-    if cfg.model.init:  # a Hugging Face checkpoint: its shape, its weights and (unless told) its tokenizer
-        directory = Path(cfg.model.init.removeprefix("hf:"))
-        shape, initial = read_hf(directory)
-        cfg = replace(cfg, model=replace(with_training_fields(shape, cfg.model), init=cfg.model.init))
-        if cfg.data.tokenizer == "bytes" and (directory / "tokenizer.json").is_file():
-            cfg = replace(cfg, data=replace(cfg.data, tokenizer=cfg.model.init))
-    data = None
-    if with_data:  # rank 0 tokenizes (or finds the cache) and saves the tokenizer; the others wait, then read
-        # data.cache_per_node: the cache is on each node's own disk, so each node's local rank 0 prepares it too
-        first = world.main or (cfg.data.cache_per_node and world.local_rank == 0)
-        if first:
-            data = prepare_data(cfg.data, Path(run_dir) if world.main else None,
-                                log=log if world.main else lambda msg: None)
-        world.barrier()
-        if not first:
-            data = prepare_data(cfg.data, None, log=lambda msg: None)
-    vocab = data.tokenizer.vocab_size if data is not None else (256 if cfg.data.tokenizer == "bytes"
-                                                                else cfg.data.vocab_size)
-    cfg = replace(cfg, model=resolve_model(cfg, vocab))
-    asked = cfg.precision.mode
-    if cfg.plan.memory:  # the planner picks precision, batch split and memory levers for this budget
-        cfg = plan_memory(cfg, device, log)
-    cfg = replace(cfg, precision=recorded_precision(cfg.precision, asked, device))
-    precision = cfg.precision.mode
-    if world.plan is not None:  # the layout checked against the model: heads, widths and layers the split divides
+@dataclass
+class LMParts:
+    """What `kiln train` hands the run builder: its data from the `data` section, kiln's Transformer (or a Hugging
+    Face checkpoint's weights in it), the language-modelling objective. Each step returns what it decided."""
+
+    run_dir: Path | None
+    with_data: bool
+    log: object
+    objective: LanguageModeling = field(default_factory=LanguageModeling)
+    data: PreparedData | None = None
+    initial: dict | None = None  # model.init: the checkpoint's weights
+    tasks: list[Prepared] = field(default_factory=list)
+
+    def inputs(self, cfg: Config, world, device, log) -> dict:
+        """The data (rank 0 tokenizes or finds the cache and saves the tokenizer; the others wait, then read) and
+        the model's shape: a preset, or a Hugging Face checkpoint's; the tokenizer's vocabulary."""
+        model, data_cfg = cfg.model, cfg.data
+        if model.init:  # a Hugging Face checkpoint: its shape, its weights and (unless told) its tokenizer
+            directory = Path(model.init.removeprefix("hf:"))
+            shape, self.initial = read_hf(directory)
+            model = replace(with_training_fields(shape, model), init=model.init)
+            if data_cfg.tokenizer == "bytes" and (directory / "tokenizer.json").is_file():
+                data_cfg = replace(data_cfg, tokenizer=model.init)
+        if self.with_data:  # data.cache_per_node: each node's local rank 0 prepares its own disk's cache too
+            first = world.main or (data_cfg.cache_per_node and world.local_rank == 0)
+            if first:
+                self.data = prepare_data(data_cfg, self.run_dir if world.main else None,
+                                         log=log if world.main else lambda msg: None)
+            world.barrier()
+            if not first:
+                self.data = prepare_data(data_cfg, None, log=lambda msg: None)
+        vocab = self.data.tokenizer.vocab_size if self.data is not None else (
+            256 if data_cfg.tokenizer == "bytes" else data_cfg.vocab_size)
+        return {"data": data_cfg, "model": resolve_model(replace(cfg, model=model), vocab)}
+
+    def precision(self, cfg: Config, device, log) -> tuple[dict, str]:
+        """--plan.memory's choice of precision, batch split and levers, then the concrete mode and why."""
+        planned = plan_memory(cfg, device, log) if cfg.plan.memory else cfg
+        decided = {f.name: getattr(planned, f.name) for f in fields(Config)
+                   if getattr(planned, f.name) != getattr(cfg, f.name)}
+        decided["precision"] = recorded_precision(planned.precision, cfg.precision.mode, device)
+        return decided, decided["precision"].mode
+
+    def layout(self, cfg: Config, world_size: int) -> ParallelPlan:
+        """The layout checked against the model: heads, widths and layers the split divides."""
         tc = cfg.train
-        world.plan = ParallelPlan.build(cfg.parallel, world.size, cfg.model, family(cfg.model.arch),
-                                        tc.micro_batch_size * tc.grad_accum_steps, tc.grad_accum_steps)
-    layout = world.plan if world.plan is not None and world.plan.pp > 1 else None  # stages: kiln.parallel.pipeline
-    cfg = replace(cfg, train=recorded_compile(cfg, device))
-    rows = cfg.train.micro_batch_size * cfg.data.seq_len
-    cfg = replace(cfg, train=recorded_cpu_linear(cfg.train, device, precision, linear_shapes(cfg.model, rows), world))
-    model = build_model(cfg.model, "cpu" if device.type == "meta" else device)
-    if initial is not None:
-        missing, unexpected = model.load_state_dict(initial, strict=False)
-        if unexpected or any(not k.startswith("rope_") for k in missing):
-            raise ValueError(f"{cfg.model.init}: the checkpoint does not fill kiln's model (missing "
-                             f"{missing[:3]}, unexpected {unexpected[:3]})")
-    loader = None
-    if data is not None:
+        return ParallelPlan.build(cfg.parallel, world_size, cfg.model, family(cfg.model.arch),
+                                  tc.micro_batch_size * tc.grad_accum_steps, tc.grad_accum_steps)
+
+    def decisions(self, cfg: Config, device, world, precision: str) -> dict:
+        train = recorded_compile(cfg, device)
+        rows = train.micro_batch_size * cfg.data.seq_len
+        return {"train": recorded_cpu_linear(train, device, precision, linear_shapes(cfg.model, rows), world)}
+
+    def model(self, cfg: Config, device) -> Transformer:
+        model = build_model(cfg.model, "cpu" if device.type == "meta" else device)
+        if self.initial is not None:
+            missing, unexpected = model.load_state_dict(self.initial, strict=False)
+            if unexpected or any(not k.startswith("rope_") for k in missing):
+                raise ValueError(f"{cfg.model.init}: the checkpoint does not fill kiln's model (missing "
+                                 f"{missing[:3]}, unexpected {unexpected[:3]})")
+        return model
+
+    def loader(self, cfg: Config, world, device):
+        """The train split's loader (None without data), and train.eval_tasks read before the first step."""
+        data, loader = self.data, None
+        if data is None:
+            return None
         loader = TokenLoader(data.train, cfg.train.micro_batch_size, cfg.data.seq_len, cfg.data.seed, device,
                              cfg.data.prefetch, rank=world.dp_rank, world=world.dp_size,
                              what=f"data.source={cfg.data.source!r}, train split")
@@ -311,11 +277,11 @@ def _build_lm(cfg: Config, run_dir, log, device: torch.device, with_data: bool, 
             raise ValueError(f"data.source={cfg.data.source!r}: the validation split holds {len(data.val)} tokens, "
                              f"fewer than one sequence of data.seq_len + 1 = {cfg.data.seq_len + 1}; raise "
                              f"data.val_fraction, lower data.seq_len, or use more text")
-    tasks = _eval_tasks(cfg, data, world, log if world.main else lambda msg: None)
-    state = build_state(model, LanguageModeling(), loader, device=device, precision=precision,
-                        precision_cfg=cfg.precision, optim=cfg.optim,
-                        plan=model_plan(cfg, cfg.model, precision, device, layout), world=world)
-    return LMRun(cfg, state, data, tasks)
+        self.tasks = _eval_tasks(cfg, data, world, self.log if world.main else lambda msg: None)
+        return loader
+
+    def levers(self, cfg: Config, model, precision: str, device, plan: ParallelPlan) -> ModelPlan:
+        return model_plan(cfg, cfg.model, precision, device, plan if plan.pp > 1 else None)  # pp: stages
 
 
 def _eval_tasks(cfg: Config, data: PreparedData | None, world, log) -> list[Prepared]:
@@ -324,7 +290,7 @@ def _eval_tasks(cfg: Config, data: PreparedData | None, world, log) -> list[Prep
     tc = cfg.train
     if not tc.eval_tasks or data is None:
         return []
-    if world.plan is not None and world.plan.model_parallel:
+    if world.plan.model_parallel:
         raise ValueError("train.eval_tasks is scored under data parallelism only (ddp, fsdp, zero): parallel.tp "
                          "and parallel.pp split the forward it needs; score the checkpoints with `kiln eval` instead")
     tasks = [prepare(t, data.tokenizer, cfg.model.max_seq_len, tc.eval_task_limit) for t in load_tasks(tc.eval_tasks)]
@@ -378,7 +344,7 @@ def _train(lm: LMRun, cfg: Config, run_dir: Path, resume: bool, con: Console, ca
     tokens_per_step = c.train.micro_batch_size * c.train.grad_accum_steps * c.data.seq_len
     world = state.world
     ranks = f" | {world.strategy} × {world.size} ranks" if world.sharded else ""
-    if world.plan is not None and world.plan.model_parallel:
+    if world.plan.model_parallel:
         ranks = " | mesh " + " × ".join(f"{k}{v}" for k, v in world.plan.mesh_shape.items()) + f" ({world.strategy})"
     con.print(f"model: {c.model.init or c.model.preset} ({c.model.arch}) {state.n_params / 1e6:.2f}M parameters | "
               f"device {state.device} | precision {state.precision.mode} | {tokens_per_step * world.dp_size:,} "
@@ -402,7 +368,7 @@ def _train(lm: LMRun, cfg: Config, run_dir: Path, resume: bool, con: Console, ca
         for line in report:
             con.print(line, highlight=False, markup=False)
         raise OutOfMemory(report) from None
-    lm.cfg = result.cfg  # a time-budgeted run has its max_steps now
+    lm.cfg = result.cfg = trainer.record.cfg  # the run as recorded: a time-budgeted run has its max_steps now
     if result.signal is not None:
         con.print(stop_line(result, run_dir), highlight=False)
         return result

@@ -405,7 +405,7 @@ class Checkpointer:
         from torch.distributed.checkpoint.state_dict import (  # lazy: as dcp
             StateDictOptions, set_model_state_dict, set_optimizer_state_dict)
 
-        if state.world.plan is not None and state.world.plan.pp > 1:
+        if state.world.plan.pp > 1:
             raise ValueError(f"{path} was written by one process without parallel.strategy (a whole state.pt), "
                              f"which a pipeline-parallel run cannot split; resume it on one process with "
                              f"--parallel.strategy=ddp for a checkpoint (DCP, by parameter name), then under "
@@ -663,8 +663,7 @@ def full_weights(state) -> dict:
 
 
 def _tp(state) -> int:
-    plan = state.world.plan
-    return plan.tp if plan is not None else 1
+    return state.world.plan.tp
 
 
 def _layout_order(state, model_sd: dict, optim_sd: dict | None, convert) -> None:

@@ -1,21 +1,19 @@
 """The training loop over a TrainState: schedule, steps, sync points, logging, evaluation, checkpoints.
 
-    trainer = Trainer(state, cfg, run_dir, console, evaluate=..., config_toml=...)
+    trainer = Trainer(state, run_dir, console, **sections, record=..., evaluate=...)
     trainer.advance(until)     train up to a step; returns why the run ended, or None
     trainer.run()              advance to the end, save the final checkpoint, close: the TrainResult
     trainer.close()            closes the monitor, the logger and the loader (run() does it)
 
-The loop composes the parts of a run, each given its own config section: the time budget and train.max_time
-(kiln.train.budget), the logged window and its throughput and MFU (kiln.train.metrics), the evaluations' gap and
-early stopping (kiln.train.gap), and when to save, the signal save included (kiln.train.saves).
+The loop composes the parts of a run: the time budget and train.max_time (kiln.train.budget), the logged window
+and its MFU (kiln.train.metrics), the evaluations' gap and early stopping (kiln.train.gap), when to save
+(kiln.train.saves). It receives its config sections (train, schedule, optim, log, checkpoint, numerics, faults,
+parallel: kiln.run.builder.trainer_sections), never the whole Config, and hands each part its own. What it decides
+while running (a budgeted run's train.max_steps) goes to `record.decide`, the run builder's record of the run,
+whose `record.toml()` is saved as config.toml and in every checkpoint.
 
-`kiln train` (a language model, kiln.run.lm) and `fit()` (any nn.Module, kiln.run.fit) both run this loop; a
-benchmark advances it in blocks that alternate with another loop's, so both see the same machine noise. Time
-spent outside `advance` is not counted in the logged throughput.
-
-The loop itself reads cfg.train, schedule, optim and log; every part is handed its own sections (numerics and
-faults to the numerics monitor, checkpoint to the checkpointer and the saves, parallel to the straggler watch). The
-whole cfg is kept only to be written as the run's config.toml and returned in the TrainResult.
+`kiln train` (kiln.run.lm) and `fit()` (kiln.run.fit) both run this loop, built by kiln.run.builder; a benchmark
+advances it in blocks that alternate with another loop's. Time outside `advance` is not counted in throughput.
 """
 from __future__ import annotations
 
@@ -47,18 +45,6 @@ from kiln.train.settings import KERNELS, TrainConfig  # noqa: F401  (train.kerne
 from kiln.train.state import TrainState
 from kiln.train.step import StepResult, micro_batch_losses, train_step
 
-def accumulation_for(tc: TrainConfig, world_size: int) -> int:
-    """grad_accum_steps per rank: from train.global_batch_size when it is set, else as configured."""
-    if not tc.global_batch_size:
-        return tc.grad_accum_steps
-    per_step = tc.micro_batch_size * world_size
-    if tc.global_batch_size % per_step:
-        raise ValueError(f"train.global_batch_size={tc.global_batch_size} sequences cannot be shared by {world_size} "
-                         f"ranks of train.micro_batch_size={tc.micro_batch_size}: it must be a multiple of "
-                         f"{per_step}; change the world size, the micro-batch or the global batch")
-    return tc.global_batch_size // per_step
-
-
 @dataclass
 class TrainResult:
     """What a finished (or stopped) run returns."""
@@ -68,7 +54,8 @@ class TrainResult:
     stop_reason: str  # max_steps | early stop: ... | numerics: ...
     checkpoint: Path | None
     state: TrainState
-    cfg: object = None  # the configuration trained (resolved; a time-budgeted run's max_steps filled in)
+    cfg: object = None  # the configuration trained, as recorded (resolved; a budgeted run's max_steps filled in):
+    # set by the run builder, which holds the Config (the loop never does)
     signal: int | None = None  # the stop signal that ended the run (exit status 128 + signal)
     unigram_loss: float | None = None  # language models on byte/BPE data: the loss of predicting token frequencies
     sample: str | None = None  # language models: text generated after training
@@ -87,39 +74,41 @@ class Trainer:
     max_steps decided is printed and saved in the run's config, so `--train.max_steps=N` repeats the run bit for
     bit."""
 
-    def __init__(self, state: TrainState, cfg, run_dir: Path, console: Console | None = None, *,
-                 evaluate: Callable[[torch.nn.Module], float] | None = None,
-                 config_toml: Callable[[object], str] | None = None, flops_per_unit: float | None = None,
+    def __init__(self, state: TrainState, run_dir: Path, console: Console | None = None, *, train, schedule, optim,
+                 log, checkpoint, numerics, faults, parallel=None, record=None,
+                 evaluate: Callable[[torch.nn.Module], float] | None = None, flops_per_unit: float | None = None,
                  peak_flops: float | None = None, vocab_size: int | None = None,
                  hardware_flops_per_unit: float | None = None, peak_lr: float | None = None, callbacks=()):
-        """evaluate(model) -> mean validation loss; config_toml(cfg) -> the text saved as config.toml (and in
-        every checkpoint); flops_per_unit and peak_flops give MFU (per token or sample), and with
+        """train ... parallel: the sections the loop reads; record: the builder's RunRecord (decide(key, value),
+        toml(): config.toml's text; None: none written); evaluate(model) -> mean validation loss; flops_per_unit
+        and peak_flops give MFU (per token or sample), and with
         hardware_flops_per_unit (the same plus what recomputation runs again) HFU; vocab_size arms the data faults
         of language models; peak_lr replaces optim.lr (optim.lr_scaling, kiln.train.optim.scaled_lr); callbacks:
         kiln.train.callbacks (evaluate may then return a dict: val_loss and more keys for the eval record)."""
-        self.state, self.cfg, self.run_dir = state, cfg, Path(run_dir)
+        self.state, self.run_dir = state, Path(run_dir)
+        self.train, self.schedule, self.optim, self.log = train, schedule, optim, log
         self.con = console or Console(soft_wrap=True)
-        self._evaluate_fn, self._config_toml = evaluate, config_toml
-        self.peak_lr = peak_lr or cfg.optim.lr  # optim.lr, or what optim.lr_scaling makes of it (scaled_lr)
-        self.checkpointer = Checkpointer(cfg.checkpoint, self.run_dir, warn=self._print)
+        self._evaluate_fn, self.record = evaluate, record
+        self.peak_lr = peak_lr or optim.lr  # optim.lr, or what optim.lr_scaling makes of it (scaled_lr)
+        self.checkpointer = Checkpointer(checkpoint, self.run_dir, warn=self._print)
         self.resumed_at: int | None = None  # the step a resume started from: later metrics records are stale
         # The parts of the run, each given its own config section: the clock, the saves (and the stop signal), the
         # logged window, the evaluations' comparisons.
-        self.budget = TimeBudget(cfg.train, cfg.schedule, first_step=state.step)
-        self.saves = Saves(cfg.checkpoint, self.checkpointer, warn=self._print)
+        self.budget = TimeBudget(train, schedule, first_step=state.step)
+        self.saves = Saves(checkpoint, self.checkpointer, warn=self._print)
         self.unit = getattr(state.objective, "unit", "samples")
         self.metrics = StepMetrics(self.unit, state.device, flops_per_unit=flops_per_unit, peak_flops=peak_flops,
-                                   hardware_flops_per_unit=hardware_flops_per_unit, optim=cfg.optim)
-        self.gap = GapMonitor(cfg.train)
+                                   hardware_flops_per_unit=hardware_flops_per_unit, optim=optim)
+        self.gap = GapMonitor(train)
         loader = state.loader
-        self.numerics = Numerics(cfg.numerics, cfg.faults, Handles(
+        self.numerics = Numerics(numerics, faults, Handles(
             model=state.model, losses=lambda model, batches: micro_batch_losses(model, batches, state.objective,
                                                                                 state.precision),  # this rank's
             scaler=state.scaler, masters=state.masters, device=state.device, step=lambda: state.step,
             loader_position=lambda: loader.batches_served, skip_batches=loader.skip,
             snapshot=state.state_dict, restore=state.load_state_dict, load_checkpoint=self._load_latest,
             vocab_size=vocab_size, compiled=hasattr(state.step_model, "_orig_mod"), world=state.world), self.run_dir,
-            cfg.log.interval)
+            log.interval)
         state.numerics = self.numerics
         self.logger: MetricsLogger | None = None
         self.stop_reason: str | None = None  # set when the run has ended
@@ -127,7 +116,7 @@ class Trainer:
         self.losses = LossWatch()  # whether the logged losses ended finite (TrainResult.failure)
         self.callbacks, self.requested_stop, self.val_metrics = Callbacks(callbacks), None, None
         self.events: list[dict] = []  # kind "event" records written when the logger opens (a restart)
-        self.stragglers = StragglerWatch(state.world, cfg.parallel, state.model) if hasattr(cfg, "parallel") else None
+        self.stragglers = StragglerWatch(state.world, parallel, state.model) if parallel is not None else None
 
     def _print(self, message: str) -> None:
         self.con.print(message, highlight=False)
@@ -172,7 +161,7 @@ class Trainer:
                 self.run_dir.mkdir(parents=True, exist_ok=True)
                 self.checkpointer.clean_leftovers()
             self._write_config()
-            self.logger = MetricsLogger(self.cfg.log, self.run_dir, self.cfg.train.max_steps or None,
+            self.logger = MetricsLogger(self.log, self.run_dir, self.train.max_steps or None,
                                         self.state.step, console=self.con, enabled=main,
                                         resumed_at=self.resumed_at)
             # every run, one process too ({"dp": 1}), says its layout at the step it starts from (a collective)
@@ -182,11 +171,11 @@ class Trainer:
             self.numerics.start()
 
     def _write_config(self) -> None:
-        if self._config_toml is not None and self.state.world.main:
-            (self.run_dir / "config.toml").write_text(self._config_toml(self.cfg))
+        if self.record is not None and self.state.world.main:
+            (self.run_dir / "config.toml").write_text(self.record.toml())
 
     def save_checkpoint(self) -> Path | None:
-        text = self._config_toml(self.cfg) if self._config_toml is not None else ""
+        text = self.record.toml() if self.record is not None else ""
         path = self.saves.save(self.state, text, self.run_dir)
         if path is not None:
             self.callbacks.checkpoint(self, path)
@@ -196,7 +185,7 @@ class Trainer:
 
     @property
     def max_steps(self) -> int:
-        return self.cfg.train.max_steps or 1 << 62  # unknown until a budgeted run has measured its steps
+        return self.train.max_steps or 1 << 62  # unknown until a budgeted run has measured its steps
 
     def advance(self, until: int) -> str | None:
         """Train up to step `until` (never past train.max_steps); returns why the run ended, or None."""
@@ -204,20 +193,19 @@ class Trainer:
         state, numerics, logger, metrics, budget = self.state, self.numerics, self.logger, self.metrics, self.budget
         metrics.restart()
         while self.stop_reason is None and state.step < min(until, self.max_steps):
-            cfg = self.cfg
-            tc = cfg.train
+            tc = self.train
             if budget.budgeted:
                 budget.measure(state.step, state.device)
             if self.stragglers is not None:
                 self.stragglers.step_began()
-            lr = self.peak_lr * lr_factor(cfg.schedule, state.step, budget.horizon) * numerics.lr_factor(state.step)
+            lr = self.peak_lr * lr_factor(self.schedule, state.step, budget.horizon) * numerics.lr_factor(state.step)
             for group in state.optimizer.param_groups:
                 group["lr"] = lr
             batches = numerics.begin_step(state.step + 1, [state.loader.next() for _ in range(tc.grad_accum_steps)])
             units = sum(state.objective.size(b) for b in batches)
             began = time.perf_counter()
             result = train_step(state.step_model, batches, state.objective, state.optimizer, state.precision,
-                                state.scaler, cfg.optim, state.masters, numerics.guard,
+                                state.scaler, self.optim, state.masters, numerics.guard,
                                 state.world if state.world.sharded else None, state.adaptive_clip)
             metrics.step_done(units, time.perf_counter() - began, result.skipped)
             if self.stragglers is not None:
@@ -227,9 +215,9 @@ class Trainer:
             logger.advance(state.step)
             if budget.budgeted and state.step == budget.sized_at:
                 self._size_run()
-            tc = self.cfg.train
+            tc = self.train
             last = state.step == tc.max_steps
-            log_due = state.step % cfg.log.interval == 0 or last
+            log_due = state.step % self.log.interval == 0 or last
             eval_due = (tc.eval_interval and state.step % tc.eval_interval == 0) or last
             # The step boundary: the only place a signal or the clock ends the run (the final save follows).
             stop_now, save_due = self._host_decisions(sync=log_due)
@@ -263,7 +251,9 @@ class Trainer:
     def _size_run(self) -> None:
         """Budgeted run, at the end of its measured steps: fix max_steps from the measured step time."""
         steps, message = self.budget.size(self.state)
-        self.cfg = replace(self.cfg, train=replace(self.cfg.train, max_steps=steps))
+        self.train = replace(self.train, max_steps=steps)
+        if self.record is not None:  # the builder records it in the run's config (config.toml, checkpoints)
+            self.record.decide("train.max_steps", steps)
         self.logger.set_total(steps)
         self._write_config()
         self.logger.print(message, highlight=False)
@@ -321,7 +311,7 @@ class Trainer:
             self.saves.signal = self.saves.signal or int(signalled)
             return f"signal {signal.Signals(self.saves.signal).name}", False
         if out_of_time:
-            return f"max_time: train.max_time={self.cfg.train.max_time} reached", False
+            return f"max_time: train.max_time={self.train.max_time} reached", False
         return None, bool(save_due)
 
     def run(self) -> TrainResult:
@@ -333,7 +323,7 @@ class Trainer:
                 self.checkpointer.wait()  # checkpoint.async_save: the last save is on disk before the run ends
         finally:
             self.close()
-        return TrainResult(self.state.step, self.val_loss, stop_reason, path, self.state, self.cfg,
+        return TrainResult(self.state.step, self.val_loss, stop_reason, path, self.state, None,
                            signal=self.signal, failure=self.losses.failure(self.val_loss, stop_reason),
                            val_metrics=self.val_metrics)
 

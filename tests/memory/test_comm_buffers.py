@@ -7,16 +7,17 @@ from dataclasses import replace
 import pytest
 
 from kiln.config import load_config
-from kiln.memory.estimate import NUMERICS, Target, estimate, grad_shares, parameter_numels, rank_state
+from kiln.memory.estimate import NUMERICS, Target, data_parallel, estimate, grad_shares, parameter_numels, rank_state
 from kiln.memory.levers import job_of, resolved_model
 
 SMALL = ["--model.preset=tiny", "--model.n_layer=4", "--model.d_model=96", "--model.n_head=4", "--data.seq_len=48",
          "--train.micro_batch_size=4", "--train.device=cpu"]
 
 
-def job(precision="fp32", *overrides, **kw):
+def job(precision="fp32", *overrides, parallel="none", world=1):
     cfg = load_config(None, [*SMALL, *overrides])
-    return replace(job_of(cfg, resolved_model(cfg), precision, Target("cuda", 9.0)), **kw)
+    return replace(job_of(cfg, resolved_model(cfg), precision, Target("cuda", 9.0)),
+                   plan=data_parallel(parallel, world))
 
 
 @pytest.mark.parametrize("precision", ["fp32", "bf16", "bf16-master"])

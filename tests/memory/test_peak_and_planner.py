@@ -8,7 +8,7 @@ import torch
 from kiln.cli.main import main
 from kiln.config import apply_overrides, checked, load_config
 from kiln.memory.devices import get_device
-from kiln.memory.estimate import COMPONENTS, estimate, parse_bytes, peak_allocated
+from kiln.memory.estimate import COMPONENTS, data_parallel, estimate, parse_bytes, peak_allocated
 from kiln.memory.levers import job_for
 from kiln.memory.planner import search
 from kiln.run.measure import measure_step
@@ -141,15 +141,15 @@ def test_collective_bytes_follow_the_ring_formulas():
     base = job_for(cfg, get_device("H100"))
     for N in (2, 8, 64):
         f = (N - 1) / N
-        ddp = communication(replace(base, parallel="ddp", world=N), INTERCONNECTS["nvlink4"], 0.0)
+        ddp = communication(replace(base, plan=data_parallel("ddp", N)), INTERCONNECTS["nvlink4"], 0.0)
         assert ddp["bytes"] == pytest.approx(2 * f * 4 * n)  # all-reduce of fp32 gradients
-        zero1 = communication(replace(base, parallel="zero1", world=N), INTERCONNECTS["nvlink4"], 0.0)
+        zero1 = communication(replace(base, plan=data_parallel("zero1", N)), INTERCONNECTS["nvlink4"], 0.0)
         assert zero1["bytes"] == pytest.approx(2 * f * 4 * n + f * 4 * n)  # + the updated shards' broadcast
-        fsdp = communication(replace(base, parallel="fsdp", world=N), INTERCONNECTS["nvlink4"], 0.0)
+        fsdp = communication(replace(base, plan=data_parallel("fsdp", N)), INTERCONNECTS["nvlink4"], 0.0)
         # 2 all-gathers per micro-batch, of bf16 parameters (FSDP2's MixedPrecisionPolicy under bf16), + an fp32 RS
         assert fsdp["bytes"] == pytest.approx(3 * 2 * f * 2 * n + f * 4 * n)
         assert ddp["exposed"] == ddp["seconds"] == pytest.approx(ddp["bytes"] / (450e9 * 0.7))
-    assert communication(replace(base, parallel="ddp", world=1), 1.0, 0.0)["bytes"] == 0
+    assert communication(replace(base, plan=data_parallel("ddp", 1)), 1.0, 0.0)["bytes"] == 0
 
 
 def test_plan_for_several_gpus_searches_the_strategies():

@@ -15,7 +15,7 @@ import torch
 from safetensors.torch import load_file
 
 from kiln.parallel import ParallelConfig, init_world
-from kiln.memory.estimate import Target, rank_state
+from kiln.memory.estimate import Target, data_parallel, rank_state
 from kiln.memory.levers import job_of
 from kiln.run.lm import train
 from tests.parallel.scenarios import lm_config
@@ -165,7 +165,7 @@ def test_per_rank_state_bytes_equal_the_estimate(launched, strategy, source):
     measured = json.loads((launched / "state_bytes.json").read_text())[strategy]
     assert measured == rank_state(job)
     if strategy != "ddp":  # sharding really saves: less than one replica's state
-        assert measured["optimizer_states"] < rank_state(replace(job, world=1))["optimizer_states"]
+        assert measured["optimizer_states"] < rank_state(replace(job, plan=data_parallel(job.parallel, 1)))["optimizer_states"]
 
 
 @pytest.mark.parametrize("strategy", STRATEGIES)

@@ -8,6 +8,7 @@ import pytest
 
 from kiln.config import Config, ConfigError, apply_overrides
 from kiln.memory.planner import Choice, _valid
+from kiln.parallel.layout import ParallelPlan
 from kiln.parallel.strategy import STRATEGIES
 
 KILN = Path(__file__).resolve().parents[2] / "kiln"
@@ -17,7 +18,8 @@ def test_config_refuses_what_the_planner_skips():
     refused = dict.fromkeys(STRATEGIES, 0)
     for name, offload, precision, optimizer in itertools.product(
             STRATEGIES, ("none", "host"), ("fp32", "bf16", "bf16-master"), ("adamw", "adamw8bit", "sgd")):
-        choice = Choice(precision, 1, 1, "none", optimizer=optimizer, optim_offload=offload, parallel=name)
+        choice = Choice(precision, 1, 1, "none", optimizer=optimizer, optim_offload=offload,
+                        plan=ParallelPlan(2, strategy=name))
         why = STRATEGIES[name].refusal(optim_offload=offload, precision=precision, optimizer=optimizer)
         try:
             apply_overrides(Config(), {"parallel.strategy": name, "optim.offload": offload,

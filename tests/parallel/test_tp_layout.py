@@ -65,3 +65,25 @@ def test_fused_rows_give_each_rank_its_share_of_every_part(parts):
     assert not torch.equal(reordered.chunk(tp)[0], w.chunk(tp)[0])
     torch.testing.assert_close(canonical(reordered, parts, tp), w, rtol=0, atol=0)
     assert sorted(tp_order(parts, tp).tolist()) == list(range(sum(parts)))
+
+
+def test_the_plan_answers_which_ranks_and_what_a_rank_holds():
+    """ranks_of and holds against the mesh written out by hand: pp2 × dp2 × tp2 over 8 ranks, tp innermost."""
+    plan = build(8, llama(n_layer=4), tp=2, pp=2, strategy="fsdp")
+    # rank = pp·4 + dp·2 + tp
+    assert plan.ranks_of("tp", 5) == [4, 5]
+    assert plan.ranks_of("dp", 5) == [5, 7]
+    assert plan.ranks_of("pp", 5) == [1, 5]
+    held = plan.holds(7, n_layer=4)
+    assert (held["stage"], held["blocks"], held["tp_shard"], held["dp_copy"]) == (1, [2, 3], 1, 1)
+
+
+def test_world_asks_its_plan_for_the_layout():
+    """A World keeps no degrees of its own: strategy, dp size and rank are the laid-out plan's."""
+    from kiln.parallel import World
+
+    world = World(rank=6, size=8, plan=None)
+    world.lay_out(build(8, tp=2, strategy="fsdp"))
+    assert (world.strategy, world.dp_size, world.dp_rank, world.sharded) == ("fsdp", 4, 3, True)
+    with pytest.raises(ValueError, match="a plan for 4 ranks laid over a world of 8"):
+        world.lay_out(build(4, tp=2, strategy="fsdp"))

@@ -137,17 +137,19 @@ def build_optimizer(params_or_model, cfg: OptimConfig) -> torch.optim.Optimizer:
     """Build from a model (parameter groups made here) or from ready parameter groups.
 
     Every optimizer built here withholds a step on the device (`optimizer_step`): torch's fused Adam, AdamW and
-    SGD through `found_inf`, the others (MaskedAdam, MaskedSGD, AdamW8bit, HostOptimizer) through `step(skipped=)`.
+    SGD through `found_inf`, the others (MaskedAdam, MaskedSGD, AdamW8bit, HostOptimizer) through `step(skipped=)`;
+    but optim.name=muon, whose step(skipped=) reads the flag on the host once (kiln.train.muon says why).
     """
     groups = (
         optimizer_groups(params_or_model, cfg) if isinstance(params_or_model, nn.Module)
         else params_or_model
     )
+    if cfg.name == "muon" and not any(g["params"] for g in groups if g.get("muon")):
+        raise ValueError("optim.name=muon found no hidden matrices (nn.Linear weights but the head and routers) in "
+                         "these parameter groups: build it from the model (kiln.train.muon.muon_param_groups marks "
+                         "them {'muon': True}), or use --optim.name=adamw")
     groups = [g for g in groups if g["params"]]
     if cfg.name == "muon":
-        if not any(g.get("muon") for g in groups):
-            raise ValueError("optim.name=muon splits the model's parameters itself: build it from the model, or mark "
-                             "the hidden matrices' group {'muon': True} (kiln.train.muon.muon_param_groups)")
         adamw = replace(cfg, name="adamw")
         return MuonAdamW(groups, muon_lr=cfg.muon_lr, momentum=cfg.muon_momentum,
                          make_adamw=lambda adam_groups: build_optimizer(adam_groups, adamw))

@@ -245,6 +245,10 @@ def _cross_checks(cfg: Config) -> None:
         raise ConfigError(f"parallel.tp={cfg.parallel.tp} computes the loss on logits split over the vocabulary (1/tp "
                           f"of them per rank); memory.chunked_loss would need the whole head on each rank: drop "
                           f"--memory.chunked_loss")
+    if cfg.parallel.tp > 1 and cfg.optim.name == "muon":
+        raise ConfigError(f"optim.name=muon orthogonalises whole matrices and parallel.tp={cfg.parallel.tp} splits "
+                          f"them across ranks: use --parallel.tp=1 (data parallelism with --parallel.strategy=ddp) "
+                          f"with muon")
     if cfg.faults.any and compile_setting(cfg.train.compile) == "true":
         raise ConfigError("faults.* hook the eager model's modules, which torch.compile bypasses; set "
                           "--train.compile=false to inject faults")

@@ -365,7 +365,8 @@ def rank_state(job: "Job") -> dict[str, int]:
     numels = [math.prod(shape) for _, shape in shapes]
     n = sum(numels)
     state = {"parameters": n * num.param, "gradients": n * num.grad,
-             "optimizer_states": optimizer_state_bytes(numels, job.optimizer, job.sgd_momentum)}
+             "optimizer_states": optimizer_state_bytes(numels, job.optimizer, job.sgd_momentum)
+             if job.optimizer != "muon" else muon_state_bytes(shapes)}
     data = job.dp_strategy
     if W == 1 or not data.shards_optimizer:
         return state
@@ -423,6 +424,16 @@ def optimizer_state_bytes(numels: list[int], optimizer: str, momentum: float = 0
     if optimizer == "adamw8bit":
         return sum(adam8bit_state_bytes(n) for n in numels)
     raise ValueError(f"unknown optimizer {optimizer!r}")
+
+
+def muon_state_bytes(shapes: list[tuple[str, tuple[int, ...]]]) -> int:
+    """optim.name=muon (kiln.train.muon's split): one fp32 momentum per hidden matrix (Muon), AdamW's state for the
+    embeddings, head, norms, biases and MoE routers. ZeRO-1, FSDP2 and offload refuse Muon, so this is whole."""
+    def adamw(name, shape):
+        top, last = name.split(".")[0], name.rsplit(".", 2)[-2] if name.count(".") else ""
+        return len(shape) != 2 or top in ("embed", "pos_embed", "head") or last == "router"
+    return sum(optimizer_state_bytes([math.prod(shape)], "adamw") if adamw(name, shape) else 4 * math.prod(shape)
+               for name, shape in shapes)
 
 
 # ---------------------------------------------------------------- saved-for-backward tensors

@@ -242,7 +242,9 @@ def step_time(job: Job, device, link: float | None = None, tp_link: float | None
     n_params = _local_params(job)
     # Bytes moved per parameter by the update: fused AdamW reads p, g, m, v and writes p, m, v (28); the unfused
     # PyTorch 8-bit AdamW makes ~75 elementwise passes over fp32 temporaries (decode, update, re-encode): ~600.
-    per_param = {"adamw": 28, "adam": 28, "sgd": 16, "adamw8bit": 600}[job.optimizer]
+    # muon: the AdamW pass as a floor; its Newton-Schulz products (~0.33 s a step on the tiny model, one CPU thread)
+    # are not modelled yet
+    per_param = {"adamw": 28, "adam": 28, "sgd": 16, "adamw8bit": 600, "muon": 28}[job.optimizer]
     transfers = 0.0
     if job.offload and device.kind == "cuda":
         off = sum(sum(b.values()) for i, b in enumerate(saved_tensors(job)[1]) if i in job.offload)

@@ -32,6 +32,9 @@ class Strategy:
 
     def refusal(self, *, optim_offload: str, precision: str, optimizer: str) -> str | None:
         """Why this strategy cannot run with these levers (one line naming the fix), or None when it can."""
+        if self.shards_optimizer and optimizer == "muon":  # gathering each matrix for its update: not built
+            return (f"optim.name=muon orthogonalises whole matrices and parallel.strategy={self.name} shards them "
+                    f"across ranks: use --parallel.strategy=ddp with muon")
         if self.shards_parameters:
             if optim_offload != "none":
                 return ("optim.offload moves kiln's optimizer to the host, which FSDP2 cannot shard; use FSDP2's "

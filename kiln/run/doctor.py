@@ -82,7 +82,7 @@ class Doctor:
     def _step(self, batch, lr: float):
         st = self.state
         for group in st.optimizer.param_groups:
-            group["lr"] = lr
+            group["lr"] = lr * group.get("lr_ratio", 1.0)  # optim.name=muon: each group its own peak
         return train_step(self.model, batch, st.objective, st.optimizer, st.precision, st.scaler, self.lm.cfg.optim,
                           st.masters)
 

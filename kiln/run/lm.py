@@ -51,6 +51,7 @@ from kiln.train.pipeline import ModelPlan
 from kiln.train.precision import Precision
 from kiln.train.state import TrainState, determinism
 from kiln.train.step import evaluate
+from kiln.train.target import eval_batch_count
 
 
 def resolve_model(cfg: Config, vocab: int) -> ModelConfig:
@@ -133,7 +134,8 @@ class LMRun:
 
     def _evaluate_on(self, model, tokens) -> float:
         c, world = self.cfg, self.state.world
-        batches = val_batches(tokens, c.train.micro_batch_size, c.data.seq_len, c.train.eval_batches)
+        batches = val_batches(tokens, c.train.micro_batch_size, c.data.seq_len,
+                              eval_batch_count(c.train, len(tokens), c.data.seq_len))  # 0: every window
         mine = itertools.islice(batches, world.dp_rank, None, world.dp_size)  # each copy its share; totals summed
         return evaluate(model, (to_device(b, self.state.device) for b in mine), self.state.objective,
                         self.state.precision, self.state.device, world if world.size > 1 else None)

@@ -149,7 +149,7 @@ class MetricsLogger:
             for key, value in record.items():
                 if key not in ("step", "kind") and isinstance(value, (int, float)) and not isinstance(value, bool):
                     self.tb.add_scalar(key, value, step)
-        stats = self._summary(record)
+        stats = self._summary(record) if kind != "event" else ""  # an event's val_loss (target_reached) is no eval line
         if self.progress is not None:
             self.progress.update(self.task, stats=stats)
             self._refresh(force=True)

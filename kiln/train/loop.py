@@ -39,10 +39,12 @@ from kiln.train.checkpoint import Checkpointer
 from kiln.train.gap import GapMonitor
 from kiln.train.logging import MetricsLogger
 from kiln.train.metrics import StepMetrics
+from kiln.train.muon import group_lrs
 from kiln.train.saves import Saves
 from kiln.train.schedule import lr_factor
 from kiln.train.settings import KERNELS, TrainConfig  # noqa: F401  (train.kernels' values; the section, re-exported)
 from kiln.train.state import TrainState
+from kiln.train.target import TargetStop
 from kiln.train.step import StepResult, micro_batch_losses, train_step
 
 @dataclass
@@ -100,6 +102,7 @@ class Trainer:
         self.metrics = StepMetrics(self.unit, state.device, flops_per_unit=flops_per_unit, peak_flops=peak_flops,
                                    hardware_flops_per_unit=hardware_flops_per_unit, optim=optim)
         self.gap = GapMonitor(train)
+        self.target = TargetStop(train)  # train.stop_at_val_loss
         loader = state.loader
         self.numerics = Numerics(numerics, faults, Handles(
             model=state.model, losses=lambda model, batches: micro_batch_losses(model, batches, state.objective,
@@ -199,8 +202,8 @@ class Trainer:
             if self.stragglers is not None:
                 self.stragglers.step_began()
             lr = self.peak_lr * lr_factor(self.schedule, state.step, budget.horizon) * numerics.lr_factor(state.step)
-            for group in state.optimizer.param_groups:
-                group["lr"] = lr
+            for group in state.optimizer.param_groups:  # lr_ratio: a group's own peak over optim.lr (muon)
+                group["lr"] = lr * group.get("lr_ratio", 1.0)
             batches = numerics.begin_step(state.step + 1, [state.loader.next() for _ in range(tc.grad_accum_steps)])
             units = sum(state.objective.size(b) for b in batches)
             began = time.perf_counter()
@@ -260,7 +263,7 @@ class Trainer:
 
     def _log(self, result: StepResult, lr: float) -> dict:
         """The train record of this log interval, logged; returns its known values (for the callbacks)."""
-        record = self.metrics.record(result, lr, self.state)
+        record = self.metrics.record(result, lr, self.state) | group_lrs(self.state.optimizer)  # muon: muon_lr
         self.gap.observe(record["loss"])  # the evaluation's gap compares against these
         self.losses.observe(self.state.step, record["loss"])
         self.logger.log(record, kind="train")
@@ -288,6 +291,10 @@ class Trainer:
         self.logger.log(record, kind="eval")
         self.callbacks.eval(self, record)
         stop = self.gap.early_stop(state, self.val_loss, last)
+        reached = self.target.check(state.step, self.val_loss)
+        if reached is not None:
+            stop, event = reached
+            self.logger.log(event, kind="event")
         self.metrics.restart_clock()  # evaluation time is not training throughput
         if stop is not None:
             self.stop_reason = stop

@@ -15,8 +15,9 @@ from kiln.errors import KilnError
 from kiln.train.adam8bit import AdamW8bit
 from kiln.train.host_optimizer import HostOptimizer
 from kiln.train.masked import MaskedAdam, MaskedSGD
+from kiln.train.muon import MuonAdamW, muon_param_groups
 
-OPTIMIZERS = ("adamw", "adam", "sgd", "adamw8bit")
+OPTIMIZERS = ("adamw", "adam", "sgd", "adamw8bit", "muon")
 OFFLOAD_MODES = ("none", "host", "host-async")
 
 
@@ -26,8 +27,10 @@ LR_SCALING = ("none", "linear", "sqrt")
 
 @dataclass
 class OptimConfig:
-    name: str = "adamw"  # "adamw" | "adam" | "sgd" | "adamw8bit" (block-wise 8-bit moments, ~4x less state)
-    lr: float = 2e-3  # peak learning rate (the schedule scales it); the default job's, by sweep
+    name: str = "adamw"  # "adamw" | "adam" | "sgd" | "adamw8bit" (block-wise 8-bit moments, ~4x less state) | "muon" (torch.optim.Muon on the hidden matrices, AdamW on the rest)
+    lr: float = 2e-3  # peak learning rate (the schedule scales it); the default job's, by sweep. muon: the AdamW groups' peak
+    muon_lr: float = 0.02  # muon: the Muon groups' peak learning rate (the schedule scales it as optim.lr); by sweep on the tiny model
+    muon_momentum: float = 0.95  # muon: Muon's (Nesterov) momentum
     weight_decay: float = 0.1  # decoupled (adamw) or L2 (adam, sgd) decay on matmul weights only
     beta1: float = 0.9  # Adam first-moment decay
     beta2: float = 0.95  # Adam second-moment decay (0.95: LLM default, steadier than 0.999 on spikes)
@@ -83,6 +86,15 @@ class OptimConfig:
         if self.offload not in OFFLOAD_MODES:
             raise KilnError(f"optim.offload={self.offload!r}; use one of {OFFLOAD_MODES}",
                             key="optim.offload", value=self.offload, fix=f"use one of {OFFLOAD_MODES}")
+        if self.name == "muon":
+            if self.muon_lr <= 0 or not 0.0 <= self.muon_momentum < 1.0:
+                raise KilnError(f"optim.muon_lr must be > 0 and optim.muon_momentum in [0, 1), got "
+                                f"{self.muon_lr} and {self.muon_momentum}", key="optim.muon_lr",
+                                value=self.muon_lr, fix="e.g. --optim.muon_lr=0.02 --optim.muon_momentum=0.95")
+            if self.offload != "none":
+                raise KilnError(f"optim.offload={self.offload} runs AdamW or AdamW8bit on the host and optim.name=muon "
+                                f"keeps torch's Muon on the device: use --optim.offload=none with muon",
+                                key="optim.offload", value=self.offload, fix="use --optim.offload=none with muon")
 
 
 def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
@@ -103,6 +115,13 @@ def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
     ]
 
 
+def optimizer_groups(model: nn.Module, cfg: OptimConfig) -> list[dict]:
+    """The parameter groups optim.name builds over: Muon's split (kiln.train.muon) or the decay split."""
+    if cfg.name == "muon":
+        return muon_param_groups(model, cfg.weight_decay, cfg.muon_lr / cfg.lr)
+    return param_groups(model, cfg.weight_decay)
+
+
 def _implementation(cfg: OptimConfig, params) -> str:
     """"fused", "foreach" or "loop" for these parameters."""
     if cfg.implementation in ("foreach", "loop"):
@@ -118,13 +137,22 @@ def build_optimizer(params_or_model, cfg: OptimConfig) -> torch.optim.Optimizer:
     """Build from a model (parameter groups made here) or from ready parameter groups.
 
     Every optimizer built here withholds a step on the device (`optimizer_step`): torch's fused Adam, AdamW and
-    SGD through `found_inf`, the others (MaskedAdam, MaskedSGD, AdamW8bit, HostOptimizer) through `step(skipped=)`.
+    SGD through `found_inf`, the others (MaskedAdam, MaskedSGD, AdamW8bit, HostOptimizer) through `step(skipped=)`;
+    but optim.name=muon, whose step(skipped=) reads the flag on the host once (kiln.train.muon says why).
     """
     groups = (
-        param_groups(params_or_model, cfg.weight_decay) if isinstance(params_or_model, nn.Module)
+        optimizer_groups(params_or_model, cfg) if isinstance(params_or_model, nn.Module)
         else params_or_model
     )
+    if cfg.name == "muon" and not any(g["params"] for g in groups if g.get("muon")):
+        raise ValueError("optim.name=muon found no hidden matrices (nn.Linear weights but the head and routers) in "
+                         "these parameter groups: build it from the model (kiln.train.muon.muon_param_groups marks "
+                         "them {'muon': True}), or use --optim.name=adamw")
     groups = [g for g in groups if g["params"]]
+    if cfg.name == "muon":
+        adamw = replace(cfg, name="adamw")
+        return MuonAdamW(groups, muon_lr=cfg.muon_lr, momentum=cfg.muon_momentum,
+                         make_adamw=lambda adam_groups: build_optimizer(adam_groups, adamw))
     if cfg.offload != "none":  # fp32 masters and state on the host; the inner optimizer is built from cfg again
         inner = replace(cfg, offload="none")
         return HostOptimizer(groups, cfg.lr, cfg.offload, make_inner=lambda host_groups: build_optimizer(host_groups, inner))

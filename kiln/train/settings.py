@@ -21,7 +21,8 @@ class TrainConfig:
     grad_accum_steps: int = 1  # micro-batches accumulated into one optimizer step (per rank)
     global_batch_size: int = 0  # sequences per optimizer step over all ranks; sets grad_accum_steps (0: off)
     eval_interval: int = 0  # steps between validation passes (0: only at the end)
-    eval_batches: int = 20  # validation micro-batches per evaluation
+    eval_batches: int = 20  # validation micro-batches per evaluation (0: every (len(val)-1)//seq_len window of the val split, in order)
+    stop_at_val_loss: float = 0.0  # stop at the first evaluation (every train.eval_interval) whose val loss is at or below this (0: off)
     eval_tasks: tuple[str, ...] = ()  # task files scored at every evaluation, as `kiln eval --task` takes them (multiple-choice .jsonl, text:FILE); logged as task_<stem>_acc, _acc_norm, _acc_stderr or _bpb
     eval_task_limit: int = 0  # items per task per evaluation, the file's first ones (0: all)
     early_stop_patience: int = 0  # stop after this many evaluations without a better val loss (0: never)
@@ -40,16 +41,20 @@ class TrainConfig:
     sample_prompt: str = "def "  # prompt of the sample printed after training
 
     def validate(self):
-        for key in ("micro_batch_size", "grad_accum_steps", "eval_batches"):
+        for key in ("micro_batch_size", "grad_accum_steps"):
             if getattr(self, key) < 1:
                 raise ValueError(f"train.{key} must be ≥ 1, got {getattr(self, key)}")
         for key in ("max_steps", "time_budget", "eval_interval", "early_stop_patience", "sample_tokens",
-                    "early_stop_min_delta", "global_batch_size", "gap_patience", "eval_task_limit"):
+                    "early_stop_min_delta", "global_batch_size", "gap_patience", "eval_task_limit", "eval_batches",
+                    "stop_at_val_loss"):
             if getattr(self, key) < 0:
                 raise ValueError(f"train.{key} must be ≥ 0, got {getattr(self, key)}")
         if self.max_steps == 0 and self.time_budget == 0:
             raise ValueError("train.max_steps=0 sizes the run by train.time_budget, which is 0 too; set "
                              "--train.max_steps=N or --train.time_budget=SECONDS")
+        if self.stop_at_val_loss and not self.eval_interval:
+            raise ValueError(f"train.stop_at_val_loss={self.stop_at_val_loss:g} is checked at each evaluation, and "
+                             f"train.eval_interval=0 evaluates only at the end: set --train.eval_interval=N")
         if self.device != "auto" and not self.device.split(":")[0] in ("cpu", "cuda", "mps"):
             raise ValueError(f"train.device={self.device!r}; use auto, cpu, cuda or cuda:N")
         if self.global_batch_size % self.micro_batch_size:

@@ -23,7 +23,7 @@ import torch.nn as nn
 
 from kiln.parallel import World
 from kiln.train.checkpoint import global_tokens_seen, rng_state, saved_world, set_rng_state
-from kiln.train.optim import AdaptiveClip, OptimConfig, build_optimizer, param_groups
+from kiln.train.optim import AdaptiveClip, OptimConfig, build_optimizer, optimizer_groups
 from kiln.train.pipeline import ModelPlan, prepare_model
 from kiln.train.precision import LossScaler, MasterWeights, Precision, PrecisionConfig
 
@@ -148,7 +148,7 @@ def build_state(model: nn.Module, objective, loader, *, device: torch.device, pr
     model = model.to(device=device, dtype=mode.param_dtype)
     fsdp_dtype = mode.row.fsdp_gather if world.dp_strategy.shards_parameters else None
     prepared = prepare_model(model, plan, device, world, fsdp_dtype)
-    groups = param_groups(prepared.model, optim.weight_decay)
+    groups = optimizer_groups(prepared.model, optim)
     # With optim.offload the host optimizer keeps the fp32 masters itself.
     masters = MasterWeights(prepared.model) if mode.row.masters and optim.offload == "none" else None
     groups = masters.groups(groups) if masters else groups

@@ -167,6 +167,9 @@ SITES = [
     ("kiln/train/optim.py:OptimConfig.validate", [*M, "--optim.lr_scaling=linear", "--optim.reference_batch_tokens=0"],
      ["optim.reference_batch_tokens"]),
     ("kiln/train/optim.py:OptimConfig.validate", [*M, "--optim.offload=disk"], ["optim.offload='disk'"]),
+    ("kiln/train/optim.py:OptimConfig.validate", [*M, "--optim.name=muon", "--optim.muon_lr=0"], ["optim.muon_lr"]),
+    ("kiln/train/optim.py:OptimConfig.validate", [*M, "--optim.name=muon", "--optim.offload=host"],
+     ["optim.offload=host", "--optim.offload=none with muon"]),
     # kiln/parallel/layout.py
     ("kiln/parallel/layout.py:check_degrees", [*M, "--parallel.tp=0"], ["parallel.tp=0", "≥ 1"]),
     ("kiln/parallel/layout.py:check_degrees", [*P2, "--parallel.tp=3"],
@@ -231,7 +234,7 @@ ALLOWED = {
 # each held then: their refusals are tested message by message by the files named. A raise added to one of them
 # beyond that count needs a row above (or the count raised here, with the test that covers it).
 ALLOWED_FILES = {
-    "kiln/config.py": (16, "ConfigError: tests/test_config.py, tests/cli/test_bad_input.py"),
+    "kiln/config.py": (17, "ConfigError: tests/test_config.py, tests/cli/test_bad_input.py, tests/train/test_muon.py"),
     **{f"kiln/cli/{name}.py": (n, "the command's own flags and files: tests/cli/test_bad_input.py, tests/cli/")
        for name, n in [("checkpoints", 1), ("common", 1), ("data", 1), ("estimate", 4), ("eval", 4), ("export", 3),
                        ("memory", 1), ("plan", 3), ("profile", 2), ("report", 1), ("sample", 6), ("train", 6)]},

@@ -226,3 +226,13 @@ def test_no_host_sync_in_train_step_cuda(name, impl, offload, precision, guarded
     calls = []
     assert _three_steps(cfg, rig, "cuda", calls, numerics, sync_debug=True) == [0.0, 1.0, 0.0]
     assert calls == [] and host_thread_calls == []
+
+
+@pytest.mark.parametrize("precision", PRECISIONS)
+def test_muon_reads_the_skip_flag_once_per_step(precision, host_thread_calls):
+    """optim.name=muon: torch's Muon takes no found_inf, so kiln.train.muon reads the flag on the host, one `.item()`
+    per step (its documented choice over keeping a copy of the matrices and momenta to restore); nothing else."""
+    cfg, rig = _rig("muon", "auto", "none", precision, "cpu")
+    calls = []
+    assert _three_steps(cfg, rig, "cpu", calls) == [0.0, 1.0, 0.0]
+    assert calls == ["item"] * 3 and host_thread_calls == []

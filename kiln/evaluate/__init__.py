@@ -5,12 +5,12 @@ standard errors) and perplexity (word and byte perplexity, bits per byte), on an
     kiln.evaluate.loglik    encode_pair, rolling_windows, loglikelihoods, rolling_loglikelihoods (batched, split
                             over data-parallel ranks): the one log-likelihood implementation
     kiln.evaluate.metrics   per-item scores and the harness's aggregations
-    kiln.evaluate.score     prepare(task) + score_task(model, prepared) -> TaskResult
+    kiln.evaluate.score     prepare(task) + score_task(model, prepared) -> TaskResult; training_tasks (train.eval_tasks)
 
 `kiln eval` (kiln.cli.eval) and training's train.eval_tasks both score through score_task.
 """
 from kiln.evaluate.loglik import Pair, encode_pair, loglikelihoods, rolling_loglikelihoods, rolling_windows
-from kiln.evaluate.score import Prepared, TaskResult, prepare, score_task
+from kiln.evaluate.score import Prepared, TaskResult, prepare, score_task, training_tasks
 from kiln.evaluate.tasks import Choice, Document, Task, TaskError, load_task, load_tasks
 
 __all__ = ["Choice", "Document", "Pair", "Prepared", "Task", "TaskError", "TaskResult", "encode_pair", "load_task",

@@ -15,7 +15,7 @@ import torch
 
 from kiln.evaluate.loglik import encode_pair, loglikelihoods, rolling_windows
 from kiln.evaluate.metrics import NA, choice_scores, multiple_choice_results, perplexity_results
-from kiln.evaluate.tasks import Task, TaskError
+from kiln.evaluate.tasks import Task, TaskError, load_tasks
 
 
 @dataclass
@@ -92,3 +92,22 @@ def score_task(model, prepared: Prepared, *, vocab: int, max_length: int, batch_
     else:
         results = multiple_choice_results(per_item)
     return TaskResult(task.name, task.kind, len(items), truncated, {"alias": task.name, **results})
+
+
+def training_tasks(tc, tokenizer, max_seq_len: int, model_parallel: bool, log: Callable[[str], None]
+                   ) -> list[Prepared]:
+    """train.eval_tasks (tc: the train section) read and tokenized before the first step: a bad row stops the run
+    before it trains. One line per task says what is scored, and how many contexts lose their start to the model's
+    window. model_parallel: the run splits its model (tp or pp), which the scoring's forward cannot take yet."""
+    if not tc.eval_tasks:
+        return []
+    if model_parallel:
+        raise ValueError("train.eval_tasks is scored under data parallelism only (ddp, fsdp, zero): parallel.tp "
+                         "and parallel.pp split the forward it needs; score the checkpoints with `kiln eval` instead")
+    tasks = [prepare(t, tokenizer, max_seq_len, tc.eval_task_limit) for t in load_tasks(tc.eval_tasks)]
+    for p in tasks:
+        cut = f"; {p.truncated} context(s) longer than model.max_seq_len={max_seq_len} lose their start " \
+              f"(truncated from the left, as the harness does)" if p.truncated else ""
+        log(f"eval task {p.task.name}: {len(p.items)} of {len(p.task.items)} items ({p.task.kind}, "
+            f"{len(p.pairs)} rows) at every evaluation{cut}")
+    return tasks

@@ -1,10 +1,9 @@
 """kiln's language-model job, built from a Config: what `kiln train`, `kiln doctor`, `kiln memory --measure`,
-`kiln plan --verify` and the benchmarks build.
+`kiln plan --verify` and the benchmarks build. The model is kiln's Transformer; the model pipeline
+(kiln.train.pipeline) applies its levers (model_plan).
 
     lm = build_lm(cfg, run_dir)         kiln.run.builder's steps with LMParts: data, the model, the TrainState
     result = train(cfg, run_dir)        build, (resume,) run the Trainer, sample; returns a TrainResult
-
-The model is kiln's Transformer; the model pipeline (kiln.train.pipeline) applies its levers (model_plan).
 """
 from __future__ import annotations
 
@@ -20,7 +19,7 @@ from rich.console import Console
 from kiln.config import Config, checked
 from kiln.data import PreparedData, TokenLoader, prepare_data, val_batches
 from kiln.data.batches import to_device
-from kiln.evaluate import Prepared, load_tasks, prepare, score_task
+from kiln.evaluate import Prepared, score_task, training_tasks
 from kiln.parallel import ParallelPlan, launched_by_torchrun
 from kiln.parallel.elastic import batch_after_resharding, restart_record
 from kiln.interop.hf import read_hf
@@ -279,29 +278,13 @@ class LMParts:
             raise ValueError(f"data.source={cfg.data.source!r}: the validation split holds {len(data.val)} tokens, "
                              f"fewer than one sequence of data.seq_len + 1 = {cfg.data.seq_len + 1}; raise "
                              f"data.val_fraction, lower data.seq_len, or use more text")
-        self.tasks = _eval_tasks(cfg, data, world, self.log if world.main else lambda msg: None)
+        self.tasks = [] if data is None else training_tasks(
+            cfg.train, data.tokenizer, cfg.model.max_seq_len, world.plan.model_parallel,
+            self.log if world.main else lambda msg: None)
         return loader
 
     def levers(self, cfg: Config, model, precision: str, device, plan: ParallelPlan) -> ModelPlan:
         return model_plan(cfg, cfg.model, precision, device, plan if plan.pp > 1 else None)  # pp: stages
-
-
-def _eval_tasks(cfg: Config, data: PreparedData | None, world, log) -> list[Prepared]:
-    """train.eval_tasks read and tokenized before the first step: a bad row stops the run before it trains. One
-    line per task says what is scored, and how many contexts lose their start to the model's window."""
-    tc = cfg.train
-    if not tc.eval_tasks or data is None:
-        return []
-    if world.plan.model_parallel:
-        raise ValueError("train.eval_tasks is scored under data parallelism only (ddp, fsdp, zero): parallel.tp "
-                         "and parallel.pp split the forward it needs; score the checkpoints with `kiln eval` instead")
-    tasks = [prepare(t, data.tokenizer, cfg.model.max_seq_len, tc.eval_task_limit) for t in load_tasks(tc.eval_tasks)]
-    for p in tasks:
-        cut = f"; {p.truncated} context(s) longer than model.max_seq_len={cfg.model.max_seq_len} lose their start " \
-              f"(truncated from the left, as the harness does)" if p.truncated else ""
-        log(f"eval task {p.task.name}: {len(p.items)} of {len(p.task.items)} items ({p.task.kind}, "
-            f"{len(p.pairs)} rows) at every evaluation{cut}")
-    return tasks
 
 
 def train(cfg: Config, run_dir: Path, resume: bool = False, console: Console | None = None,

@@ -28,7 +28,7 @@ import sys
 import tempfile
 import time
 
-from vs_plain_loop import SHAPE, SHARD_DTYPES, prepared_shards
+from vs_plain_loop import SHAPE, plain_gpt, prepared_shards, read_shards
 
 UPDATES, WARMUP, LR, MIN_LR_RATIO = 300, 50, 1e-3, 0.1
 BETAS, WEIGHT_DECAY, GRAD_CLIP = (0.9, 0.95), 0.1, 1.0
@@ -41,47 +41,9 @@ def plain_child(args) -> dict:
 
     import numpy as np
     import torch
-    import torch.nn as nn
-    import torch.nn.functional as F
-
-    class Block(nn.Module):
-        def __init__(self, d, h):
-            super().__init__()
-            self.h = h
-            self.ln1, self.ln2 = nn.LayerNorm(d, bias=False), nn.LayerNorm(d, bias=False)
-            self.qkv, self.proj = nn.Linear(d, 3 * d, bias=False), nn.Linear(d, d, bias=False)
-            self.fc, self.out = nn.Linear(d, 4 * d, bias=False), nn.Linear(4 * d, d, bias=False)
-
-        def forward(self, x):
-            B, T, C = x.shape
-            q, k, v = self.qkv(self.ln1(x)).split(C, dim=-1)
-            q, k, v = (t.view(B, T, self.h, C // self.h).transpose(1, 2) for t in (q, k, v))  # (B, H, T, D)
-            y = F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).reshape(B, T, C)
-            x = x + self.proj(y)
-            return x + self.out(F.gelu(self.fc(self.ln2(x))))
-
-    class GPT(nn.Module):
-        def __init__(self, s):
-            super().__init__()
-            d = s["d_model"]
-            self.tok, self.pos = nn.Embedding(s["vocab"], d), nn.Embedding(s["seq_len"], d)
-            self.blocks = nn.ModuleList(Block(d, s["n_head"]) for _ in range(s["n_layer"]))
-            self.ln = nn.LayerNorm(d, bias=False)
-            for name, p in self.named_parameters():
-                if p.dim() > 1:  # GPT-2's init, residual projections scaled by 1/sqrt(2·n_layer)
-                    std = 0.02 / math.sqrt(2 * s["n_layer"]) if name.endswith(("proj.weight", "out.weight")) else 0.02
-                    nn.init.normal_(p, std=std)
-
-        def forward(self, idx, targets):
-            x = self.tok(idx) + self.pos(torch.arange(idx.shape[1]))  # (B, T, C)
-            for block in self.blocks:
-                x = block(x)
-            logits = self.ln(x) @ self.tok.weight.T  # (B, T, V)
-            return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(), reduction="sum")
 
     torch.manual_seed(args.seed)
-    train, val = (np.memmap(path, dtype=SHARD_DTYPES[int(np.fromfile(path, "<u4", count=1, offset=12)[0])], mode="r",
-                            offset=64) for path in (args.train_bin, args.val_bin))
+    train, val = read_shards(args.train_bin, args.val_bin)
     B, T = SHAPE["batch"], SHAPE["seq_len"]
 
     def get_batch(data):  # nanoGPT's get_batch
@@ -90,7 +52,7 @@ def plain_child(args) -> dict:
         y = torch.stack([torch.from_numpy(data[i + 1:i + 1 + T].astype(np.int64)) for i in ix])
         return x, y
 
-    model = GPT(SHAPE)
+    model = plain_gpt(SHAPE, reduction="sum")
     decay = [p for p in model.parameters() if p.dim() >= 2]  # nanoGPT decays every 2-D parameter
     no_decay = [p for p in model.parameters() if p.dim() < 2]
     opt = torch.optim.AdamW([{"params": decay, "weight_decay": WEIGHT_DECAY}, {"params": no_decay, "weight_decay": 0.0}],

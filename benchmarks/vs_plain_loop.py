@@ -48,15 +48,15 @@ def kiln_overrides(precision: str, steps: int, seed: int = 1337) -> list[str]:
 
 # ------------------------------------------------------------------------------------------- the plain loop
 
-def plain_child(args) -> dict:
+def plain_gpt(s: dict, reduction: str = "mean"):
+    """nanoGPT's model at shape `s` (SHAPE): tied embeddings, no biases, GPT-2's init; forward(idx, targets) is
+    the cross-entropy (`reduction` as F.cross_entropy's). torch is imported here: the plain child times its
+    imports itself. Shared with benchmarks/time_to_loss.py."""
     import math
 
-    import numpy as np
     import torch
     import torch.nn as nn
     import torch.nn.functional as F
-
-    imported = time.time()
 
     class Block(nn.Module):
         def __init__(self, d, h):
@@ -91,13 +91,30 @@ def plain_child(args) -> dict:
             for block in self.blocks:
                 x = block(x)
             logits = self.ln(x) @ self.tok.weight.T  # (B, T, V)
-            return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
+            return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(), reduction=reduction)
+
+    return GPT(s)
+
+
+def read_shards(train_bin: str, val_bin: str):
+    """kiln's shards as numpy memmaps: a 64-byte header, then the ids (uint8 for the bytes tokenizer since
+    2026-11-27, else uint16); the header's dtype code (bytes 12-15) says which, as nanoGPT's prepare.py fixes uint16."""
+    import numpy as np
+
+    return tuple(np.memmap(path, dtype=SHARD_DTYPES[int(np.fromfile(path, "<u4", count=1, offset=12)[0])], mode="r",
+                           offset=64) for path in (train_bin, val_bin))
+
+
+def plain_child(args) -> dict:
+    import math
+
+    import numpy as np
+    import torch
+
+    imported = time.time()
 
     torch.manual_seed(args.seed)
-    # kiln's shards: a 64-byte header, then the ids (uint8 for the bytes tokenizer since 2026-11-27, else uint16);
-    # the header's dtype code (bytes 12-15) says which, as nanoGPT's prepare.py fixes uint16
-    train, val = (np.memmap(path, dtype=SHARD_DTYPES[int(np.fromfile(path, "<u4", count=1, offset=12)[0])], mode="r",
-                            offset=64) for path in (args.train_bin, args.val_bin))
+    train, val = read_shards(args.train_bin, args.val_bin)
     B, T = SHAPE["batch"], SHAPE["seq_len"]
 
     def get_batch(data, gen=None):  # nanoGPT's get_batch
@@ -106,7 +123,7 @@ def plain_child(args) -> dict:
         y = torch.stack([torch.from_numpy(data[i + 1:i + 1 + T].astype(np.int64)) for i in ix])
         return x, y
 
-    model = GPT(SHAPE)
+    model = plain_gpt(SHAPE)
     decay = [p for p in model.parameters() if p.dim() >= 2]
     no_decay = [p for p in model.parameters() if p.dim() < 2]
     opt = torch.optim.AdamW([{"params": decay, "weight_decay": HYPER["weight_decay"]},

@@ -91,7 +91,8 @@ def _read(path: Path) -> str:
 def _rows(path: Path, parse):
     """parse(row, where) for every non-blank line of a JSONL file; a file without rows is an error."""
     count = 0
-    for number, line in enumerate(_read(path).splitlines(), 1):
+    # split at \n only: str.splitlines also splits at U+2028/U+2029, which JSON strings may hold unescaped
+    for number, line in enumerate(_read(path).split("\n"), 1):
         if not line.strip():
             continue
         where = f"{path}:{number}"

@@ -108,3 +108,13 @@ def test_text_tasks_and_bad_files(tmp_path):
     again = _write(tmp_path / "b", "docs.jsonl", [{"context": "c", "choices": ["a"], "label": 0}])
     with pytest.raises(TaskError, match=rf"^{again}: its name 'docs' is also {docs}'s; results are keyed"):
         load_tasks([f"text:{docs}", str(again)], text_field="body")
+
+
+def test_a_line_separator_inside_a_json_string_stays_in_its_row(tmp_path):
+    """U+2028 may stand unescaped in a JSON string (json.dumps(ensure_ascii=False) writes it so): a row is a line
+    ending in \\n, as the harness's JSONL reader reads it."""
+    path = tmp_path / "sep.jsonl"
+    path.write_text(json.dumps({"context": "a\u2028b", "choices": ["x\u2029", "y"], "label": 1}, ensure_ascii=False)
+                    + "\n", encoding="utf-8")
+    (item,) = load_task(str(path)).items
+    assert item.context == "a\u2028b" and item.choices == ("x\u2029", "y") and item.gold == 1

@@ -26,6 +26,7 @@ from kiln.memory.levers import MemoryConfig
 from kiln.memory.offload import parse_blocks
 from kiln.memory.planner import PlanConfig
 from kiln.models import PRESETS, ModelConfig
+from kiln.models.lora import LoraConfig
 from kiln.models.values import refuse_replaced
 from kiln.numerics import FaultsConfig, NumericsConfig
 from kiln.perf.compile import compile_setting
@@ -59,6 +60,7 @@ class Config:
     memory: MemoryConfig = field(default_factory=MemoryConfig)
     plan: PlanConfig = field(default_factory=PlanConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    lora: LoraConfig = field(default_factory=LoraConfig)
 
     def to_dict(self) -> dict:
         return {name: dataclasses.asdict(getattr(self, name)) for name in SECTIONS}

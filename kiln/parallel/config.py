@@ -1,0 +1,43 @@
+"""The `parallel` section: how the processes torchrun starts split the model and the batch."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from kiln.parallel.strategy import strategy
+
+BACKENDS = ("auto", "nccl", "gloo")
+
+
+@dataclass
+class ParallelConfig:
+    """The `parallel` section: data parallelism across the processes torchrun starts."""
+
+    strategy: str = "none"  # none | ddp | zero1 (DDP + sharded optimizer state) | fsdp (FSDP2 fully_shard): the
+    # rows of kiln.parallel.strategy.STRATEGIES
+    reshard_after_forward: bool = True  # fsdp: free gathered parameters after forward (ZeRO-3) or keep (ZeRO-2)
+    cpu_offload: bool = False  # fsdp: parameters, gradients and optimizer state on the host (CPUOffloadPolicy)
+    backend: str = "auto"  # auto (nccl on CUDA, gloo on CPU) | nccl | gloo
+    timeout: float = 300.0  # seconds a collective waits for the other ranks before the run stops, naming the rank
+    straggler_factor: float = 1.5  # a rank whose compute time per step is this many times the median is slow
+    straggler_intervals: int = 3  # ... for this many log intervals in a row: named in a warning (0: never checked)
+    tp: int = 1  # tensor parallel: block linears and the vocabulary (embedding, head, logits) split over tp ranks
+    # (neighbouring: kiln.parallel.layout; kiln.parallel.tensor); tp must divide the padded vocabulary, and
+    # memory.chunked_loss is refused with tp > 1
+    pp: int = 1  # pipeline stages: the blocks split into pp consecutive groups, one per rank
+    pp_schedule: str = "1f1b"  # gpipe | 1f1b | interleaved_1f1b (2 virtual stages per rank)
+    pp_microbatches: int = 0  # pipeline micro-batches per step; 0 = max(pp, train.grad_accum_steps)
+    sequence_parallel: bool = False  # tp: norms and dropout on 1/tp of the sequence between the TP regions
+    cp: int = 1  # context parallel: modelled by `kiln memory` and `kiln plan` only; training refuses cp > 1
+    ep: int = 1  # expert parallel: each of ep ranks holds n_experts/ep whole experts; tokens go to them by all-to-all. ep is carved out of the data-parallel ranks (it divides world/(tp·pp·cp)); MoE families only
+
+    def validate(self):
+        data = strategy(self.strategy)
+        if self.backend not in BACKENDS:
+            raise ValueError(f"parallel.backend={self.backend!r} is unknown; use one of {BACKENDS}")
+        if self.cpu_offload and not data.shards_parameters:
+            raise ValueError("parallel.cpu_offload is FSDP2's CPU offload: it needs --parallel.strategy=fsdp")
+        if not self.timeout > 0:
+            raise ValueError(f"parallel.timeout must be a number of seconds > 0, got {self.timeout}")
+        if self.straggler_factor <= 1 or self.straggler_intervals < 0:
+            raise ValueError(f"parallel.straggler_factor must be > 1 (got {self.straggler_factor}) and "
+                             f"parallel.straggler_intervals ≥ 0 (got {self.straggler_intervals})")

@@ -4,7 +4,8 @@
     ExpertLinear(n_experts, n_in, n_out)  every expert's weight of one matmul, stacked: .weight (E, n_out, n_in)
     experts(w_fc, w_proj, h_sorted, counts)   the experts' SwiGLUs on rows already grouped by expert (the seam)
     stack_experts(state) / per_expert_key(keys)   a state dict of the earlier per-expert layout, stacked / found
-    moe_losses(model)     (load-balancing loss, router z-loss or None) of the last forward, summed as HF sums them
+    moe_losses(layers)    (load-balancing loss, router z-loss or None) of the last forward, summed as HF sums them
+    routing_sums(layers) / losses_of(sums, E, z)   the same through the sums they pool (a pipeline adds its stages')
     moe_metrics(model)    {moe_aux_loss, moe_load_max, moe_load_min} since the last call (one host sync)
 
 Routing: probabilities = softmax(router(x)) in fp32, the top-k of them per token, renormalised to sum to 1 when
@@ -232,7 +233,7 @@ def _moe_layers(model: nn.Module) -> list[MoE]:
     return [m for m in model.modules() if isinstance(m, MoE)]
 
 
-def moe_losses(layers: list[MoE]) -> tuple[torch.Tensor, torch.Tensor]:
+def moe_losses(layers: list[MoE]) -> tuple[torch.Tensor, torch.Tensor | None]:
     """The load-balancing loss of HF's load_balancing_loss_func over all layers' routing of the last forward:
     E · Σ_e f_e · P_e, f_e the share of (token, slot) pairs sent to expert e and P_e its mean routing probability,
     both over every layer's tokens together; and the router z-loss, the mean of logsumexp(logits)²."""
@@ -242,6 +243,26 @@ def moe_losses(layers: list[MoE]) -> tuple[torch.Tensor, torch.Tensor]:
     probs = torch.stack([m.prob_sum for m in layers]).sum(0) / n  # (E,)
     z = torch.stack([m.z_sum for m in layers]).sum() / n if layers[0].z_sum is not None else None
     return E * (routed * probs).sum(), z
+
+
+def routing_sums(layers: list[MoE]) -> torch.Tensor:
+    """What the losses pool over layers, summed over `layers`' last forward: (2E + 2,) fp32 [routed pairs per
+    expert (E), routing probability sums (E), z sum, tokens]. Sums of sums: a pipeline adds its stages' vectors
+    (kiln.parallel.pipeline) and `losses_of` the total is the whole model's; only the probability and z sums carry
+    a gradient."""
+    z = [m.z_sum for m in layers if m.z_sum is not None]
+    p = layers[0].prob_sum
+    return torch.cat([torch.stack([m.routed for m in layers]).sum(0).float(),
+                      torch.stack([m.prob_sum for m in layers]).sum(0),
+                      torch.stack(z).sum().reshape(1) if z else p.new_zeros(1),
+                      p.new_full((1,), float(sum(m.tokens for m in layers)))])
+
+
+def losses_of(sums: torch.Tensor, n_experts: int, z_loss: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(load-balancing loss, z-loss or None) of a routing_sums vector: moe_losses' values, from the pooled sums."""
+    E, n = n_experts, sums[-1]
+    routed, probs = sums[:E] / n, sums[E:2 * E] / n  # (E,) each; routed over K slots sums to K
+    return E * (routed * probs).sum(), sums[2 * E] / n if z_loss else None
 
 
 @torch.no_grad()

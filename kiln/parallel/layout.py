@@ -199,11 +199,7 @@ def _check_model(tp: int, stages: int, model: ModelConfig, family, schedule: str
     sizes = {"model.n_head": model.n_head, "model.n_kv_head": model.n_kv_head}
     if family is not None:
         for lin in family.linears(model):
-            if lin.tp == "expert":
-                raise KilnError(f"parallel.tp={tp}: model.arch={model.arch} is a mixture of experts, and expert "
-                                f"parallelism is not built; use --parallel.tp=1 (with --parallel.strategy=fsdp to "
-                                f"shard it)", key="parallel.tp", value=tp)
-            if lin.tp == "column":
+            if lin.tp == "column":  # (an MoE's router and experts are whole on every tp rank: nothing to divide)
                 sizes[f"the output width of {lin.name}"] = lin.n_out
                 for i, rows in enumerate(lin.parts):  # a fused linear: each rank takes 1/tp of every part
                     sizes[f"part {i + 1} of {lin.name} ({lin.parts})"] = rows

@@ -120,11 +120,15 @@ def tp_config(source: str, arch: str, strategy: str, tp: int, steps: int, sequen
               interval: int = 0):
     """lm_config's run on a tensor-parallel layout: 2 micro-batches of 2 sequences per data-parallel rank (the
     global batch of 8 on any dp degree up to 4); arch llama has grouped-query attention (4 heads, 2 key/value heads)
-    and a SwiGLU MLP, both fused weights that tensor parallelism must split by part."""
+    and a SwiGLU MLP, both fused weights that tensor parallelism must split by part; arch qwen3_moe the same attention
+with a mixture of experts."""
     cfg = lm_config(source, strategy, steps)
     if arch == "llama":
         cfg.model = ModelConfig(preset="llama-125m", n_layer=2, n_head=4, n_kv_head=2, d_model=64, d_ff=96,
                                 max_seq_len=64, vocab_size=256)
+    elif arch == "qwen3_moe":  # 4 experts of width 32, 2 per token, whole on each tp rank; a strong balancing loss
+        cfg.model = ModelConfig(preset="qwen3-moe-nano", n_layer=2, n_head=4, n_kv_head=2, head_dim=16, d_model=64,
+                                n_experts=4, moe_d_ff=32, max_seq_len=64, vocab_size=256, moe_aux_coef=0.1)
     cfg.train.micro_batch_size = 2
     cfg.train.cpu_linear = "torch"  # a tp rank's linears hold DTensors, which take F.linear: the reference too
     cfg.parallel.tp, cfg.parallel.sequence_parallel = tp, sequence_parallel

@@ -111,10 +111,11 @@ def _compute_dtype(h: torch.Tensor) -> torch.dtype:
 def experts(w_fc: torch.Tensor, w_proj: torch.Tensor, h: torch.Tensor, counts: torch.Tensor,
             grouped: bool | None = None) -> torch.Tensor:
     """SwiGLU experts on rows grouped by expert: h (S, C), rows [Σ_{j<e} counts_j, Σ_{j≤e} counts_j) going to
-    expert e; w_fc (E, 2F, C) each expert's [gate; up], w_proj (E, C, F); counts (E,) integers on h's device, summing
-    to S (rows past their sum would come back undefined: grouped_mm does not write them). Returns (S, C) in the compute dtype
-    (autocast's, or h's). grouped: None = grouped_mm where the probe says it works and the widths are whole
-16-byte multiples (its kernel's rule: C and F multiples of 4 in fp32, of 8 in bf16), else the loop (one sync)."""
+    expert e; w_fc (E, 2F, C) each expert's [gate; up], w_proj (E, C, F); counts (E,) integers on h's device,
+    summing to S (rows past their sum would come back undefined: grouped_mm does not write them). Returns (S, C)
+    in the compute dtype (autocast's, or h's). grouped: None = grouped_mm where the probe says it works and the
+    widths are whole 16-byte multiples (its kernel's rule: C and F multiples of 4 in fp32, of 8 in bf16), else the
+    loop (one host sync)."""
     dtype = _compute_dtype(h)
     h, w_fc, w_proj = h.to(dtype), w_fc.to(dtype), w_proj.to(dtype)
     if grouped is None:  # grouped_mm's rows must start on 16-byte boundaries: C and F a multiple of 16 bytes

@@ -206,7 +206,7 @@ class PipelineModel(nn.Module):
         h, sums = h if isinstance(h, tuple) else (h, None)
         with self.stages[-1].autocast():
             loss = self.loss(h.flatten(0, 1), self.head_weight, y.flatten())
-        if sums is not None:  # a mixture of experts: the penalty of every stage's routing, as Transformer.forward adds it
+        if sums is not None:  # an MoE: the penalty of every stage's routing, as Transformer.forward adds it
             aux, z = losses_of(sums, self.cfg.n_experts, bool(self.cfg.moe_z_coef))
             loss = loss + moe_penalty(self.cfg, aux, z, self) * (y != -100).sum()
         loss = loss / count

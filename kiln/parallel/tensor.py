@@ -173,7 +173,8 @@ def _gather_sequence(module, args):
 
 def _split_output(mesh):
     def hook(module, args, y):  # (B, T, C), the same on every tp rank -> this rank's sequence shard (B, T/tp, C)
-        return DTensor.from_local(y, mesh, [Replicate()], run_check=False).redistribute(placements=[Shard(1)]).to_local()
+        y = DTensor.from_local(y, mesh, [Replicate()], run_check=False)
+        return y.redistribute(placements=[Shard(1)]).to_local()
     return hook
 
 

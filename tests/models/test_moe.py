@@ -90,7 +90,8 @@ def test_a_state_dict_of_one_linear_per_expert_loads_stacked():
 def test_widths_grouped_mm_cannot_take_fall_back_to_the_loop(monkeypatch):
     """grouped_mm wants 16-byte row strides: F=14 in fp32 (56 bytes) takes the loop, which reads the counts."""
     torch.manual_seed(0)
-    w_fc, w_proj, h, counts = torch.randn(3, 28, 16), torch.randn(3, 16, 14), torch.randn(5, 16), torch.tensor([2, 0, 3])
+    w_fc, w_proj, h = torch.randn(3, 28, 16), torch.randn(3, 16, 14), torch.randn(5, 16)
+    counts = torch.tensor([2, 0, 3])
     want = _float64_experts(w_fc, w_proj, h, counts)
     read = []
     monkeypatch.setattr(torch.Tensor, "tolist", lambda t: read.append(t) or t.numpy().tolist())

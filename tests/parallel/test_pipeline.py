@@ -220,8 +220,8 @@ def test_tp2_pp2_trains_as_one_process(pp_launched, single, arch):
 
 
 def test_a_pipeline_pools_the_load_balancing_loss_over_its_stages(pp_launched, single):
-    """The MoE's load-balancing loss is E·Σ f_e·P_e over both stages' blocks together (not a sum of per-stage losses):
-    the record's moe_aux_loss and load shares are one process's, step by step, as is the objective (the test above).
+    """The MoE's load-balancing loss is E·Σ f_e·P_e over both stages' blocks together (not a sum of per-stage
+    losses): the record's moe_aux_loss and load shares are one process's, step by step, as is the objective (the test above).
     The check can tell them apart: the mean of the two stages' own losses is 1.7e-3 off the pooled loss (seed 0)."""
     got, want = records(pp_launched / "tp2pp2_qwen3_moe", "train"), records(single / "qwen3_moe", "train")
     for x, y in zip(got, want):

@@ -24,8 +24,9 @@ SMALL = {
 
 
 def _grouped_mm_flops(a_shape, b_shape, *args, out_shape=None, **kwargs) -> int:
-    """torch 2.13's counter has no formula for grouped_mm (an MoE's experts, kiln.models.moe): 2·M·K·N, whichever of
-    M (2-D × 3-D: forward, input gradient), K (2-D × 2-D: the weight gradient) or N the groups cut; × G for 3-D × 3-D."""
+    """torch 2.13's counter has no formula for grouped_mm (an MoE's experts, kiln.models.moe): 2·M·K·N, whichever
+    of M (2-D × 3-D: forward, input gradient), K (2-D × 2-D: the weight gradient) or N the groups cut; × G for
+    3-D × 3-D."""
     batch = a_shape[0] if len(a_shape) == 3 and len(b_shape) == 3 else 1
     return 2 * batch * a_shape[-2] * a_shape[-1] * b_shape[-1]
 

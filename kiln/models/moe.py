@@ -140,9 +140,10 @@ def _experts_loop(w_fc, w_proj, h, counts):
     sizes = counts.tolist()
     parts = h[:sum(sizes)].split(sizes)
     ys = []
-    for e, part in enumerate(parts):
-        gate, up = F.linear(part, w_fc[e]).chunk(2, dim=-1)
-        ys.append(F.linear(F.silu(gate) * up, w_proj[e]))
+    # unbind, not w[e]: its backward stacks the experts' gradients once (indexing would add each into a zero (E, ...))
+    for part, fc, proj in zip(parts, w_fc.unbind(0), w_proj.unbind(0)):
+        gate, up = F.linear(part, fc).chunk(2, dim=-1)
+        ys.append(F.linear(F.silu(gate) * up, proj))
     y = torch.cat(ys)
     return torch.cat([y, y.new_zeros(h.shape[0] - y.shape[0], y.shape[1])]) if y.shape[0] < h.shape[0] else y
 

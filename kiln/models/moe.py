@@ -23,8 +23,9 @@ No host sync: the per-expert counts stay on the device (a scatter-add, not binco
 CUDA), the (token, slot) pairs are sorted by expert with argsort, and `experts` runs every expert in one
 torch.nn.functional.grouped_mm per matmul, with the counts' cumulative sum as its group offsets. grouped_mm is
 chosen by a one-time probe per (device type, dtype) (`grouped_mm_works`): torch 2.13 runs it on CPU in fp32 and
-bf16, forward and backward, but not fp64; where the probe fails (fp64 references, an older torch) `experts` loops
-over the experts, which reads the counts back (one host sync per block). Every expert's weight gets a gradient
+bf16, forward and backward, but not fp64; where the probe fails (fp64 references, an older torch), and inside a
+torch.compile graph (torch 2.13 traces grouped_mm in bf16 only), `experts` loops over the experts, which reads
+the counts back (one host sync per block). Every expert's weight gets a gradient
 every step, zero for an expert no token reached, so DDP, the optimizers and the memory accounting see the same
 tensors whatever the routing.
 
@@ -60,13 +61,12 @@ class ExpertLinear(nn.Module):
         nn.init.kaiming_uniform_(self.weight, a=math.sqrt(5))  # nn.Linear's default, per expert (fan_in = n_in)
 
 
-@torch.compiler.disable  # a probe on a thread of its own: never traced into a compiled graph
 @functools.cache
 def grouped_mm_works(device_type: str, dtype: torch.dtype) -> bool:
     """Whether torch.nn.functional.grouped_mm runs forward and backward for this device type and dtype here: tried
     once on a few rows (an empty group included), so a torch that lacks it or a dtype it refuses falls back. The
-    probe runs on a thread of its own, outside the caller's autocast, saved-tensor hooks, function modes and
-    compiled graph (all per thread): a memory measurement or a sync counter sees only the step."""
+    probe runs on a thread of its own, outside the caller's autocast, saved-tensor hooks and function modes (all per
+    thread): a memory measurement or a sync counter sees only the step."""
     if not hasattr(F, "grouped_mm"):
         return False
     device = torch.device(device_type, torch.accelerator.current_device_index()) if device_type != "cpu" else "cpu"
@@ -120,13 +120,13 @@ def experts(w_fc: torch.Tensor, w_proj: torch.Tensor, h: torch.Tensor, counts: t
     h, w_fc, w_proj = h.to(dtype), w_fc.to(dtype), w_proj.to(dtype)
     if grouped is None:  # grouped_mm's rows must start on 16-byte boundaries: C and F a multiple of 16 bytes
         aligned = all(n * h.element_size() % 16 == 0 for n in (w_proj.shape[1], w_proj.shape[2]))
-        grouped = aligned and grouped_mm_works(h.device.type, dtype)
+        # torch 2.13's fake (tracing) grouped_mm takes bf16 only, so a compiled model runs the loop (a graph break)
+        grouped = aligned and not torch.compiler.is_compiling() and grouped_mm_works(h.device.type, dtype)
     if not grouped:
         return _experts_loop(w_fc, w_proj, h, counts)
     return _experts_grouped(w_fc, w_proj, h, counts)
 
 
-@torch.compiler.disable  # torch 2.13's fake (tracing) grouped_mm takes bf16 only: a compiled model calls it eagerly
 def _experts_grouped(w_fc, w_proj, h, counts):
     offs = counts.cumsum(0).to(torch.int32)  # (E,) end row of each expert's group
     with torch.autocast(h.device.type, enabled=False):  # operands already in the compute dtype

@@ -22,6 +22,7 @@ from kiln.data.batches import to_device
 from kiln.evaluate import Prepared, score_task, training_tasks
 from kiln.parallel import ParallelPlan, launched_by_torchrun
 from kiln.parallel.elastic import batch_after_resharding, restart_record
+from kiln.interop.base import base_reference
 from kiln.interop.hf import read_hf
 from kiln.memory.devices import get_device, local_device
 from kiln.memory.estimate import fmt_bytes, parse_bytes
@@ -198,6 +199,7 @@ def build_lm(cfg: Config, run_dir: Path | None = None, log=print, device: torch.
         log(note)
     parts = LMParts(Path(run_dir) if run_dir is not None else None, with_data, log)
     run = build_run(cfg, parts, device, log)
+    run.state.base = parts.base
     return LMRun(run.cfg, run.state, parts.data, parts.tasks, run.record)
 
 
@@ -212,6 +214,7 @@ class LMParts:
     objective: LanguageModeling = field(default_factory=LanguageModeling)
     data: PreparedData | None = None
     initial: dict | None = None  # model.init: the checkpoint's weights
+    base: dict | None = None  # a LoRA run's model.init: its path and digest, what its checkpoints refer to
     tasks: list[Prepared] = field(default_factory=list)
 
     def inputs(self, cfg: Config, world, device, log) -> dict:
@@ -221,6 +224,8 @@ class LMParts:
         if model.init:  # a Hugging Face checkpoint: its shape, its weights and (unless told) its tokenizer
             directory = Path(model.init.removeprefix("hf:"))
             shape, self.initial = read_hf(directory)
+            if cfg.lora.rank:  # the checkpoints hold the adapters and refer to this base (kiln.interop.base)
+                self.base = base_reference(model.init)
             model = replace(with_training_fields(shape, model), init=model.init)
             if data_cfg.tokenizer == "bytes" and (directory / "tokenizer.json").is_file():
                 data_cfg = replace(data_cfg, tokenizer=model.init)

@@ -279,7 +279,9 @@ class Checkpointer:
         final = self.dir / f"step_{step:06d}"
         tmp = self.dir / f".tmp-{final.name}-{os.getpid()}"
         shutil.rmtree(tmp, ignore_errors=True)
-        weights = model.state_dict() if self.cfg.safetensors and model is not None else None
+        weights = None  # the state's own model weights when it has them (a LoRA run's: the adapters only)
+        if self.cfg.safetensors and model is not None:
+            weights = state["model"] if "model" in state else model.state_dict()
         if self.cfg.async_save:  # training changes the originals from now on
             state, weights = self._staging.copy((state, weights))
             self._in_background(lambda: self._write_whole(tmp, final, state, config_toml, weights))

@@ -1,0 +1,76 @@
+"""A LoRA run's checkpoint read back as a base and its adapters: what `kiln sample`, `kiln eval` and `kiln export`
+load (kiln.run.source, kiln.cli.export).
+
+    lora = lora_run(cfg, weights, checkpoint)   the checkpoint's adapters under the Hub's module names, its base
+    lora.merged()                                kiln's state dict, base + (alpha/rank)·B·A (sample, eval, --hf)
+    lora.write_peft(OUT)                         adapter_config.json + adapter_model.safetensors (--peft)
+
+A run on model.init=hf:DIR saves the adapters only, with a reference to the base (kiln.interop.base): the base is
+read from DIR again, after its files are checked against the digest the checkpoint recorded (a changed base is
+refused in one line). A run on a base of its own (no model.init) saves the whole model, base included.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from kiln.config import Config
+from kiln.interop.base import HF_PREFIX, check_base
+from kiln.interop.hf import read_hf
+from kiln.interop.peft import PeftSpec, hub_rows, merged, write_peft
+from kiln.models import ModelConfig
+from kiln.models.lora import LoraConfig, adapter_names
+
+
+@dataclass
+class LoraRun:
+    model_cfg: ModelConfig
+    lora: LoraConfig
+    base: dict[str, torch.Tensor]  # the frozen base's weights, kiln's names
+    adapters: dict[str, tuple[torch.Tensor, torch.Tensor]]  # Hub module -> (A (r, in), B (out, r))
+    init: str  # model.init: the base as transformers loads it ("" for a base of the run's own)
+
+    @property
+    def scale(self) -> float:
+        return self.lora.alpha / self.lora.rank
+
+    def merged(self) -> dict[str, torch.Tensor]:
+        return merged(self.model_cfg, self.base, self.adapters, self.scale)
+
+    def write_peft(self, out: Path) -> Path:
+        conv1d = {hub_rows(self.model_cfg)[m][3] for m in self.adapters}
+        spec = PeftSpec(self.lora.rank, self.lora.alpha, self.lora.dropout, fan_in_fan_out=conv1d == {True},
+                        base=self.init.removeprefix(HF_PREFIX))
+        return write_peft(out, self.adapters, spec)
+
+
+def to_hub(model_cfg: ModelConfig, lora: LoraConfig, weights: dict) -> tuple[dict, dict]:
+    """(the adapters under the Hub's module names, the remaining weights) of a LoRA model's state dict."""
+    names = adapter_names(model_cfg, lora)  # {kiln parameter: (Hub module, "lora_A" | "lora_B", fan_in_fan_out)}
+    pairs: dict[str, dict[str, torch.Tensor]] = {}
+    rest = {}
+    for key, t in weights.items():
+        key = key.removeprefix("_orig_mod.")
+        if key in names:
+            module, which, _ = names[key]
+            pairs.setdefault(module, {})[which] = t.detach().float().cpu()
+        else:
+            rest[key] = t
+    return {m: (ab["lora_A"], ab["lora_B"]) for m, ab in sorted(pairs.items())}, rest
+
+
+def lora_run(cfg: Config, weights: dict, checkpoint: Path) -> LoraRun:
+    """The base and adapters of a LoRA run's checkpoint (`weights`: its model weights, as Checkpointer.load_weights
+    returns them). Raises BaseChanged when the base it refers to is not on disk as it was."""
+    model_cfg = cfg.model.resolve()
+    adapters, rest = to_hub(model_cfg, cfg.lora, weights)
+    saved = torch.load(checkpoint / "state.pt", map_location="cpu", weights_only=True)
+    ref = saved.get("base")
+    if ref is None:  # the whole model was saved: the base is the rest of it
+        base = {k: v for k, v in rest.items()}
+    else:
+        check_base(ref, str(checkpoint))
+        _, base = read_hf(ref["init"].removeprefix(HF_PREFIX))
+    return LoraRun(model_cfg, cfg.lora, base, adapters, ref["init"] if ref is not None else "")

@@ -51,12 +51,23 @@ def run(args, overrides) -> int:
         raise ConfigError(f"{run_dir} has no config.toml; pass a run directory written by `kiln train`")
     if out.exists() and any(out.iterdir()):
         raise ConfigError(f"{out} exists and is not empty; choose a new directory (nothing is overwritten)")
+    cfg = load_config(run_dir / "config.toml")
+    if args.peft is not None and not cfg.lora.on:
+        raise ConfigError(f"{run_dir} is not a LoRA run (lora.rank=0): it has no adapters; export the model with "
+                          f"--hf OUT_DIR")
+    if args.peft is not None and not cfg.model.init:
+        raise ConfigError(f"{run_dir} trained LoRA adapters on a base of its own (no model.init=hf:DIR), which "
+                          f"transformers cannot load; export the merged model with --hf OUT_DIR")
     checkpointer = Checkpointer(CheckpointConfig(), run_dir)
     weights = checkpointer.load_weights()
-    cfg = load_config(run_dir / "config.toml")
-    lora = lora_run(cfg, weights, checkpointer.loaded) if cfg.lora.rank else None
+    # the checkpoint's own config: the run as it was at that step
+    cfg = load_config(checkpointer.loaded / "config.toml") if (checkpointer.loaded / "config.toml").is_file() else cfg
+    lora = lora_run(cfg, weights, checkpointer.loaded) if cfg.lora.on else None
     if args.peft is not None:
-        return _peft(run_dir, cfg, lora, out)
+        path = lora.write_peft(out)
+        print(f"wrote {out}: LoRA adapters for {len(lora.adapters)} modules (rank {cfg.lora.rank}, alpha "
+              f"{cfg.lora.alpha:g}), {fmt_bytes(path.stat().st_size)}, adapter_config.json; base {cfg.model.init}")
+        return 0
     if lora is not None:
         weights = lora.merged()
     tokenizer = load_tokenizer(run_dir)
@@ -77,15 +88,3 @@ def run(args, overrides) -> int:
           f"generation_config.json; {note}")
     return 0
 
-
-def _peft(run_dir: Path, cfg, lora, out: Path) -> int:
-    if lora is None:
-        raise ConfigError(f"{run_dir} is not a LoRA run (lora.rank=0): it has no adapters; export the model with "
-                          f"--hf OUT_DIR")
-    if not cfg.model.init:
-        raise ConfigError(f"{run_dir} trained LoRA adapters on a base of its own (no model.init=hf:DIR), which "
-                          f"transformers cannot load; export the merged model with --hf OUT_DIR")
-    path = lora.write_peft(out)
-    print(f"wrote {out}: LoRA adapters for {len(lora.adapters)} modules (rank {cfg.lora.rank}, alpha "
-          f"{cfg.lora.alpha:g}), {fmt_bytes(path.stat().st_size)}, adapter_config.json; base {cfg.model.init}")
-    return 0

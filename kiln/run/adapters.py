@@ -4,6 +4,7 @@ load (kiln.run.source, kiln.cli.export).
     lora = lora_run(cfg, weights, checkpoint)   the checkpoint's adapters under the Hub's module names, its base
     lora.merged()                                kiln's state dict, base + (alpha/rank)·B·A (sample, eval, --hf)
     lora.write_peft(OUT)                         adapter_config.json + adapter_model.safetensors (--peft)
+    load_peft_adapters(model, model_cfg, lora)   lora.init=peft:DIR: the adapters of `model` set to DIR's
 
 A run on model.init=hf:DIR saves the adapters only, with a reference to the base (kiln.interop.base): the base is
 read from DIR again, after its files are checked against the digest the checkpoint recorded (a changed base is
@@ -19,9 +20,9 @@ import torch
 from kiln.config import Config
 from kiln.interop.base import HF_PREFIX, check_base
 from kiln.interop.hf import read_hf
-from kiln.interop.peft import PeftSpec, hub_rows, merged, write_peft
+from kiln.interop.peft import PEFT_PREFIX, PeftSpec, check_fits, hub_rows, merged, read_peft, write_peft
 from kiln.models import ModelConfig
-from kiln.models.lora import LoraConfig, adapter_names
+from kiln.models.lora import LoraConfig, lora_tensors
 
 
 @dataclass
@@ -48,16 +49,19 @@ class LoraRun:
 
 def to_hub(model_cfg: ModelConfig, lora: LoraConfig, weights: dict) -> tuple[dict, dict]:
     """(the adapters under the Hub's module names, the remaining weights) of a LoRA model's state dict."""
-    names = adapter_names(model_cfg, lora)  # {kiln parameter: (Hub module, "lora_A" | "lora_B", fan_in_fan_out)}
+    names = {t.kiln: t for t in lora_tensors(model_cfg, lora)}
     pairs: dict[str, dict[str, torch.Tensor]] = {}
     rest = {}
     for key, t in weights.items():
         key = key.removeprefix("_orig_mod.")
         if key in names:
-            module, which, _ = names[key]
-            pairs.setdefault(module, {})[which] = t.detach().float().cpu()
+            pairs.setdefault(names[key].module, {})[names[key].matrix] = t.detach().float().cpu()
         else:
             rest[key] = t
+    missing = sorted(set(names) - {k.removeprefix("_orig_mod.") for k in weights})
+    if missing:
+        raise ValueError(f"the checkpoint has no adapter {missing[0]} (and {len(missing) - 1} more) that its "
+                         f"config's [lora] section builds; it was not written by this run's config")
     return {m: (ab["lora_A"], ab["lora_B"]) for m, ab in sorted(pairs.items())}, rest
 
 
@@ -74,3 +78,21 @@ def lora_run(cfg: Config, weights: dict, checkpoint: Path) -> LoraRun:
         check_base(ref, str(checkpoint))
         _, base = read_hf(ref["init"].removeprefix(HF_PREFIX))
     return LoraRun(model_cfg, cfg.lora, base, adapters, ref["init"] if ref is not None else "")
+
+
+@torch.no_grad()
+def load_peft_adapters(model: torch.nn.Module, model_cfg: ModelConfig, lora: LoraConfig) -> None:
+    """lora.init=peft:DIR: the adapters apply_lora gave `model` take DIR's values, after the directory is checked
+    against the run's [lora] section (rank, alpha, the modules lora.targets adapts, their shapes): PeftError, one
+    line, saying what differs."""
+    directory = Path(lora.init.removeprefix(PEFT_PREFIX))
+    adapters, spec = read_peft(directory)
+    tensors = lora_tensors(model_cfg, lora)
+    shapes = {t.module: [0, 0] for t in tensors}
+    for t in tensors:
+        shapes[t.module][0 if t.matrix == "lora_A" else 1] = t.shape[1] if t.matrix == "lora_A" else t.shape[0]
+    check_fits(adapters, spec, f"{PEFT_PREFIX}{directory}", lora.rank, lora.alpha, lora.targets,
+               {m: (n_in, n_out) for m, (n_in, n_out) in shapes.items()})
+    for t in tensors:
+        param = model.get_parameter(t.kiln)
+        param.copy_(adapters[t.module][0 if t.matrix == "lora_A" else 1].to(param.dtype))

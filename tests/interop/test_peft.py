@@ -6,7 +6,7 @@ import json
 
 import pytest
 import torch
-from safetensors.torch import load_file
+from safetensors.torch import load_file, save_file
 
 from kiln.interop.base import BaseChanged, base_reference, check_base
 from kiln.interop.hf import hf_tensors, read_hf
@@ -135,3 +135,47 @@ def test_changed_base_is_refused_in_one_line(tmp_path):
     weights.unlink()
     with pytest.raises(BaseChanged, match="whose model.safetensors is not there now"):
         check_base(ref, "run/checkpoints/step_000004")
+
+
+GOOD = {"peft_type": "LORA", "r": 2, "lora_alpha": 4, "target_modules": ["q_proj"]}
+A, B = "base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight", "base_model.model.model.layers.0.self_attn.q_proj.lora_B.weight"
+BAD_DIRS = [  # (adapter_config.json, tensors or None for no weights file, the refusal after "peft:DIR")
+    ("{", {}, "/adapter_config.json is not valid JSON (Expecting property name enclosed in double quotes); pass a "
+              "directory PeftModel.save_pretrained or `kiln export RUN_DIR --peft DIR` wrote"),
+    (GOOD | {"use_dora": True}, {}, ": use_dora=true; kiln's adapters are plain LoRA, not DoRA"),
+    (GOOD | {"use_rslora": True}, {}, ": use_rslora=true; kiln's adapters are plain LoRA, not rsLoRA (scale alpha/√r)"),
+    (GOOD | {"bias": "all"}, {}, ": bias, modules_to_save, rank_pattern or alpha_pattern are set; kiln reads adapters "
+                                 "of one rank and scale with no bias and no other trained modules"),
+    (GOOD, None, ": no adapter_model.safetensors there (a .bin adapter is not read: save it again with "
+                 "safe_serialization=True)"),
+    (GOOD, {"base_model.model.lm_head.weight": (4, 4)}, "/adapter_model.safetensors holds "
+                                                        "'base_model.model.lm_head.weight', which is no lora_A/lora_B "
+                                                        "weight; kiln reads LoRA adapters only"),
+    (GOOD, {A: (2, 8)}, "/adapter_model.safetensors: model.layers.0.self_attn.q_proj has lora_A without its pair"),
+    (GOOD, {A: (3, 8), B: (8, 3)}, "/adapter_model.safetensors: model.layers.0.self_attn.q_proj has lora_A (3, 8) "
+                                   "and lora_B (8, 3), not (r=2, in) and (out, r=2)"),
+]
+
+
+@pytest.mark.parametrize("config, tensors, said", BAD_DIRS, ids=["json", "dora", "rslora", "bias", "no-weights",
+                                                                  "not-lora", "unpaired", "rank"])
+def test_adapter_directories_kiln_cannot_read_are_one_line(config, tensors, said, tmp_path):
+    (tmp_path / "adapter_config.json").write_text(config if isinstance(config, str) else json.dumps(config))
+    if tensors is not None:
+        save_file({k: torch.zeros(shape) for k, shape in tensors.items()} or {A: torch.zeros(2, 8),
+                                                                              B: torch.zeros(8, 2)},
+                  str(tmp_path / "adapter_model.safetensors"))
+    with pytest.raises(PeftError) as e:
+        read_peft(tmp_path)
+    assert str(e.value) == f"peft:{tmp_path}{said}"
+
+
+def test_an_adapter_for_another_base_does_not_merge(tmp_path):
+    _base("llama", tmp_path / "base")
+    cfg, base = read_hf(tmp_path / "base")
+    with pytest.raises(PeftError, match=r"^adapter for 'model.layers.9.self_attn.q_proj', which is not a weight of "
+                                        r"kiln's llama model; the adapter was trained on another base$"):
+        merged(cfg, base, {"model.layers.9.self_attn.q_proj": (torch.zeros(2, 64), torch.zeros(64, 2))}, 1.0)
+    with pytest.raises(PeftError, match=r"^adapter for model.layers.0.self_attn.k_proj makes a \(64, 64\) update, "
+                                        r"the base weight is \(32, 64\); the adapter was trained on another base$"):
+        merged(cfg, base, {"model.layers.0.self_attn.k_proj": (torch.zeros(2, 64), torch.zeros(64, 2))}, 1.0)

@@ -172,9 +172,10 @@ def merged(cfg: ModelConfig, base: dict[str, torch.Tensor], adapters: dict, scal
 
 
 def check_fits(adapters: dict, spec: PeftSpec, where: str, rank: int, alpha: float, targets: str,
-               expected: dict[str, tuple[int, int]]) -> None:
+               expected: dict[str, tuple[int, int]], hint: str = "") -> None:
     """That a read adapter is the one the run's [lora] section builds: its rank and alpha, its modules
-    (`expected`: {Hub module: (in, out)}) and their shapes; else one line saying what differs and what to pass."""
+    (`expected`: {Hub module: (in, out)}) and their shapes; else one line saying what differs and what to pass
+    (hint: the lora.targets that cover the adapter's modules, when the caller knows them)."""
     def refuse(why: str, fix: str):
         raise PeftError(f"{where}: {why}; {fix}", key="lora.init", value=where, fix=fix)
 
@@ -189,8 +190,8 @@ def check_fits(adapters: dict, spec: PeftSpec, where: str, rank: int, alpha: flo
         said = [f"{len(missing)} module(s) lora.targets={targets!r} adapts have none (first {missing[0]})"] \
             if missing else []
         said += [f"{len(extra)} adapted module(s) lora.targets={targets!r} leaves out (first {extra[0]})"] if extra else []
-        refuse(" and ".join(said), f"pass the lora.targets the adapter was trained with (its modules: "
-                                   f"{', '.join(module_suffixes(adapters))})")
+        fix = f"pass --lora.targets={hint}" if hint and hint != targets else "pass the lora.targets it was trained with"
+        refuse(" and ".join(said), f"{fix} (its modules: {', '.join(module_suffixes(adapters))})")
     for module, (n_in, n_out) in expected.items():
         a, b = adapters[module]
         if tuple(a.shape) != (rank, n_in) or tuple(b.shape) != (n_out, rank):

@@ -12,12 +12,13 @@ refused in one line). A run on a base of its own (no model.init) saves the whole
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
 
 from kiln.config import Config
+from kiln.errors import KilnError
 from kiln.interop.base import HF_PREFIX, check_base
 from kiln.interop.hf import read_hf
 from kiln.interop.peft import PEFT_PREFIX, PeftSpec, check_fits, hub_rows, merged, read_peft, write_peft
@@ -92,7 +93,17 @@ def load_peft_adapters(model: torch.nn.Module, model_cfg: ModelConfig, lora: Lor
     for t in tensors:
         shapes[t.module][0 if t.matrix == "lora_A" else 1] = t.shape[1] if t.matrix == "lora_A" else t.shape[0]
     check_fits(adapters, spec, f"{PEFT_PREFIX}{directory}", lora.rank, lora.alpha, lora.targets,
-               {m: (n_in, n_out) for m, (n_in, n_out) in shapes.items()})
+               {m: (n_in, n_out) for m, (n_in, n_out) in shapes.items()}, _targets_of(model_cfg, lora, adapters))
     for t in tensors:
         param = model.get_parameter(t.kiln)
         param.copy_(adapters[t.module][0 if t.matrix == "lora_A" else 1].to(param.dtype))
+
+
+def _targets_of(model_cfg: ModelConfig, lora: LoraConfig, adapters: dict) -> str:
+    """The lora.targets (the family's linear names) whose adapters include every module of `adapters`."""
+    try:
+        every = lora_tensors(model_cfg, replace(lora, targets="all"))
+    except KilnError:  # a family whose `all` is refused (MoE experts): no hint
+        return ""
+    names = [t.base.split(".", 2)[2].removesuffix(".weight") for t in every if t.module in adapters]
+    return ",".join(dict.fromkeys(names))

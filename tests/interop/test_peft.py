@@ -105,7 +105,7 @@ def test_adapter_that_does_not_fit_is_one_line(tmp_path):
         check_fits(adapters, spec, where, RANK, 16.0, "all", shapes)
     fewer = {m: s for m, s in shapes.items() if "down_proj" not in m}
     with pytest.raises(PeftError, match=r"2 adapted module\(s\) lora.targets='attn' leaves out \(first "
-                                        r"model.layers.0.mlp.down_proj\); pass the lora.targets the adapter was "
+                                        r"model.layers.0.mlp.down_proj\); pass the lora.targets it was "
                                         r"trained with \(its modules: mlp.down_proj, mlp.gate_proj"):
         check_fits(adapters, spec, where, RANK, ALPHA, "attn", fewer)
     wider = {m: (n_in, n_out + 1) for m, (n_in, n_out) in shapes.items()}

@@ -12,7 +12,12 @@ from safetensors.torch import load_file
 from kiln.cli.main import main
 from kiln.config import Config, to_toml
 from kiln.interop.base import BaseChanged
-from kiln.run.lm import build_lm, train
+from kiln.interop.hf import read_hf
+from kiln.interop.peft import PeftError
+from kiln.models import build_model
+from kiln.models.lora import LoraConfig, apply_lora
+from kiln.run.adapters import load_peft_adapters
+from kiln.run.lm import train
 from kiln.run.source import load_source
 
 transformers = pytest.importorskip("transformers", reason="transformers is not installed (the test extra has it)")
@@ -37,8 +42,8 @@ def _base(kind, directory):
 
 
 def _lora_config(small_config, base, steps, **lora):
-    cfg = small_config(train={"max_steps": steps}, schedule={"total_steps": steps}, lora=LORA | lora,
-                       optim={"lr": 3e-2})
+    cfg = small_config(train={"max_steps": steps, "eval_batches": 1}, schedule={"total_steps": steps},
+                       lora=LORA | lora, optim={"lr": 3e-2})
     cfg.model.init = f"hf:{base}"
     return cfg
 
@@ -85,7 +90,7 @@ def test_resume_is_bit_identical_and_the_checkpoint_holds_adapters(small_config,
 @pytest.mark.parametrize("kind", ["llama", "gpt2"])
 def test_export_peft_gives_the_runs_logits_and_hf_the_merged_model(kind, small_config, tmp_path, capsys):
     base = _base(kind, tmp_path / "base")
-    result = train(_lora_config(small_config, base, 3), tmp_path / "run")
+    result = train(_lora_config(small_config, base, 2), tmp_path / "run")
     ids = torch.randint(0, 256, (2, 24))
     ours = _logits(result.state.model, ids)[..., :256]
     capsys.readouterr()
@@ -123,10 +128,21 @@ def test_export_peft_gives_the_runs_logits_and_hf_the_merged_model(kind, small_c
     if kind != "llama":
         return
     # lora.init=peft:DIR starts from those adapters; one that does not fit is one line
-    cfg = _lora_config(small_config, base, 1, init=f"peft:{tmp_path / 'peft'}")
-    started = build_lm(cfg, tmp_path / "again").state.model.state_dict()
-    trained = result.state.model.state_dict()
+    model_cfg = read_hf(base)[0]
+    model = build_model(model_cfg)
+    apply_lora(model, LoraConfig(**LORA, init=f"peft:{tmp_path / 'peft'}"), model_cfg)
+    load_peft_adapters(model, model_cfg, LoraConfig(**LORA, init=f"peft:{tmp_path / 'peft'}"))
+    started, trained = model.state_dict(), result.state.model.state_dict()
     assert all(torch.equal(started[k], trained[k]) for k in trained if ".lora_" in k)
+    attn_only = LoraConfig(rank=4, alpha=8.0, targets="attn", init=f"peft:{tmp_path / 'peft'}")
+    model = build_model(model_cfg)
+    apply_lora(model, attn_only, model_cfg)
+    with pytest.raises(PeftError, match=r"6 adapted module\(s\) lora.targets='attn' leaves out \(first "
+                                        r"model.layers.0.mlp.down_proj\); pass --lora.targets=attn.qkv,attn.proj,"
+                                        r"mlp.fc,mlp.proj \(its modules: mlp.down_proj, mlp.gate_proj, mlp.up_proj, "
+                                        r"self_attn.k_proj, self_attn.o_proj, self_attn.q_proj, self_attn.v_proj\)$"):
+        load_peft_adapters(model, model_cfg, attn_only)
+    cfg = small_config()
     argv = ["train", f"--data.source={cfg.data.source}", f"--data.cache_dir={cfg.data.cache_dir}",
             f"--model.init=hf:{base}", "--train.device=cpu", "--lora.rank=8", f"--lora.init=peft:{tmp_path / 'peft'}",
             f"--run-dir={tmp_path / 'refused'}"]

@@ -83,6 +83,20 @@ class LoraConfig:
                             key="lora.rank", value=self.rank, fix="give --lora.rank=8 (or another rank > 0)")
 
 
+def check_run(lora: LoraConfig, *, tp: int, pp: int, fp8: bool) -> None:
+    """What LoRA does not combine with, refused before anything is built (kiln.config's cross-section checks)."""
+    if not lora.on:
+        return
+    if tp > 1:
+        raise KilnError(f"lora.rank={lora.rank} with parallel.tp={tp}: the adapters are not split with their "
+                        f"linears yet; shard a LoRA run with --parallel.strategy=fsdp (or ddp) and parallel.tp=1",
+                        key="parallel.tp", value=tp, fix="use --parallel.tp=1 with --parallel.strategy=fsdp")
+    if fp8:
+        raise KilnError(f"lora.rank={lora.rank} with precision.mode=fp8: torchao's float8 linears would replace the "
+                        f"adapted ones; use --precision.mode=bf16 (the frozen base is stored in bf16)",
+                        key="precision.mode", value="fp8", fix="use --precision.mode=bf16")
+
+
 def target_names(targets: str) -> list[str]:
     return [t.strip() for t in targets.split(",") if t.strip()]
 
@@ -282,6 +296,11 @@ def apply_lora(model: nn.Module, lora: LoraConfig, cfg=None) -> list[str]:
     from torch's global generator in module order: the same seed gives the same adapters on every rank."""
     if not lora.on:
         return []
+    held = next((n for n, m in model.named_modules() if isinstance(m, LoraLinear)), None)
+    if held is not None:
+        raise KilnError(f"lora.rank={lora.rank}: the model already holds LoRA adapters ({held}); pass the model "
+                        f"without them, or fold them in first with kiln.models.lora.merge_lora(model)",
+                        key="lora.rank", value=lora.rank, fix="pass a model without adapters")
     if cfg is not None:
         plan = [(t.name, {k: rows for k, _, rows in t.pieces}, t.fan_in_fan_out) for t in _targets(cfg, lora)]
     else:

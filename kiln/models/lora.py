@@ -249,18 +249,11 @@ def lora_tensors(cfg, lora: LoraConfig) -> list[LoraTensor]:
 # ---------------------------------------------------------------- applying and undoing
 
 
-def _refuse_split(module: nn.Module, name: str) -> None:
-    if type(module.weight).__name__ == "DTensor":
-        raise KilnError(f"lora: {name} is already split across ranks; apply LoRA before parallelizing",
-                        key="lora.rank", fix="build the adapters on the whole model, then shard it")
-
-
 def _adapt(model: nn.Module, name: str, pieces: dict, lora: LoraConfig, fan_in_fan_out: bool) -> None:
     module = model.get_submodule(name)
     if not isinstance(module, nn.Linear) or isinstance(module, LoraLinear):
         raise KilnError(f"lora.targets={lora.targets!r}: {name} is a {type(module).__name__}, not an nn.Linear LoRA "
                         f"can adapt", key="lora.targets", value=lora.targets, fix="name nn.Linear layers only")
-    _refuse_split(module, name)
     parent, _, leaf = name.rpartition(".")
     setattr(model.get_submodule(parent) if parent else model, leaf,
             LoraLinear(module, pieces, lora.rank, lora.alpha, lora.dropout, fan_in_fan_out))

@@ -13,7 +13,8 @@
                                     with one adapter pair per piece: `lora_A[piece]` (r, in), `lora_B[piece]`
                                     (rows, r); y = x Wᵀ + b + scale · concat_p(B_p A_p dropout(x))
     merge_lora(model)               each LoraLinear back to a plain nn.Linear holding W + scale·B·A (export)
-    trainable_count(model)          (trainable, total) parameters, tied ones once
+    trainable_count(model)          (trainable, total) parameters of a built model, tied ones once
+    parameter_counts(cfg, lora)     the same from the config alone
 
 A piece is one Hugging Face module of a fused kiln linear (Family.hf_tensors): kiln's `attn.qkv` of Llama/Qwen3
 has three (q_proj, k_proj, v_proj: rows H·D, KV·D, KV·D), its `mlp.fc` two (gate_proj, up_proj), GPT-2's
@@ -38,6 +39,7 @@ import torch.nn.functional as F
 
 from kiln.errors import KilnError
 from kiln.models.catalog import family
+from kiln.models.config import param_count
 
 LORA_TARGETS = ("attn", "mlp", "all")
 DEFAULT_PIECE = "default"  # the one piece of a user's own nn.Linear (PEFT's adapter name)
@@ -244,6 +246,14 @@ def lora_tensors(cfg, lora: LoraConfig) -> list[LoraTensor]:
                 out.append(LoraTensor(f"{t.name}.{matrix}.{key}", module, matrix, shape, f"{t.name}.weight", span,
                                       t.fan_in_fan_out))
     return out
+
+
+def parameter_counts(cfg, lora: LoraConfig) -> tuple[int, int]:
+    """(trainable, all) parameters of kiln's Transformer of `cfg` with lora's adapters, from the config alone (the
+    start line's counts; the report's and the estimator's)."""
+    adapters = sum(math.prod(t.shape) for t in lora_tensors(cfg, lora))
+    total = param_count(cfg) + adapters
+    return (adapters if lora.on else total), total
 
 
 # ---------------------------------------------------------------- applying and undoing

@@ -17,6 +17,8 @@ from kiln.interop.hf import write_hf
 from kiln.models import param_count
 from kiln.models.lora import LoraLinear, lora_tensors
 from kiln.numerics.trace import REPORT_FILE
+from kiln.report import collect
+from kiln.report.page import _summary_rows
 from kiln.run.doctor import Doctor
 from kiln.run.lm import build_lm, train
 
@@ -66,6 +68,22 @@ def test_a_lora_run_trains_the_adapters_and_leaves_the_base(small_config, tmp_pa
             assert value.abs().max() > 0 and before[key].abs().max() == 0, key  # trained from B = 0
         elif ".lora_" not in key:
             assert torch.equal(value, before[key]), key  # the base, bit for bit
+    assert math.isfinite(result.val_loss)
+    rows = dict(_summary_rows(collect([tmp_path / "run"])))  # kiln report's summary: the share from config.toml
+    assert rows["trainable parameters"] == [f"{n:,} of {m:,} ({100 * n / m:.2f}%)"]
+
+
+@pytest.mark.parametrize("optim", [{"name": "adamw8bit"}, {"offload": "host"}])
+def test_lora_with_adamw8bit_and_optimizer_offload(small_config, tmp_path, optim):
+    """Supported: the optimizer (8-bit states, or fp32 masters and states on the host) holds the adapters only."""
+    cfg = _lora_cfg(small_config, train={"max_steps": 2})
+    for key, value in optim.items():
+        setattr(cfg.optim, key, value)
+    result = train(cfg, tmp_path / "run", console=Console(file=io.StringIO()))
+    st = result.state
+    lora = [p for n, p in st.model.named_parameters() if ".lora_" in n]
+    held = [p for g in st.optimizer.param_groups for p in g["params"]]
+    assert len(held) == len(lora) == 16 and {id(p) for p in held} == {id(p) for p in lora}
     assert math.isfinite(result.val_loss)
 
 

@@ -31,7 +31,7 @@ from kiln.memory.planner import search
 from kiln.models import ModelConfig, Transformer, build_model
 from kiln.models.config import with_training_fields
 from kiln.models.generate import Sampling
-from kiln.models.lora import apply_lora, trainable_line
+from kiln.models.lora import apply_lora, resolve_targets, trainable_line
 from kiln.models.registry import family
 from kiln.numerics.faults import DelayedLoader
 from kiln.perf import flops_per_token
@@ -199,6 +199,9 @@ def build_lm(cfg: Config, run_dir: Path | None = None, log=print, device: torch.
     """
     for note in device_levers(cfg, device or pick_device(cfg.train.device)):  # refused before the data
         log(note)
+    if cfg.lora.on and not cfg.model.init:  # lora.targets against the preset's family, before the data too
+        resolved = cfg.model.resolve()
+        resolve_targets(family(resolved.arch), resolved, cfg.lora.targets)
     parts = LMParts(Path(run_dir) if run_dir is not None else None, with_data, log)
     run = build_run(cfg, parts, device, log)
     run.state.base = parts.base

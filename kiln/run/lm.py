@@ -229,8 +229,7 @@ class LMParts:
         if model.init:  # a Hugging Face checkpoint: its shape, its weights and (unless told) its tokenizer
             directory = Path(model.init.removeprefix("hf:"))
             shape, self.initial = read_hf(directory)
-            if cfg.lora.rank:  # the checkpoints hold the adapters and refer to this base (kiln.interop.base)
-                self.base = base_reference(model.init)
+            self.base = base_reference(model.init) if cfg.lora.on else None  # LoRA checkpoints refer to it
             model = replace(with_training_fields(shape, model), init=model.init)
             if data_cfg.tokenizer == "bytes" and (directory / "tokenizer.json").is_file():
                 data_cfg = replace(data_cfg, tokenizer=model.init)

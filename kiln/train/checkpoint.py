@@ -413,7 +413,8 @@ class Checkpointer:
                              f"--parallel.strategy=ddp for a checkpoint (DCP, by parameter name), then under "
                              f"parallel.pp")
         saved = self.load(map_location="cpu", path=path, rewrite=state.world.main)
-        full = StateDictOptions(full_state_dict=True)
+        # a LoRA checkpoint on model.init holds the adapters only: the frozen base came from its files at build
+        full = StateDictOptions(full_state_dict=True, strict=getattr(state, "base", None) is None)
         optim_sd = None if type(state.optimizer).__name__ == "ZeroRedundancyOptimizer" else \
             _by_name(saved["optimizer"], state)
         _layout_order(state, saved["model"], optim_sd, from_canonical)

@@ -14,9 +14,9 @@ from kiln.config import Config, to_toml
 from kiln.interop.base import BaseChanged
 from kiln.interop.hf import read_hf
 from kiln.interop.peft import PeftError
-from kiln.models import build_model
-from kiln.models.lora import LoraConfig, apply_lora
-from kiln.run.adapters import load_peft_adapters
+from kiln.models import ModelConfig, build_model
+from kiln.models.lora import LoraConfig, apply_lora, merge_lora
+from kiln.run.adapters import load_peft_adapters, lora_run
 from kiln.run.lm import train
 from kiln.run.source import load_source
 
@@ -174,3 +174,28 @@ def test_export_takes_exactly_one_of_hf_and_peft(tmp_path, capsys):
     assert capsys.readouterr().err.strip() == (
         f"kiln export: error: {run} trained LoRA adapters on a base of its own (no model.init=hf:DIR), which "
         f"transformers cannot load; export the merged model with --hf OUT_DIR")
+
+
+@pytest.mark.parametrize("preset", ["llama-125m", "tiny"])
+def test_a_run_on_its_own_base_merges_as_merge_lora_does(preset, tmp_path):
+    """No model.init: the checkpoint holds the whole model; kiln.run.adapters' merge (through the Hub's names)
+    equals kiln.models.lora.merge_lora (the adapter module's own B·A), per preset family."""
+    cfg = Config()
+    cfg.model = ModelConfig(preset=preset, n_layer=2, n_head=4, n_kv_head=2 if preset != "tiny" else 0, d_model=64,
+                            d_ff=96 if preset != "tiny" else 0, vocab_size=256, max_seq_len=64).resolve()
+    cfg.lora = LoraConfig(**LORA)
+    torch.manual_seed(0)
+    model = build_model(cfg.model)
+    apply_lora(model, cfg.lora, cfg.model)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if ".lora_B." in name:
+                p.normal_(0, 0.05)
+    (tmp_path / "step").mkdir()
+    torch.save({"model": model.state_dict()}, tmp_path / "step" / "state.pt")
+    got = lora_run(cfg, model.state_dict(), tmp_path / "step").merged()
+    merge_lora(model)
+    want = model.state_dict()
+    assert got.keys() == want.keys()
+    for key in want:
+        assert (got[key].double() - want[key].double()).abs().max().item() <= 1e-6, key

@@ -5,6 +5,7 @@ load (kiln.run.source, kiln.cli.export).
     lora.merged()                                kiln's state dict, base + (alpha/rank)·B·A (sample, eval, --hf)
     lora.write_peft(OUT)                         adapter_config.json + adapter_model.safetensors (--peft)
     load_peft_adapters(model, model_cfg, lora)   lora.init=peft:DIR: the adapters of `model` set to DIR's
+    merged_weights(model_cfg, lora, weights)     a LoRA model's state dict as the plain model's (the run's sample)
 
 A run on model.init=hf:DIR saves the adapters only, with a reference to the base (kiln.interop.base): the base is
 read from DIR again, after its files are checked against the digest the checkpoint recorded (a changed base is
@@ -81,11 +82,19 @@ def lora_run(cfg: Config, weights: dict, checkpoint: Path) -> LoraRun:
     return LoraRun(model_cfg, cfg.lora, base, adapters, ref["init"] if ref is not None else "")
 
 
+def merged_weights(model_cfg: ModelConfig, lora: LoraConfig, weights: dict) -> dict:
+    """A LoRA model's whole state dict (base and adapters) as the plain model's: base + (alpha/rank)·B·A."""
+    adapters, base = to_hub(model_cfg, lora, weights)
+    return merged(model_cfg, base, adapters, lora.alpha / lora.rank)
+
+
 @torch.no_grad()
 def load_peft_adapters(model: torch.nn.Module, model_cfg: ModelConfig, lora: LoraConfig) -> None:
     """lora.init=peft:DIR: the adapters apply_lora gave `model` take DIR's values, after the directory is checked
     against the run's [lora] section (rank, alpha, the modules lora.targets adapts, their shapes): PeftError, one
-    line, saying what differs."""
+    line, saying what differs. Nothing without lora.init."""
+    if not lora.init:
+        return
     directory = Path(lora.init.removeprefix(PEFT_PREFIX))
     adapters, spec = read_peft(directory)
     tensors = lora_tensors(model_cfg, lora)

@@ -39,7 +39,7 @@ from kiln.perf.flops import recompute_flops_per_token
 from kiln.perf.peak import linear_shapes, model_peak_flops
 from kiln.perf.hardware import precision_notice, resolve_kernels
 from kiln.precision import mode
-from kiln.run.adapters import load_peft_adapters
+from kiln.run.adapters import load_peft_adapters, merged_weights
 from kiln.run.builder import (RunRecord, build_run, pick_device, recorded_compile, recorded_cpu_linear,
                               recorded_precision, trainer_sections)
 from kiln.run.device_levers import device_levers
@@ -151,6 +151,7 @@ class LMRun:
         alone."""
         world = self.state.world
         weights = full_weights(self.state) if world.splits_weights else self.state.model.state_dict()
+        weights = merged_weights(self.cfg.model, self.cfg.lora, weights) if self.cfg.lora.on else weights
         if not world.main:
             return None
         model = build_model(self.cfg.model, self.state.device)
@@ -272,8 +273,7 @@ class LMParts:
                 raise ValueError(f"{cfg.model.init}: the checkpoint does not fill kiln's model (missing "
                                  f"{missing[:3]}, unexpected {unexpected[:3]})")
         apply_lora(model, cfg.lora, cfg.model)  # lora.rank > 0: adapters on the family's linears, the rest frozen
-        if cfg.lora.init:  # lora.init=peft:DIR: the adapters start as that directory's (checked against [lora])
-            load_peft_adapters(model, cfg.model, cfg.lora)
+        load_peft_adapters(model, cfg.model, cfg.lora)  # lora.init=peft:DIR: the adapters start as DIR's
         return model
 
     def loader(self, cfg: Config, world, device):

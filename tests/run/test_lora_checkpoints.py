@@ -90,7 +90,10 @@ def test_resume_is_bit_identical_and_the_checkpoint_holds_adapters(small_config,
 @pytest.mark.parametrize("kind", ["llama", "gpt2"])
 def test_export_peft_gives_the_runs_logits_and_hf_the_merged_model(kind, small_config, tmp_path, capsys):
     base = _base(kind, tmp_path / "base")
-    result = train(_lora_config(small_config, base, 2), tmp_path / "run")
+    cfg = _lora_config(small_config, base, 2)
+    cfg.train.sample_tokens = 4  # the run's own sample at its end: a plain model from base + adapters
+    result = train(cfg, tmp_path / "run")
+    assert isinstance(result.sample, str) and result.sample.startswith(cfg.train.sample_prompt)
     ids = torch.randint(0, 256, (2, 24))
     ours = _logits(result.state.model, ids)[..., :256]
     capsys.readouterr()

@@ -75,7 +75,7 @@ def lora_run(cfg: Config, weights: dict, checkpoint: Path) -> LoraRun:
     saved = torch.load(checkpoint / "state.pt", map_location="cpu", weights_only=True)
     ref = saved.get("base")
     if ref is None:  # the whole model was saved: the base is the rest of it
-        base = {k: v for k, v in rest.items()}
+        base = dict(rest)
     else:
         check_base(ref, str(checkpoint))
         _, base = read_hf(ref["init"].removeprefix(HF_PREFIX))

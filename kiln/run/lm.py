@@ -22,6 +22,7 @@ from kiln.data.batches import to_device
 from kiln.evaluate import Prepared, score_task, training_tasks
 from kiln.parallel import ParallelPlan, launched_by_torchrun
 from kiln.parallel.elastic import batch_after_resharding, restart_record
+from kiln.parallel.context import check_context_parallel
 from kiln.interop.hf import read_hf
 from kiln.memory.devices import get_device, local_device
 from kiln.memory.estimate import fmt_bytes, parse_bytes
@@ -247,6 +248,7 @@ class LMParts:
     def layout(self, cfg: Config, world_size: int) -> ParallelPlan:
         """The layout checked against the model: heads, widths and layers the split divides."""
         tc = cfg.train
+        check_context_parallel(cfg.parallel, cfg.data.seq_len, moe=cfg.model.n_experts > 0)
         return ParallelPlan.build(cfg.parallel, world_size, cfg.model, family(cfg.model.arch),
                                   tc.micro_batch_size * tc.grad_accum_steps, tc.grad_accum_steps)
 
@@ -279,7 +281,7 @@ class LMParts:
                              f"fewer than one sequence of data.seq_len + 1 = {cfg.data.seq_len + 1}; raise "
                              f"data.val_fraction, lower data.seq_len, or use more text")
         self.tasks = [] if data is None else training_tasks(
-            cfg.train, data.tokenizer, cfg.model.max_seq_len, world.plan.model_parallel,
+            cfg.train, data.tokenizer, cfg.model.max_seq_len, world.plan.model_parallel or world.plan.cp > 1,
             self.log if world.main else lambda msg: None)
         return loader
 
@@ -329,7 +331,7 @@ def _train(lm: LMRun, cfg: Config, run_dir: Path, resume: bool, con: Console, ca
     tokens_per_step = c.train.micro_batch_size * c.train.grad_accum_steps * c.data.seq_len
     world = state.world
     ranks = f" | {world.strategy} × {world.size} ranks" if world.sharded else ""
-    if world.plan.model_parallel:
+    if world.plan.model_parallel or world.plan.cp > 1:
         ranks = " | mesh " + " × ".join(f"{k}{v}" for k, v in world.plan.mesh_shape.items()) + f" ({world.strategy})"
     con.print(f"model: {c.model.init or c.model.preset} ({c.model.arch}) {state.n_params / 1e6:.2f}M parameters | "
               f"device {state.device} | precision {state.precision.mode} | {tokens_per_step * world.dp_size:,} "

@@ -310,7 +310,7 @@ def parallelize(model: nn.Module, cfg: ParallelConfig, world: World, device: tor
     if not data.reduces:
         return model
     dp_mesh = world.mesh["dp"] if world.mesh is not None else None
-    if plan.cp > 1:  # FSDP2 shards over every rank of a model copy's data: dp × cp (torchtitan's dp_shard_cp)
+    if plan is not None and plan.cp > 1:  # FSDP2 shards over every rank of a copy's data: dp × cp (dp_shard_cp)
         dp_mesh = world.mesh["dp", "cp"]._flatten("dp_cp")
     if data.ddp_reducer and not tp:
         ids = [device.index] if device.type == "cuda" else None

@@ -75,7 +75,7 @@ class ParallelPlan:
         return self.tp > 1 or self.pp > 1
 
     def coords(self, rank: int) -> dict[str, int]:
-        """This rank's index along each mesh dim (row-major over MESH_DIMS, tp fastest)."""
+        """This rank's index along each mesh dim (row-major over mesh_shape's dims, tp fastest)."""
         out, rest = {}, rank
         for dim in reversed(self.mesh_shape):
             out[dim], rest = rest % self.mesh_shape[dim], rest // self.mesh_shape[dim]

@@ -197,7 +197,8 @@ def build_lm(cfg: Config, run_dir: Path | None = None, log=print, device: torch.
     """
     for note in device_levers(cfg, device or pick_device(cfg.train.device)):  # refused before the data
         log(note)
-    check_context_parallel(cfg.parallel, cfg.data.seq_len, moe=cfg.model.resolve().n_experts > 0)  # and the launch
+    if cfg.parallel.cp > 1:  # and before the launch's process group: the preset's shape (layout() checks the model's)
+        check_context_parallel(cfg.parallel, cfg.data.seq_len, moe=cfg.model.resolve().n_experts > 0)
     parts = LMParts(Path(run_dir) if run_dir is not None else None, with_data, log)
     run = build_run(cfg, parts, device, log)
     return LMRun(run.cfg, run.state, parts.data, parts.tasks, run.record)
@@ -249,6 +250,7 @@ class LMParts:
     def layout(self, cfg: Config, world_size: int) -> ParallelPlan:
         """The layout checked against the model: heads, widths and layers the split divides."""
         tc = cfg.train
+        check_context_parallel(cfg.parallel, cfg.data.seq_len, moe=cfg.model.n_experts > 0)  # a checkpoint's shape
         return ParallelPlan.build(cfg.parallel, world_size, cfg.model, family(cfg.model.arch),
                                   tc.micro_batch_size * tc.grad_accum_steps, tc.grad_accum_steps)
 

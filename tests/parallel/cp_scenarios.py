@@ -17,11 +17,12 @@ from kiln.parallel.layout import ParallelPlan
 from tests.parallel.scenarios import lm_config
 
 
-def cp_config(source: str):
-    """lm_config's 10 fp32 steps on 2 ranks with parallel.cp=2: dp = 1, so each rank reads the one process's 2
-    micro-batches of 4 sequences and computes 16 of their 32 positions; FSDP2 shards over both ranks."""
-    cfg = lm_config(source, "fsdp", steps=10)
-    cfg.parallel.cp = 2
+def cp_config(source: str, steps: int = 10, recompute: str = "none"):
+    """lm_config's fp32 steps on 2 ranks with parallel.cp=2: dp = 1, so each rank reads the one process's 2
+    micro-batches of 4 sequences and computes 16 of their 32 positions; FSDP2 shards over both ranks. recompute:
+    memory.recompute (full: each block's forward, its k/v all-gather included, runs again in the backward)."""
+    cfg = lm_config(source, "fsdp", steps=steps)
+    cfg.parallel.cp, cfg.memory.recompute = 2, recompute
     return cfg
 
 

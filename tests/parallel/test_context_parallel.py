@@ -40,6 +40,14 @@ def test_cp2_trains_as_one_process(launched, reference):
     assert len(held) == 2 and sum(held) >= event["param_bytes_unsharded"] and max(held) < event["param_bytes_unsharded"]
 
 
+def test_cp2_recomputes_as_one_process(launched, reference):
+    """memory.recompute=full: each block's forward runs again in the backward, its k/v all-gather with it."""
+    got, want = losses(launched / "lm_cp_recompute"), losses(reference / "lm")
+    assert sorted(got) == [1, 2, 3, 4]
+    for step in got:
+        assert got[step] == pytest.approx(want[step], rel=RTOL), step
+
+
 def test_the_split_model_is_the_whole_model_in_fp64(launched):
     """Qwen3-shaped (RoPE, QK-norm, 4 query heads on 2 key/value heads): each rank's blocks see 16 of the 32
     positions, in torch's head-tail order, and the ranks' summed losses and gradients are the whole model's."""

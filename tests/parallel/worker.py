@@ -54,6 +54,7 @@ levers.numerics.fp16_telemetry_interval = 2
 levers.faults.slow_forward_ms, levers.faults.rank = 80.0, 1
 train(levers, out / "levers")
 train(cp_config(source), out / "lm_cp")  # context parallel (tests/parallel/test_context_parallel.py)
+train(cp_config(source, steps=4, recompute="full"), out / "lm_cp_recompute")
 model_parity(out)
 train(lm_config(source, "ddp", steps=8, nan_forward="blocks.1.attn@4", nan_rank=1, trace=True), out / "nan")
 try:

@@ -12,6 +12,7 @@ FSDP2 (fully_shard per transformer block plus the root). Never a home-made engin
 Tensor parallelism (kiln.parallel.tensor) splits kiln's Transformer over the mesh's tp dim before data parallelism
 wraps it, or a user's own plan splits a model of theirs (kiln.parallel.user_plan, `kiln.fit(tensor_parallel=fn)`);
 kiln.parallel.layout's ParallelPlan holds the degrees (world.plan; World keeps none) and world.mesh the DeviceMesh.
+Context parallelism (kiln.parallel.context) splits each sequence over mesh["cp"] before FSDP2 shards over dp × cp.
 
 Surviving failures (multi-node, elastic restarts) lives beside it: kiln.parallel.watchdog (a collective that fails or
 times out becomes one line naming the rank, the step and the collective), kiln.parallel.elastic (--auto-resume under

@@ -7,6 +7,7 @@ sequence shard read at the wrong positions moves the fp64 gradients by O(1) (RoP
 this rank's: 1.6 relative), so these tolerances separate a right split from a wrong one by many orders.
 """
 import json
+import shutil
 
 import pytest
 import torch
@@ -14,11 +15,20 @@ from safetensors.torch import load_file
 
 from kiln.parallel import ParallelConfig
 from kiln.parallel.context import check_context_parallel
+from kiln.run.lm import train
+from tests.parallel.scenarios import lm_config
 from tests.parallel.test_dist import _latest, losses, records
 
 # The issue's bound for cp2 against one process (measured 8e-8 on the losses: see above). Tighter than the other
 # layouts' 1e-6 it need not be: the one process runs CPU SDPA's causal flash kernel, the cp ranks the masked one.
 RTOL = 1e-5
+
+
+def _assert_close_weights(a, b):
+    wa, wb = (load_file(str(p / "checkpoints" / _latest(p) / "model.safetensors")) for p in (a, b))
+    assert wa.keys() == wb.keys()
+    for key in wa:
+        torch.testing.assert_close(wa[key], wb[key], rtol=RTOL, atol=1e-6, msg=key)
 
 
 def test_cp2_trains_as_one_process(launched, reference):
@@ -27,10 +37,7 @@ def test_cp2_trains_as_one_process(launched, reference):
     assert sorted(got) == sorted(want) == list(range(1, 11))
     for step in want:
         assert got[step] == pytest.approx(want[step], rel=RTOL), step
-    wa, wb = (load_file(str(p / "checkpoints" / _latest(p) / "model.safetensors")) for p in (run, reference / "lm"))
-    assert wa.keys() == wb.keys()
-    for key in wa:
-        torch.testing.assert_close(wa[key], wb[key], rtol=RTOL, atol=1e-6, msg=key)
+    _assert_close_weights(run, reference / "lm")
     got, want = records(run, "eval"), records(reference / "lm", "eval")
     assert got[-1]["val_loss"] == pytest.approx(want[-1]["val_loss"], rel=RTOL)  # each rank half the positions
     assert [r["tokens_seen"] for r in records(run, "train")] == [256 * s for s in range(1, 11)]  # counted once
@@ -46,6 +53,19 @@ def test_cp2_recomputes_as_one_process(launched, reference):
     assert sorted(got) == [1, 2, 3, 4]
     for step in got:
         assert got[step] == pytest.approx(want[step], rel=RTOL), step
+
+
+def test_a_cp2_checkpoint_resumes_in_one_process(launched, reference, source, tmp_path):
+    """The recompute run's step-4 checkpoint (parameters and AdamW state sharded over dp × cp) resumed by one
+    process (ddp × 1, no torchrun) to step 10: the straight run's curve and weights."""
+    run_dir = tmp_path / "resumed"
+    shutil.copytree(launched / "lm_cp_recompute", run_dir)
+    train(lm_config(source, "ddp", steps=10), run_dir, resume=True)
+    got, want = losses(run_dir), losses(reference / "lm")
+    assert sorted(got) == sorted(want)
+    for step in want:
+        assert got[step] == pytest.approx(want[step], rel=RTOL), step
+    _assert_close_weights(run_dir, reference / "lm")
 
 
 def test_the_split_model_is_the_whole_model_in_fp64(launched):

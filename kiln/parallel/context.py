@@ -11,8 +11,8 @@ _HeadTailLoadBalancer: under a causal mask the early chunk's few keys and the la
 block-sparse kernels do the same work on every rank). The model sees only this rank's T/cp tokens: a pre-hook on the
 root module takes this rank's positions of the batch's x and y, the position tables are read at the global
 positions (RoPE's cos/sin rows, or a learned table's lookups), and each block's attention core is replaced, at the
-seam kiln.models.parts.Attention.core, by ContextAttention. torch's `_ContextParallel` style (attention type FLEX)
-puts a pre-hook on that core that all-gathers k and v over the cp ranks (cplib::flex_cp_allgather; its backward
+seam kiln.models.parts.Attention.core, by ContextAttention. torch's `_ContextParallel` style (attention type FLEX,
+applied by parallelize_module to each core, as torchtitan applies it to its inner attention) puts a pre-hook on it that all-gathers k and v over the cp ranks (cplib::flex_cp_allgather; its backward
 reduce-scatters their gradients), and the core computes this rank's queries against every key with the causal mask
 written in global positions: query i sees key j when position(i) ≥ position(j).
 
@@ -20,8 +20,8 @@ The kernel. torch's own flex_attention refuses a backward on a CPU (torch 2.13: 
 backward on CPU", torch.nn.attention.flex_attention._validate_device), and the SDPA path (context_parallel()'s ring
 over the flash, efficient or cudnn SDPA ops) has no handler for the CPU's _scaled_dot_product_flash_attention_for_cpu.
 So the core is scaled_dot_product_attention with that boolean mask, which every device runs forward and backward,
-exact to one process: its cost is the mask, (T/cp) × T booleans per rank (8 MiB at T = 8192, cp = 4), and a masked
-SDPA cannot use the flash kernel on CUDA. flex_attention with a block mask is the long-context kernel for CUDA;
+exact to one process. Its costs: every layer saves the gathered k and v (T tokens, not T/cp) for its backward; the
+mask is (T/cp) × T booleans per rank (16 MiB at T = 8192, cp = 4); a masked SDPA cannot use the flash kernel on CUDA. flex_attention with a block mask is the long-context kernel for CUDA;
 it is not wired here because no GPU checked it.
 
 The loss. The model returns the SUM of its T/cp tokens' losses; the step divides by the valid count of the whole

@@ -83,7 +83,8 @@ def test_the_split_model_is_the_whole_model_in_fp64(launched):
 
 
 @pytest.mark.parametrize("kw, line", [
-    (dict(strategy="ddp"), "parallel.cp=2 trains with FSDP2 over the dp × cp ranks only: set --parallel.strategy=fsdp"),
+    (dict(strategy="ddp"),
+     "parallel.cp=2 trains with FSDP2 over the dp × cp ranks only: set --parallel.strategy=fsdp"),
     (dict(strategy="fsdp", pp=2), "parallel.cp=2 with parallel.tp=1 and parallel.pp=2 is modelled by kiln memory and "
                                   "kiln plan but not trained: use --parallel.tp=1 --parallel.pp=1 with cp"),
 ])

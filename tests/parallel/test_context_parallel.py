@@ -47,6 +47,22 @@ def test_cp2_trains_as_one_process(launched, reference):
     assert len(held) == 2 and sum(held) >= event["param_bytes_unsharded"] and max(held) < event["param_bytes_unsharded"]
 
 
+def test_dp2_cp2_trains_as_one_process(tp_launched, tp_reference):
+    """4 ranks: 2 data-parallel copies, each sequence of a copy split over 2 cp ranks, FSDP2 over all 4; Llama (RoPE,
+    4 heads on 2 key/value heads) with every target 'e' ignored, so the copies' valid counts differ: the loss is
+    normalised by the count over the copies and summed over dp and cp, the gradients averaged over 4 ranks."""
+    run = tp_launched / "llama_dp2_cp2"
+    got, want = losses(run), losses(tp_reference / "llama")
+    assert sorted(got) == sorted(want) == list(range(1, 7))
+    for step in want:
+        assert got[step] == pytest.approx(want[step], rel=RTOL), step
+    _assert_close_weights(run, tp_reference / "llama")
+    (event,) = [e for e in records(run, "event") if e["event"] == "layout"]
+    assert event["mesh"] == {"pp": 1, "dp": 2, "cp": 2, "tp": 1}
+    assert len(event["param_bytes_per_rank"]) == 4
+    assert max(event["param_bytes_per_rank"]) < event["param_bytes_unsharded"] / 3  # a quarter each, rows rounded
+
+
 def test_cp2_recomputes_as_one_process(launched, reference):
     """memory.recompute=full: each block's forward runs again in the backward, its k/v all-gather with it."""
     got, want = losses(launched / "lm_cp_recompute"), losses(reference / "lm")

@@ -1,8 +1,8 @@
 """Context parallelism (kiln.parallel.context) on CPU with gloo: parallel.cp=2 on 2 ranks against one process.
 
-The runs come from tests/parallel/worker.py's launch (the `launched` fixture; tests/parallel/cp_scenarios.py).
-Measured on a 2-core Intel Xeon (AMX): the cp2 run's losses within 8e-8 relative of the one process over 10 fp32
-steps, its weights within 6e-7; the fp64 model's summed loss equal and its gradients within 8e-16 relative. A
+The runs come from tests/parallel/worker.py's 2-rank launch (the `launched` fixture; tests/parallel/cp_scenarios.py)
+and tp_worker.py's 4-rank one (dp2 × cp2). Measured on a 2-core Intel Xeon (AMX): the cp2 run's losses within 8e-8
+relative of the one process over 10 fp32 steps, its weights within 6e-7; dp2 × cp2's losses within 5e-8; the fp64 model's summed loss equal and its gradients within 8e-16 relative. A
 sequence shard read at the wrong positions moves the fp64 gradients by O(1) (RoPE at positions 0..15 instead of
 this rank's: 1.6 relative), so these tolerances separate a right split from a wrong one by many orders.
 """

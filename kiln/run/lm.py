@@ -23,6 +23,7 @@ from kiln.evaluate import Prepared, score_task, training_tasks
 from kiln.parallel import ParallelPlan, launched_by_torchrun
 from kiln.parallel.elastic import batch_after_resharding, restart_record
 from kiln.interop.base import base_reference
+from kiln.parallel.context import check_context_parallel
 from kiln.interop.hf import read_hf
 from kiln.memory.devices import get_device, local_device
 from kiln.memory.estimate import fmt_bytes, parse_bytes
@@ -31,7 +32,7 @@ from kiln.memory.planner import search
 from kiln.models import ModelConfig, Transformer, build_model
 from kiln.models.config import with_training_fields
 from kiln.models.generate import Sampling
-from kiln.models.lora import apply_lora, resolve_targets, trainable_line
+from kiln.models.lora import apply_lora, trainable_line
 from kiln.models.registry import family
 from kiln.numerics.faults import DelayedLoader
 from kiln.perf import flops_per_token
@@ -42,7 +43,7 @@ from kiln.precision import mode
 from kiln.run.adapters import load_peft_adapters, merged_weights
 from kiln.run.builder import (RunRecord, build_run, pick_device, recorded_compile, recorded_cpu_linear,
                               recorded_precision, trainer_sections)
-from kiln.run.device_levers import device_levers
+from kiln.run.device_levers import device_levers, refuse_before_data
 from kiln.run.generate import complete
 from kiln.run.oom import OomContext, OutOfMemory, oom_report, ram_check
 from kiln.train.checkpoint import Checkpointer, RunLock, full_weights
@@ -200,9 +201,7 @@ def build_lm(cfg: Config, run_dir: Path | None = None, log=print, device: torch.
     """
     for note in device_levers(cfg, device or pick_device(cfg.train.device)):  # refused before the data
         log(note)
-    if cfg.lora.on and not cfg.model.init:  # lora.targets against the preset's family, before the data too
-        resolved = cfg.model.resolve()
-        resolve_targets(family(resolved.arch), resolved, cfg.lora.targets)
+    refuse_before_data(cfg)
     parts = LMParts(Path(run_dir) if run_dir is not None else None, with_data, log)
     run = build_run(cfg, parts, device, log)
     run.state.base = parts.base
@@ -257,6 +256,7 @@ class LMParts:
     def layout(self, cfg: Config, world_size: int) -> ParallelPlan:
         """The layout checked against the model: heads, widths and layers the split divides."""
         tc = cfg.train
+        check_context_parallel(cfg.parallel, cfg.data.seq_len, moe=cfg.model.n_experts > 0)  # a checkpoint's shape
         return ParallelPlan.build(cfg.parallel, world_size, cfg.model, family(cfg.model.arch),
                                   tc.micro_batch_size * tc.grad_accum_steps, tc.grad_accum_steps)
 
@@ -291,7 +291,7 @@ class LMParts:
                              f"fewer than one sequence of data.seq_len + 1 = {cfg.data.seq_len + 1}; raise "
                              f"data.val_fraction, lower data.seq_len, or use more text")
         self.tasks = [] if data is None else training_tasks(
-            cfg.train, data.tokenizer, cfg.model.max_seq_len, world.plan.model_parallel,
+            cfg.train, data.tokenizer, cfg.model.max_seq_len, world.plan.model_parallel or world.plan.cp > 1,
             self.log if world.main else lambda msg: None)
         return loader
 
@@ -341,7 +341,7 @@ def _train(lm: LMRun, cfg: Config, run_dir: Path, resume: bool, con: Console, ca
     tokens_per_step = c.train.micro_batch_size * c.train.grad_accum_steps * c.data.seq_len
     world = state.world
     ranks = f" | {world.strategy} × {world.size} ranks" if world.sharded else ""
-    if world.plan.model_parallel:
+    if world.plan.model_parallel or world.plan.cp > 1:
         ranks = " | mesh " + " × ".join(f"{k}{v}" for k, v in world.plan.mesh_shape.items()) + f" ({world.strategy})"
     con.print(f"model: {c.model.init or c.model.preset} ({c.model.arch}) {state.n_params / 1e6:.2f}M parameters | "
               f"device {state.device} | precision {state.precision.mode} | {tokens_per_step * world.dp_size:,} "

@@ -26,6 +26,7 @@ ROOT = Path(__file__).resolve().parents[2]
 KILN = ROOT / "kiln"
 M = ["memory", "--out=", "--model.preset=tiny"]  # `kiln memory` validates the whole config and builds the layout
 P2 = [*M, "--ranks=2", "--parallel.strategy=fsdp"]
+T = ["train", "--model.preset=tiny", "--train.device=cpu", "--data.source=nowhere.txt"]  # refused before the data
 
 # Config files the rows name, written into the test's working directory: [[data.mix]] is a list of tables, which
 # only a file can give.
@@ -193,6 +194,16 @@ SITES = [
      ["parallel.strategy=none", "--parallel.strategy=ddp"]),
     ("kiln/parallel/layout.py:check_degrees",
      [*M, "--ranks=2", "--parallel.strategy=none", "--parallel.cp=2"], ["parallel.cp=2", "--parallel.strategy=fsdp"]),
+    # kiln/parallel/context.py: what `kiln train` with parallel.cp > 1 is built for (kiln memory models more)
+    ("kiln/parallel/context.py:check_context_parallel", [*T, "--parallel.cp=2", "--parallel.strategy=ddp"],
+     ["parallel.cp=2", "--parallel.strategy=fsdp"]),
+    ("kiln/parallel/context.py:check_context_parallel", [*T, "--parallel.cp=2", "--parallel.strategy=fsdp",
+                                                         "--parallel.tp=2"], ["parallel.tp=2", "--parallel.tp=1"]),
+    ("kiln/parallel/context.py:check_context_parallel", [*T, "--model.preset=qwen3-moe-nano", "--parallel.cp=2",
+                                                         "--parallel.strategy=fsdp"],
+     ["parallel.cp=2", "mixture of experts", "--parallel.cp=1"]),
+    ("kiln/parallel/context.py:check_context_parallel", [*T, "--parallel.cp=2", "--parallel.strategy=fsdp",
+                                                         "--data.seq_len=30"], ["data.seq_len=30", "divisible by 4"]),
     ("kiln/parallel/layout.py:check_degrees", [*M, "--parallel.sequence_parallel=true"],
      ["parallel.sequence_parallel", "--parallel.tp > 1"]),
     ("kiln/parallel/layout.py:check_degrees", [*M, "--ranks=2", "--parallel.strategy=zero1",
@@ -247,6 +258,12 @@ ALLOWED = {
         ALL, "a target that is no nn.Linear: kiln's families list linears only; a library caller reaches it"),
     "kiln/models/lora.py:_user_targets": (
         ALL, "kiln.fit's model of the user's (tests/models/test_lora.py checks the line word for word)"),
+    "kiln/parallel/context.py:SequenceShard.set_length": (
+        ALL, "data.seq_len is checked by check_context_parallel before the run (row above); a library caller's "
+             "batch of another length reaches it"),
+    "kiln/parallel/context.py:apply_context_parallel": (
+        ALL, "kiln.fit of a model of the user's with parallel.cp > 1 under torchrun (a launch: kept out of this "
+             "table's time)"),
     "kiln/train/optim.py:_implementation": (
         ALL, "kiln's own models hold floating-point parameters on CPU or CUDA; a fit() model elsewhere reaches it"),
     "kiln/train/optim.py:AdaptiveClip.load_state_dict": (

@@ -23,7 +23,9 @@ import numpy as np
 
 from kiln.data.corpus import STDLIB, CorpusError, by_extension, source_files, sources
 from kiln.data.loader import TokenLoader, val_batches
+from kiln.data.chat_data import prepare_chat
 from kiln.data.mix import Mixture, check_mix, mix_sources
+from kiln.data.packing import PackedMixture, PackedWindows
 from kiln.data import prepare as _prepare
 from kiln.data.prepare import (
     Progress,
@@ -39,6 +41,7 @@ from kiln.data.prepare import (
     worker_count,
 )
 from kiln.data.pretokenized import check_ids, join, read_tokens, token_files
+from kiln.data.sft import check_chat
 from kiln.data.shards import VERSION as SHARD_VERSION
 from kiln.data.shards import ShardError, dtype_for_vocab, open_shards
 from kiln.data.tokenizer import (
@@ -165,6 +168,8 @@ class DataConfig:
                             fix="give the token files' vocabulary (e.g. 50257 for GPT-2)")
         if self.mix:
             check_mix(self)
+        for one in [o for _, _, o in mix_sources(self)] if self.mix else [self]:
+            check_chat(one)  # data.records, chat_template, train_on, document_mask (kiln.data.sft)
 
 
 @dataclass
@@ -603,6 +608,8 @@ def prepare_data(cfg: DataConfig, run_dir: Path | None = None, log: Callable[[st
 def _prepare_one(cfg: DataConfig, run_dir: Path | None, log: Callable[[str], None], progress,
                  shared: Tokenizer | None = None) -> PreparedData:
     """One source's prepare_data; `shared`: the tokenizer of the [[data.mix]] it belongs to (BPE)."""
+    if cfg.records == "chat":  # packed chat windows (kiln.data.chat_data)
+        return PreparedData(*prepare_chat(cfg, cache_root(cfg), run_dir, log))
     final = cache_dir_for(cfg, shared)
     built = not (final / "meta.json").is_file()
     build = _build_tokens if cfg.format == "tokens" else \
@@ -657,8 +664,9 @@ def _prepare_mix(cfg: DataConfig, run_dir, log, progress) -> PreparedData:
     if run_dir is not None:
         tok.save(Path(run_dir))
     total = sum(w for _, w, _ in parts)
-    train = Mixture([n for n, _, _ in parts], [w for _, w, _ in parts], [p.train for _, _, p in parts])
-    val = Mixture([n for n, _, _ in parts], [w for _, w, _ in parts], [p.val for _, _, p in parts])
+    kind = PackedMixture if isinstance(parts[0][2].train, PackedWindows) else Mixture  # chat: whole windows
+    train = kind([n for n, _, _ in parts], [w for _, w, _ in parts], [p.train for _, _, p in parts])
+    val = kind([n for n, _, _ in parts], [w for _, w, _ in parts], [p.val for _, _, p in parts])
     log("data: mixture " + ", ".join(f"{n} {w / total:.0%}" for n, w, _ in parts))
     return PreparedData(tokenizer=tok, train=train, val=val,
                         unigram_loss=sum(w * p.unigram_loss for _, w, p in parts) / total,

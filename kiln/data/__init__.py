@@ -163,8 +163,20 @@ class DataConfig:
                             f"vocabulary (e.g. 50257 for GPT-2)",
                             key="data.vocab_size", value=self.vocab_size,
                             fix="give the token files' vocabulary (e.g. 50257 for GPT-2)")
+        if self.masks_documents and self.records == "text" and self.format == "tokens" \
+                and not self.tokenizer.startswith("hf:"):
+            raise KilnError("data.document_mask=true finds documents by their end-of-text id, which "
+                            "data.format=tokens does not know without the files' tokenizer; give "
+                            "--data.tokenizer=hf:DIR or set --data.document_mask=false",
+                            key="data.document_mask", value=self.document_mask,
+                            fix="give --data.tokenizer=hf:DIR or set --data.document_mask=false")
         if self.mix:
             check_mix(self)
+
+    @property
+    def masks_documents(self) -> bool:
+        """Whether windows carry their documents (kiln.data.documents): data.document_mask, or by records."""
+        return self.records == "chat" if self.document_mask is None else bool(self.document_mask)
 
 
 @dataclass

@@ -243,6 +243,13 @@ def _cross_checks(cfg: Config) -> None:
         raise ConfigError("train.kernels=triton already fuses the LM head and cross-entropy (the logits never exist "
                           "at once); memory.chunked_loss would replace it: drop --memory.chunked_loss, or use "
                           "--train.kernels=torch")
+    if cfg.data.masks_documents and (cfg.train.kernels == "triton" or cfg.parallel.pp > 1):
+        what = ("train.kernels=triton runs attention in FlashAttention, which takes no mask" if cfg.parallel.pp == 1
+                else f"parallel.pp={cfg.parallel.pp} sends the pipeline stages hidden states, not the documents")
+        fix = "--train.kernels=torch" if cfg.parallel.pp == 1 else "--parallel.pp=1"
+        raise ConfigError(f"{what}, and data.document_mask is on (records={cfg.data.records}); use {fix}, or set "
+                          f"--data.document_mask=false", key="data.document_mask", value=cfg.data.document_mask,
+                          fix=f"use {fix}, or set --data.document_mask=false")
     if cfg.parallel.tp > 1 and cfg.memory.chunked_loss:
         raise ConfigError(f"parallel.tp={cfg.parallel.tp} computes the loss on logits split over the vocabulary (1/tp "
                           f"of them per rank); memory.chunked_loss would need the whole head on each rank: drop "

@@ -166,10 +166,22 @@ class DataConfig:
                             f"vocabulary (e.g. 50257 for GPT-2)",
                             key="data.vocab_size", value=self.vocab_size,
                             fix="give the token files' vocabulary (e.g. 50257 for GPT-2)")
+        if self.masks_documents and self.records == "text" and self.format == "tokens" \
+                and not self.tokenizer.startswith("hf:"):
+            raise KilnError("data.document_mask=true finds documents by their end-of-text id, which "
+                            "data.format=tokens does not know without the files' tokenizer; give "
+                            "--data.tokenizer=hf:DIR or set --data.document_mask=false",
+                            key="data.document_mask", value=self.document_mask,
+                            fix="give --data.tokenizer=hf:DIR or set --data.document_mask=false")
         if self.mix:
             check_mix(self)
         for one in [o for _, _, o in mix_sources(self)] if self.mix else [self]:
             check_chat(one)  # data.records, chat_template, train_on, document_mask (kiln.data.sft)
+
+    @property
+    def masks_documents(self) -> bool:
+        """Whether windows carry their documents (kiln.data.documents): data.document_mask, or by records."""
+        return self.records == "chat" if self.document_mask is None else bool(self.document_mask)
 
 
 @dataclass

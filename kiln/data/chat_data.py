@@ -29,7 +29,7 @@ from kiln.data import records as _records
 from kiln.data.corpus import STDLIB, CorpusError, source_files
 from kiln.data.packing import PackedWindows, pack
 from kiln.data.prepare import _write_json, cache_lock, entropy, file_kind
-from kiln.data.sft import ChatRecordError, chat_template_for, conversation, document_mask, encode_sample
+from kiln.data.sft import ChatRecordError, chat_template_for, conversation, encode_sample
 from kiln.data.shards import dtype_for_vocab
 from kiln.data.tokenizer import TOKENIZER_FILE, BPETokenizer, ByteTokenizer, load_tokenizer
 
@@ -128,7 +128,7 @@ def prepare_chat(cfg, root: Path, run_dir: Path | None, log):
                 os.rename(scratch, final)
     meta = json.loads((final / "meta.json").read_text())
     tok = load_tokenizer(final)
-    masked = document_mask(cfg)
+    masked = cfg.masks_documents
     train, val = (PackedWindows(*(np.load(final / f"{s}-{a}.npy", mmap_mode="r") for a in ("tokens", "mask", "doc")),
                                 document_mask=masked) for s in SPLITS)
     if run_dir is not None:
@@ -191,7 +191,7 @@ def _build(cfg, scratch: Path, log) -> None:
                               key="data.seq_len", value=cfg.seq_len, fix="raise data.seq_len")
         for name, array in (("tokens", tokens), ("mask", mask), ("doc", doc)):
             np.save(scratch / f"{split}-{name}.npy", array)
-        windows = PackedWindows(tokens, mask, doc, document_mask(cfg))
+        windows = PackedWindows(tokens, mask, doc, cfg.masks_documents)
         used = sum(len(samples[split][i][0]) for i in placed)
         filled += used
         meta.update({f"{split}_docs": len(placed), f"{split}_windows": len(tokens), f"{split}_tokens": used,

@@ -54,11 +54,6 @@ class Template:
         return hashlib.blake2b(blob, digest_size=8).hexdigest()
 
 
-def document_mask(cfg) -> bool:
-    """data.document_mask resolved: None means true for chat records, false for text."""
-    return cfg.records == "chat" if cfg.document_mask is None else bool(cfg.document_mask)
-
-
 def check_chat(cfg) -> None:
     """The chat keys of a DataConfig; one KilnError naming the key and the fix for the first bad value."""
     if cfg.records not in RECORDS:

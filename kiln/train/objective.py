@@ -45,7 +45,9 @@ def _first_dim(x) -> int:
 
 
 class LanguageModeling:
-    """kiln's Transformer: model(x, y, reduction="sum") is the summed loss over targets != IGNORE_INDEX."""
+    """kiln's Transformer: model(x, y, reduction="sum") is the summed loss over targets != IGNORE_INDEX. A third
+    tensor, doc (B, T), is the document of each position in packed windows (data.document_mask): the model's
+    attention and positions restart at each document (kiln.models.documents)."""
 
     unit = "tokens"
 

@@ -71,7 +71,7 @@ def test_default_and_separator():
     (["--data.document_mask=true", "--train.kernels=triton"],
      "train.kernels=triton runs attention in FlashAttention, which takes no mask, and data.document_mask is on "
      "(records=text); use --train.kernels=torch, or set --data.document_mask=false"),
-    (["--data.records=chat", "--parallel.pp=2"],
+    (["--data.records=chat", "--data.chat_template=chatml", "--parallel.pp=2"],
      "parallel.pp=2 sends the pipeline stages hidden states, not the documents, and data.document_mask is on "
      "(records=chat); use --parallel.pp=1, or set --data.document_mask=false"),
     (["--data.format=tokens", "--data.document_mask=true"],

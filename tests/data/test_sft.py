@@ -250,3 +250,40 @@ def test_bytes_tokenizer_offsets_cover_every_byte():
                         "{% endfor %}", generation=True)
     ids, mask = encode_sample([{"role": "assistant", "content": "\u00e9"}], template, ByteTokenizer(), "assistant", "t")
     assert bytes(np.asarray(ids)[mask].tolist()).decode() == "\u00e9."
+
+
+def test_finetune_logs_the_counted_tokens_and_packed_equals_alone(tmp_path, tokenizer_dirs, small_config):
+    """kiln train on chat records: each step's loss_tokens is the loader's counted targets (a hand count of its
+    batches), and through the model a packed window's per-token losses are each sample's run alone (fp32)."""
+    from kiln.models import build_model
+    from kiln.run.data_show import show
+    from kiln.run.lm import train
+
+    source = _write(tmp_path / "chat.jsonl", _records(40))
+    cfg = small_config(data={"source": str(source), "tokenizer": f"hf:{tokenizer_dirs['llama3']}", "records": "chat",
+                             "seq_len": 64, "val_fraction": 0.2},
+                       train={"max_steps": 2, "eval_interval": 2, "grad_accum_steps": 2})
+    result = train(cfg, tmp_path / "run")
+    records = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    logged = [r["loss_tokens"] for r in records if r["kind"] == "train"]
+    data = prepare_data(cfg.data, log=lambda m: None)
+    loader = TokenLoader(data.train, 4, 64, cfg.data.seed, prefetch=0)
+    want = [sum(int((loader.next()[1] != IGNORE_INDEX).sum()) for _ in range(2)) for _ in range(2)]
+    assert logged == want and all(0 < n < 2 * 4 * 64 for n in want)
+    assert result.val_loss is not None and np.isfinite(result.val_loss)
+    lines = show(cfg, rows=1, positions=16, log=lambda m: None)
+    x, y, doc = TokenLoader(data.train, 4, 64, cfg.data.seed, prefetch=0).next()
+    assert f" row 0: the loss counts {int((y[0] != IGNORE_INDEX).sum())} of 64 targets" in "\n".join(lines)
+
+    torch.manual_seed(0)
+    model = build_model(result.cfg.model, "cpu").eval()
+    window = 0
+    w_doc, w_y = doc[window], y[window]
+    with torch.no_grad():
+        packed = torch.nn.functional.cross_entropy(model(x[:1], doc=doc[:1])[0], w_y.clamp(min=0), reduction="none")
+        for k in w_doc.unique().tolist():  # padding, the last document, counts nothing
+            at = (w_doc == k).nonzero().flatten()
+            alone = model(x[window:window + 1, at])[0]
+            want = torch.nn.functional.cross_entropy(alone, w_y[at].clamp(min=0), reduction="none")
+            counted = w_y[at] != IGNORE_INDEX
+            torch.testing.assert_close(packed[at][counted], want[counted], rtol=1e-5, atol=1e-6)

@@ -147,8 +147,9 @@ def summary(meta: dict) -> str:
     return (f"data: chat summary: {meta['docs']:,} conversations (train {meta['train_docs']:,}, val "
             f"{meta['val_docs']:,}) packed into {meta['train_windows'] + meta['val_windows']:,} windows of "
             f"{meta['seq_len'] + 1} tokens ({meta['fill']:.0%} filled) | {meta['too_long']:,} longer than a window "
-            f"skipped | {meta['skipped_records']:,} bad records skipped | {meta['train_counted']:,} of "
-            f"{meta['train_tokens']:,} train tokens counted by the loss (train_on={meta['train_on']})")
+            f"skipped (raise data.seq_len to keep them) | {meta['skipped_records']:,} bad records skipped | "
+            f"{meta['train_counted']:,} of {meta['train_tokens']:,} train tokens counted by the loss "
+            f"(train_on={meta['train_on']})")
 
 
 def _build(cfg, scratch: Path, log) -> None:
@@ -179,7 +180,7 @@ def _build(cfg, scratch: Path, log) -> None:
     dtype = dtype_for_vocab(tok.vocab_size)
     pad = max(tok.eot_id, 0)
     meta = {"built_with": asdict(cfg), "records": "chat", "template": template.origin, "train_on": cfg.train_on,
-            "seq_len": cfg.seq_len, "docs": sum(len(v) for v in samples.values()), "skipped_records": skipped,
+            "seq_len": cfg.seq_len, "skipped_records": skipped,
             "skipped_examples": examples, "too_long": 0}
     counts, filled = np.zeros(tok.vocab_size, dtype=np.int64), 0
     for split in SPLITS:
@@ -198,6 +199,7 @@ def _build(cfg, scratch: Path, log) -> None:
                      f"{split}_counted": windows.counted()})
         if split == "train":
             counts += np.bincount(np.concatenate([samples[split][i][0] for i in placed]), minlength=tok.vocab_size)
+    meta["docs"] = meta["train_docs"] + meta["val_docs"]  # the conversations packed
     meta["fill"] = filled / ((meta["train_windows"] + meta["val_windows"]) * (cfg.seq_len + 1))
     meta["unigram_loss"] = entropy(counts)
     meta["seconds"] = round(time.perf_counter() - started, 3)

@@ -67,11 +67,13 @@ def statistics(data) -> DataStats:
     documents = sum(json.loads((part.cache_dir / "meta.json").read_text())["docs"] for part in parts)
     counts = np.zeros(data.tokenizer.vocab_size, dtype=np.int64)
     for train in [p.train for p in parts]:
-        flat = train.tokens.reshape(-1) if hasattr(train, "windows") else train  # chat: its packed windows
+        flat = train.content() if hasattr(train, "content") else train  # chat: its windows less their padding
         for start in range(0, len(flat), 1 << 24):
             counts += np.bincount(flat[start:start + (1 << 24)], minlength=data.tokenizer.vocab_size)
     top = np.argsort(-counts)[:8]
-    return DataStats(documents=documents, train_tokens=len(data.train), val_tokens=len(data.val),
+    train_tokens, val_tokens = (sum(len(p.content()) if hasattr(p, "content") else len(p) for p in split)
+                                for split in ([p.train for p in parts], [p.val for p in parts]))
+    return DataStats(documents=documents, train_tokens=train_tokens, val_tokens=val_tokens,
                      vocab_size=data.tokenizer.vocab_size, used=int((counts > 0).sum()),
                      top=[(cell(data.tokenizer, int(t)), counts[t] / counts.sum()) for t in top if counts[t]])
 

@@ -131,18 +131,23 @@ def test_pack_is_the_samples_alone():
     samples = [(rng.integers(1, 50, n), rng.random(n) < 0.5) for n in (5, 9, 3, 17, 4, 12, 30, 6)]
     tokens, mask, doc, placed = pack(samples, seq_len=15, pad_id=0, dtype=np.int64)
     assert placed == [0, 1, 2, 4, 5, 7]  # 17 and 30 > 16 tokens: skipped, counted by the caller
+    assert len(tokens) == 3  # first fit: 5+9 | 3+4+6 (the 6 goes back to the window with room) | 12
     assert (np.diff(doc, axis=1) >= 0).all() and (doc[:, 0] == 0).all()
     for masked in (True, False):
         x, y, *d = PackedWindows(tokens, mask, doc, masked).rows(np.arange(len(tokens)))
         assert len(d) == masked
-        found = 0
+        found, left = 0, list(placed)
         for w in range(len(tokens)):
             for k in np.unique(doc[w]):
                 at = np.flatnonzero(doc[w] == k)
                 if k == doc[w, -1] and tokens[w, at].sum() == 0:
                     assert (y[w, at[at < 15]] == IGNORE_INDEX).all()  # padding never counts
                     continue
-                ids, counted = samples[placed[found]]
+                match = [i for i in left if samples[i][0].tolist() == tokens[w, at].tolist()]
+                assert match and (k == 0 or match[0] > last)  # a placed sample; file order within a window
+                last = match[0]
+                left.remove(match[0])
+                ids, counted = samples[match[0]]
                 found += 1
                 assert tokens[w, at].tolist() == ids.tolist()
                 inside = at[:-1]  # positions whose target is the sample's next token
@@ -287,3 +292,18 @@ def test_finetune_logs_the_counted_tokens_and_packed_equals_alone(tmp_path, toke
             want = torch.nn.functional.cross_entropy(alone, w_y[at].clamp(min=0), reduction="none")
             counted = w_y[at] != IGNORE_INDEX
             torch.testing.assert_close(packed[at][counted], want[counted], rtol=1e-5, atol=1e-6)
+
+
+def test_a_mixture_of_chat_sources_draws_whole_windows_by_weight(tmp_path, tokenizer_dirs):
+    a = _write(tmp_path / "a.jsonl", _records(30))
+    b = _write(tmp_path / "b.jsonl", [{"prompt": f"say {i}", "completion": "x" * 3} for i in range(30)])
+    cfg = DataConfig(tokenizer=f"hf:{tokenizer_dirs['qwen3']}", records="chat", seq_len=48, val_fraction=0.2,
+                     cache_dir=str(tmp_path / "cache"), mix=({"source": str(a), "weight": 3}, {"source": str(b)}))
+    data = prepare_data(cfg, log=lambda m: None)
+    parts = {name: part.train for name, _, part in data.sources}
+    x, y, doc = TokenLoader(data.train, 400, 48, 0, prefetch=0).next()
+    windows = {name: {tuple(r) for r in p.tokens[:, :-1].tolist()} for name, p in parts.items()}
+    rows = [tuple(r) for r in x.tolist()]
+    assert all(r in windows["a"] or r in windows["b"] for r in rows)  # whole windows of one source
+    share = sum(r in windows["a"] for r in rows) / len(rows)
+    assert 0.68 < share < 0.82  # weight 3 of 4, 400 draws: 0.75 ± 3.5 standard deviations

@@ -19,6 +19,7 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 
 from kiln.data import DataConfig
+from kiln.data.sft import chat_template_for
 from kiln.errors import KilnError
 from kiln.parallel import ParallelConfig
 from kiln.parallel.strategy import strategy
@@ -232,6 +233,8 @@ def validate(cfg: Config) -> None:
 
 def _cross_checks(cfg: Config) -> None:
     model = cfg.model.resolve()
+    if cfg.data.records == "chat" and not cfg.model.init:  # else the run takes model.init's tokenizer and template
+        chat_template_for(cfg.data)
     if cfg.data.seq_len > model.max_seq_len:
         raise ConfigError(f"data.seq_len={cfg.data.seq_len} exceeds model.max_seq_len={model.max_seq_len}; lower "
                           f"data.seq_len or raise model.max_seq_len")

@@ -76,6 +76,8 @@ def check_chat(cfg) -> None:
                         "tokens; give the model's tokenizer (data.tokenizer=hf:DIR, or model.init=hf:DIR)",
                         key="data.tokenizer", value=cfg.tokenizer,
                         fix="give the model's tokenizer (data.tokenizer=hf:DIR, or model.init=hf:DIR)")
+    if cfg.tokenizer == "bytes" and cfg.chat_template == "":
+        return  # the tokenizer's template: model.init=hf:DIR may give the tokenizer (kiln.config checks it)
     chat_template_for(cfg)
 
 

@@ -238,7 +238,10 @@ def test_refusals_name_the_key_and_the_fix(tmp_path, tokenizer_dirs):
     refused(r"data.train_on='prompt' is unknown", train_on="prompt")
     refused(r"data.records=chat with data.format=tokens", records="chat", format="tokens")
     refused(r"data.records=chat with data.tokenizer=bpe", records="chat", tokenizer="bpe")
-    refused(r"data.tokenizer='bytes' has no chat template; set data.chat_template=chatml", records="chat")
+    DataConfig(records="chat").validate()  # bytes and the tokenizer's template: model.init=hf:DIR may give both
+    from kiln.config import load_config
+    with pytest.raises(KilnError, match=r"data.tokenizer='bytes' has no chat template; set data.chat_template=chatml"):
+        load_config(None, ["--data.records=chat"])  # without model.init: refused with the config
     refused(rf"has no chat template \({tokenizer_dirs['none']} has no chat_template.jinja",
             records="chat", tokenizer=f"hf:{tokenizer_dirs['none']}")
     refused(r"data.chat_template='x.txt' is neither chatml nor an existing .jinja", records="chat",

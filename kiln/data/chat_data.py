@@ -139,8 +139,16 @@ def prepare_chat(cfg, root: Path, run_dir: Path | None, log):
             log(f"data: skipped: {example}")
     log(f"data: chat {meta['docs']} conversations, train {meta['train_windows']} windows ({meta['train_counted']:,} "
         f"counted targets), val {meta['val_windows']} windows ({meta['template']}, train_on={cfg.train_on}, "
-        f"document mask {'on' if masked else 'off'}; {'built' if built else 'cached'} at {final})")
+        f"document mask {'on' if masked else 'off'}; {'built' if built else 'cached'} at {_shown(final)})")
     return tok, train, val, meta["unigram_loss"], final
+
+
+def _shown(path: Path) -> str:
+    """~/... under the home directory (as the text cache's lines show it)."""
+    try:
+        return "~/" + str(path.resolve().relative_to(Path.home().resolve()))
+    except ValueError:
+        return str(path)
 
 
 def summary(meta: dict) -> str:

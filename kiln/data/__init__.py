@@ -96,9 +96,9 @@ class DataConfig:
     on_bad_record: str = "error"  # error: stop at the first unreadable record, naming file and line | skip: skip it and count it in the summary
     mix: tuple = ()  # [[data.mix]] tables {source, weight, name, format, text_field, pattern}: a weighted mixture instead of data.source
     cache_per_node: bool = False  # multi-node: cache_dir is node-local, so each node's local rank 0 prepares it
-    records: str = "text"  # text: each record is plain text (pretraining) | chat: `messages` [{role, content}] or prompt/completion pairs, rendered with the chat template (fine-tuning; kiln.data.chat)
+    records: str = "text"  # text: each record is plain text (pretraining) | chat: `messages` [{role, content}] (system/user/assistant) or prompt/completion pairs, rendered with the chat template and packed whole into seq_len + 1 windows, a longer one skipped and counted (fine-tuning; kiln.data.sft, chat_data, packing)
     chat_template: str = ""  # records=chat: "" = the tokenizer's own (data.tokenizer=hf:DIR, or implied by model.init=hf:DIR) | chatml | PATH.jinja
-    train_on: str = "assistant"  # records=chat: assistant (the loss counts assistant turns and their end-of-turn token; a completion) | all (every token)
+    train_on: str = "assistant"  # records=chat: assistant (the loss counts every assistant turn's content and its end-of-turn token, not the role header; a completion) | all (every token); metrics.jsonl's loss_tokens counts them
     document_mask: bool | None = None  # attention and RoPE positions restart at every document boundary in a window; None = true for records=chat, false for text
 
     def validate(self) -> None:

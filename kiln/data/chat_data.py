@@ -103,8 +103,8 @@ def _table(path: Path, kind: str):
         row = 0
         for batch in batches:
             for record in batch.to_pylist():
-                row += 1
-                yield f"{path}:row {row}", record
+                row += 1  # a table has every column in every row: a record's own keys are its non-null ones
+                yield f"{path}:row {row}", {k: v for k, v in record.items() if v is not None}
     except (pa.ArrowInvalid, OSError) as e:
         raise CorpusError(f"{path} does not read as {kind} ({e}); check the file, or remove it from the source",
                           key="data.source", value=str(path)) from None
@@ -205,8 +205,9 @@ def _build(cfg, scratch: Path, log) -> None:
         filled += used
         meta.update({f"{split}_docs": len(placed), f"{split}_windows": len(tokens), f"{split}_tokens": used,
                      f"{split}_counted": windows.counted()})
-        if split == "train":
-            counts += np.bincount(np.concatenate([samples[split][i][0] for i in placed]), minlength=tok.vocab_size)
+        if split == "train":  # the baseline of what the loss counts: the counted tokens' frequencies
+            counted = np.concatenate([samples[split][i][0][samples[split][i][1]] for i in placed])
+            counts += np.bincount(counted, minlength=tok.vocab_size)
     meta["docs"] = meta["train_docs"] + meta["val_docs"]  # the conversations packed
     meta["fill"] = filled / ((meta["train_windows"] + meta["val_windows"]) * (cfg.seq_len + 1))
     meta["unigram_loss"] = entropy(counts)

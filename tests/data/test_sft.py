@@ -126,6 +126,33 @@ def test_bad_records_name_the_line(record, words):
         conversation(record, "a.jsonl:7")
 
 
+def test_a_template_that_refuses_a_record_names_its_line(tokenizer_dirs):
+    template = Template("{% if messages[0].role != 'user' %}{{ raise_exception('first comes the user') }}{% endif %}"
+                        "{% for m in messages %}{{ m.content }}{% endfor %}")
+    with pytest.raises(ChatRecordError, match=r"f.jsonl:4: the chat template: first comes the user; fix the record"):
+        encode_sample([{"role": "assistant", "content": "x"}], template, ByteTokenizer(), "all", "f.jsonl:4")
+
+
+def test_every_container_gives_the_same_windows(tmp_path, tokenizer_dirs):
+    import gzip
+
+    pq = pytest.importorskip("pyarrow.parquet", reason="pyarrow is not installed (the data extra has it)")
+    import pyarrow as pa
+
+    rows = _records(30)
+    plain = _write(tmp_path / "c.jsonl", rows)
+    (tmp_path / "c.jsonl.gz").write_bytes(gzip.compress(plain.read_bytes()))
+    table = pa.Table.from_batches([pa.RecordBatch.from_struct_array(pa.array(rows))])  # every row's columns
+    pq.write_table(table, tmp_path / "c.parquet")
+    got = []
+    for name in ("c.jsonl", "c.jsonl.gz", "c.parquet"):
+        cfg = DataConfig(source=str(tmp_path / name), tokenizer=f"hf:{tokenizer_dirs['llama3']}", records="chat",
+                         seq_len=64, cache_dir=str(tmp_path / "cache"), val_fraction=0.2)
+        data = prepare_data(cfg, log=lambda m: None)
+        got.append([np.asarray(a).tolist() for a in (data.train.tokens, data.train.mask, data.val.tokens)])
+    assert got[0] == got[1] == got[2]
+
+
 def test_pack_is_the_samples_alone():
     rng = np.random.default_rng(0)
     samples = [(rng.integers(1, 50, n), rng.random(n) < 0.5) for n in (5, 9, 3, 17, 4, 12, 30, 6)]

@@ -287,40 +287,57 @@ def test_bytes_tokenizer_offsets_cover_every_byte():
     assert bytes(np.asarray(ids)[mask].tolist()).decode() == "\u00e9."
 
 
-def test_finetune_logs_the_counted_tokens_and_packed_equals_alone(tmp_path, tokenizer_dirs, small_config):
-    """kiln train on chat records: each step's loss_tokens is the loader's counted targets (a hand count of its
-    batches), and through the model a packed window's per-token losses are each sample's run alone (fp32)."""
-    from kiln.models import build_model
+def test_finetune_from_hf_logs_counted_tokens_resumes_exactly_and_packed_equals_alone(tmp_path, tokenizer_dirs,
+                                                                                      small_config):
+    """kiln train on chat records from model.init=hf:DIR (a GPT-2 with the Llama-3-style tokenizer: its template
+    comes with it): each step's loss_tokens is the loader's counted targets (a hand count of its batches), a resumed
+    run's losses are the straight run's, and through the model a packed window's per-token losses are each sample's
+    run alone (fp32)."""
+    import shutil
+
     from kiln.run.data_show import show
     from kiln.run.lm import train
 
+    hf = tmp_path / "hf"
+    shutil.copytree(tokenizer_dirs["llama3"], hf)
+    vocab = BPETokenizer.from_hf(hf).vocab_size
+    torch.manual_seed(0)
+    transformers.GPT2LMHeadModel(transformers.GPT2Config(vocab_size=vocab, n_positions=64, n_embd=64, n_layer=2,
+                                                         n_head=2)).save_pretrained(hf)
     source = _write(tmp_path / "chat.jsonl", _records(40))
-    cfg = small_config(data={"source": str(source), "tokenizer": f"hf:{tokenizer_dirs['llama3']}", "records": "chat",
-                             "seq_len": 64, "val_fraction": 0.2},
-                       train={"max_steps": 2, "eval_interval": 2, "grad_accum_steps": 2})
-    result = train(cfg, tmp_path / "run")
-    records = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
-    logged = [r["loss_tokens"] for r in records if r["kind"] == "train"]
-    data = prepare_data(cfg.data, log=lambda m: None)
-    loader = TokenLoader(data.train, 4, 64, cfg.data.seed, prefetch=0)
+
+    def cfg(steps, **sections):
+        c = small_config(data={"source": str(source), "records": "chat", "seq_len": 64, "val_fraction": 0.2},
+                         train={"max_steps": steps, "eval_interval": 2, "grad_accum_steps": 2},
+                         schedule={"total_steps": 2}, **sections)
+        c.model.init = f"hf:{hf}"
+        return c
+
+    result = train(cfg(2), tmp_path / "straight")
+    train(cfg(1, checkpoint={"interval": 1}), tmp_path / "resumed")
+    train(cfg(2), tmp_path / "resumed", resume=True)
+    runs = {name: [json.loads(line) for line in (tmp_path / name / "metrics.jsonl").read_text().splitlines()]
+            for name in ("straight", "resumed")}
+    train_records = {name: [r for r in rs if r["kind"] == "train"] for name, rs in runs.items()}
+    assert [r["loss"] for r in train_records["resumed"]] == [r["loss"] for r in train_records["straight"]]
+    data_cfg = result.cfg.data  # the run's: model.init's tokenizer
+    assert data_cfg.tokenizer == f"hf:{hf}"
+    data = prepare_data(data_cfg, log=lambda m: None)
+    loader = TokenLoader(data.train, 4, 64, data_cfg.seed, prefetch=0)
     want = [sum(int((loader.next()[1] != IGNORE_INDEX).sum()) for _ in range(2)) for _ in range(2)]
-    assert logged == want and all(0 < n < 2 * 4 * 64 for n in want)
+    assert [r["loss_tokens"] for r in train_records["straight"]] == want and all(0 < n < 2 * 4 * 64 for n in want)
     assert result.val_loss is not None and np.isfinite(result.val_loss)
-    lines = show(cfg, rows=1, positions=16, log=lambda m: None)
-    x, y, doc = TokenLoader(data.train, 4, 64, cfg.data.seed, prefetch=0).next()
+    lines = show(result.cfg, rows=1, positions=16, log=lambda m: None)
+    x, y, doc = TokenLoader(data.train, 4, 64, data_cfg.seed, prefetch=0).next()
     assert f" row 0: the loss counts {int((y[0] != IGNORE_INDEX).sum())} of 64 targets" in "\n".join(lines)
 
-    torch.manual_seed(0)
-    model = build_model(result.cfg.model, "cpu").eval()
-    window = 0
-    w_doc, w_y = doc[window], y[window]
+    model = result.state.model.eval()
     with torch.no_grad():
-        packed = torch.nn.functional.cross_entropy(model(x[:1], doc=doc[:1])[0], w_y.clamp(min=0), reduction="none")
-        for k in w_doc.unique().tolist():  # padding, the last document, counts nothing
-            at = (w_doc == k).nonzero().flatten()
-            alone = model(x[window:window + 1, at])[0]
-            want = torch.nn.functional.cross_entropy(alone, w_y[at].clamp(min=0), reduction="none")
-            counted = w_y[at] != IGNORE_INDEX
+        packed = torch.nn.functional.cross_entropy(model(x[:1], doc=doc[:1])[0], y[0].clamp(min=0), reduction="none")
+        for k in doc[0].unique().tolist():  # padding, the last document, counts nothing
+            at = (doc[0] == k).nonzero().flatten()
+            want = torch.nn.functional.cross_entropy(model(x[:1, at])[0], y[0, at].clamp(min=0), reduction="none")
+            counted = y[0, at] != IGNORE_INDEX
             torch.testing.assert_close(packed[at][counted], want[counted], rtol=1e-5, atol=1e-6)
 
 

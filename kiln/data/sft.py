@@ -109,8 +109,8 @@ def chat_template_for(cfg) -> Template:
         text, origin = path.read_text(), str(path)
     try:
         render([{"role": "user", "content": "hi"}], text, tokens)  # compiles it: a syntax error shows here
-    except TemplateError as e:
-        if "does not parse" in str(e):
+    except Exception as e:  # noqa: BLE001 - only a syntax error is the template's; the rest is for the records
+        if isinstance(e, TemplateError) and "does not parse" in str(e):
             raise KilnError(f"data.chat_template: {origin}: {e}; fix the template or give another",
                             key="data.chat_template", value=cfg.chat_template,
                             fix="fix the template or give another") from None
@@ -164,9 +164,14 @@ def encode_sample(messages: list[dict], template: Template, tokenizer, train_on:
         else:
             text = render(messages, template.text, template.tokens, add_generation_prompt=False)
             spans = _prefix_spans(messages, template, text, where) if train_on == "assistant" else []
+    except KilnError:
+        raise  # the template's prefixes: not one record's fault
     except TemplateError as e:
         raise ChatRecordError(f"{where}: {e}; fix the record (or the template), or set data.on_bad_record=skip") \
             from None
+    except Exception as e:  # the template is code: a record it cannot handle (a None it adds to a string) fails it
+        raise ChatRecordError(f"{where}: the chat template fails on it ({type(e).__name__}: {e}); fix the record (or "
+                              f"the template), or set data.on_bad_record=skip") from None
     ids, offsets = tokenizer.chat_offsets(text)
     ids = np.asarray(ids, dtype=np.int64)
     if train_on == "all":

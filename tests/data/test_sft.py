@@ -131,6 +131,9 @@ def test_a_template_that_refuses_a_record_names_its_line(tokenizer_dirs):
                         "{% for m in messages %}{{ m.content }}{% endfor %}")
     with pytest.raises(ChatRecordError, match=r"f.jsonl:4: the chat template: first comes the user; fix the record"):
         encode_sample([{"role": "assistant", "content": "x"}], template, ByteTokenizer(), "all", "f.jsonl:4")
+    broken = Template("{% for m in messages %}{{ m.content + 3 }}{% endfor %}")
+    with pytest.raises(ChatRecordError, match=r"f.jsonl:5: the chat template fails on it \(TypeError: "):
+        encode_sample([{"role": "assistant", "content": "x"}], broken, ByteTokenizer(), "all", "f.jsonl:5")
 
 
 def test_every_container_gives_the_same_windows(tmp_path, tokenizer_dirs):

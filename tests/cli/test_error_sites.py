@@ -259,7 +259,7 @@ ALLOWED_FILES = {
                        ("memory", 1), ("plan", 3), ("profile", 2), ("report", 1), ("sample", 6), ("train", 6)]},
     "kiln/data/__init__.py": (9, "CorpusError, ShardError: tests/data/"),
     "kiln/data/chat_data.py": (7, "CorpusError of a chat source (file:line): tests/data/test_sft.py"),
-    "kiln/data/sft.py": (10, "ChatRecordError of a record (file:line), the template's prefixes, data.document_mask "
+    "kiln/data/sft.py": (11, "ChatRecordError of a record (file:line), the template's prefixes, data.document_mask "
                              "(a bool from the CLI): tests/data/test_sft.py"),
     "kiln/data/corpus.py": (4, "CorpusError: tests/data/test_data_corpus.py, tests/data/test_data_stream.py"),
     "kiln/data/prepare.py": (10, "CorpusError, ShardError: tests/data/test_data_prepare.py"),

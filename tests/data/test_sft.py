@@ -290,12 +290,10 @@ def test_bytes_tokenizer_offsets_cover_every_byte():
     assert bytes(np.asarray(ids)[mask].tolist()).decode() == "\u00e9."
 
 
-def test_finetune_from_hf_logs_counted_tokens_resumes_exactly_and_packed_equals_alone(tmp_path, tokenizer_dirs,
-                                                                                      small_config):
+def test_finetune_from_hf_logs_counted_tokens_and_packed_equals_alone(tmp_path, tokenizer_dirs, small_config):
     """kiln train on chat records from model.init=hf:DIR (a GPT-2 with the Llama-3-style tokenizer: its template
-    comes with it): each step's loss_tokens is the loader's counted targets (a hand count of its batches), a resumed
-    run's losses are the straight run's, and through the model a packed window's per-token losses are each sample's
-    run alone (fp32)."""
+    comes with it): each step's loss_tokens is the loader's counted targets (a hand count of its batches), and
+    through the model a packed window's per-token losses are each sample's run alone (fp32)."""
     import shutil
 
     from kiln.run.data_show import show
@@ -316,13 +314,11 @@ def test_finetune_from_hf_logs_counted_tokens_resumes_exactly_and_packed_equals_
         c.model.init = f"hf:{hf}"
         return c
 
+    # (a resumed run's losses equal the straight run's: checked once, 2 steps against 1 + resume; left out for the
+    # suite's time, 3 runs of ~10 s each on a loaded 2-core CPU; the loader's own resume is checked above)
     result = train(cfg(2), tmp_path / "straight")
-    train(cfg(1, checkpoint={"interval": 1}), tmp_path / "resumed")
-    train(cfg(2), tmp_path / "resumed", resume=True)
-    runs = {name: [json.loads(line) for line in (tmp_path / name / "metrics.jsonl").read_text().splitlines()]
-            for name in ("straight", "resumed")}
-    train_records = {name: [r for r in rs if r["kind"] == "train"] for name, rs in runs.items()}
-    assert [r["loss"] for r in train_records["resumed"]] == [r["loss"] for r in train_records["straight"]]
+    records = [json.loads(line) for line in (tmp_path / "straight" / "metrics.jsonl").read_text().splitlines()]
+    train_records = {"straight": [r for r in records if r["kind"] == "train"]}
     data_cfg = result.cfg.data  # the run's: model.init's tokenizer
     assert data_cfg.tokenizer == f"hf:{hf}"
     data = prepare_data(data_cfg, log=lambda m: None)

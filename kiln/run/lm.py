@@ -19,6 +19,7 @@ from rich.console import Console
 from kiln.config import Config, checked
 from kiln.data import PreparedData, TokenLoader, prepare_data, val_batches
 from kiln.data.batches import to_device
+from kiln.data.documents import document_separator
 from kiln.evaluate import Prepared, score_task, training_tasks
 from kiln.parallel import ParallelPlan, launched_by_torchrun
 from kiln.parallel.elastic import batch_after_resharding, restart_record
@@ -73,8 +74,9 @@ def model_plan(cfg: Config, model_cfg: ModelConfig, precision: str, device: torc
     """The model pipeline's plan from the train and memory sections (kiln.config checked they agree); layout: the
     run's ParallelPlan when the model is split."""
     kernels = resolve_kernels(cfg.train.kernels, device)
-    if kernels == "triton" and model_cfg.dropout > 0:
-        kernels = "torch"  # train.kernels=auto with dropout: FlashAttention has none (explicit triton is refused)
+    if kernels == "triton" and (model_cfg.dropout > 0 or cfg.data.masks_documents):
+        kernels = "torch"  # train.kernels=auto with dropout or a document mask: FlashAttention has neither (explicit
+        # triton is refused)
     job = runtime_job(model_cfg, precision, device, **sections(cfg))
     # tp > 1: kiln.parallel.tensor puts its vocabulary-parallel loss in the plain LMLoss's place
     fused = kernels == "triton" and cfg.parallel.tp == 1
@@ -138,7 +140,8 @@ class LMRun:
     def _evaluate_on(self, model, tokens) -> float:
         c, world = self.cfg, self.state.world
         batches = val_batches(tokens, c.train.micro_batch_size, c.data.seq_len,
-                              eval_batch_count(c.train, len(tokens), c.data.seq_len))  # 0: every window
+                              eval_batch_count(c.train, len(tokens), c.data.seq_len),  # 0: every window
+                              separator=document_separator(c.data, self.data.tokenizer))
         mine = itertools.islice(batches, world.dp_rank, None, world.dp_size)  # each copy its share; totals summed
         return evaluate(model, (to_device(b, self.state.device) for b in mine), self.state.objective,
                         self.state.precision, self.state.device, world if world.size > 1 else None)
@@ -283,7 +286,8 @@ class LMParts:
             return None
         loader = TokenLoader(data.train, cfg.train.micro_batch_size, cfg.data.seq_len, cfg.data.seed, device,
                              cfg.data.prefetch, rank=world.dp_rank, world=world.dp_size,
-                             what=f"data.source={cfg.data.source!r}, train split")
+                             what=f"data.source={cfg.data.source!r}, train split",
+                             separator=document_separator(cfg.data, data.tokenizer))
         if cfg.faults.data_delay_ms:
             loader = DelayedLoader(loader, cfg.faults.data_delay_ms)
         if len(data.val) < cfg.data.seq_len + 1:  # found now, not at the first evaluation

@@ -191,7 +191,7 @@ def layout_event(world: World, model: nn.Module) -> dict:
     if plan.pp > 1:  # each pipeline rank holds its stage's part: one copy's stages summed
         whole = sum(w for r, (_, w) in enumerate(per_rank) if plan.coords(r)["dp"] == plan.coords(r)["tp"] == 0)
     one = not world.torchrun and not plan.dp_strategy.reduces  # a plain world of one: {"dp": 1}, as ever
-    return {"event": "layout", "mesh": {"dp": world.size} if one else plan.mesh_shape,
+    return {"event": "layout", "mesh": {"dp": world.size} if one else plan.mesh_record,
             "strategy": world.strategy, "sequence_parallel": plan.sequence_parallel,
             "param_bytes_per_rank": [h for h, _ in per_rank], "param_bytes_unsharded": whole}
 
@@ -252,7 +252,7 @@ _MESHES: dict = {}  # (shape, device type) -> DeviceMesh: like the process group
 def _mesh(plan: ParallelPlan, device_type: str):
     """The run's DeviceMesh, made once per layout in a process (each one creates a process group per dim, and a
     later run in the same process, a test's, reuses them)."""
-    key = (tuple(plan.mesh_shape.items()), device_type)
+    key = (tuple(plan.mesh_shape.items()), plan.ep, device_type)
     if key not in _MESHES:
         _MESHES[key] = plan.device_mesh(device_type)
     return _MESHES[key]

@@ -1,0 +1,122 @@
+"""Expert parallelism (parallel.ep): each of ep ranks holds n_experts/ep whole experts, and the (token, slot) pairs
+routed to an expert travel to the rank that holds it and back, by torch.distributed all-to-all with variable splits.
+
+    shard_experts(model, ep_mesh)        every MoE's stacked expert weights become DTensors Shard(0) over ep_mesh,
+                                         and its dispatch step an ExpertParallel over that group
+    ExpertParallel(group, n_experts)     MoE.forward's dispatch/combine step: pairs out, local experts, pairs back
+    exchange(counts, group)              the split sizes both ways (the one host sync per MoE block)
+    all_to_all(x, out_splits, in_splits, group)   all_to_all_single with autograd (the backward is the reverse)
+
+One forward of a MoE block at ep > 1, on each rank of an ep group (torchtitan's ExpertParallel, without its
+permutation kernel):
+
+    1. the pairs sorted by expert (S, C) and their counts per expert (E,), as MoE.forward makes them
+    2. counts viewed (ep, E/ep): what goes to each ep rank; all_to_all_single of them: what comes from each
+    3. one .tolist() of both (the sizes all_to_all_single needs on the host): the one host sync per MoE block
+    4. the pairs all-to-all'd: they arrive by source rank, and by local expert within a source
+    5. reordered by local expert (a stable argsort), the local experts run (MoE's own grouped function)
+    6. put back in arrival order and all-to-all'd back the way they came: the sender's pairs, in its order
+
+Dropless: every pair is sent and computed, so the result is one process's to the last bit up to the order of sums
+(the experts' matmuls see the same rows; only their batching differs). The load-balancing loss is computed before
+the dispatch, from this rank's own routing, as with data parallelism.
+
+Gradients: the all-to-all's backward sends each expert's input gradient back to the pair's rank, and an expert's
+weight gradient on its holder sums the pairs of the whole ep group. The data-parallel wrapper then reduces each
+expert over the dp/ep ranks that hold it (mesh["dp_mod_ep"]) and divides by dp, not dp/ep (the other ranks' pairs
+are in the sum already): kiln.parallel.parallelize sets that divide factor.
+
+Sync-free alternative not taken: fixed worst-case splits (every pair of a rank to one expert: S rows to each of ep
+ranks) need no sizes on the host, but move ep× the bytes and compute ep× the rows; the sizes' sync is torchtitan's
+choice too.
+"""
+from __future__ import annotations
+
+import time
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+
+class _AllToAll(torch.autograd.Function):
+    """all_to_all_single with the given split sizes; its backward is the all-to-all the other way."""
+
+    @staticmethod
+    def forward(ctx, x, out_splits: list[int], in_splits: list[int], group, timer):
+        ctx.splits, ctx.group, ctx.timer = (out_splits, in_splits), group, timer
+        return _exchange(x, out_splits, in_splits, group, timer)
+
+    @staticmethod
+    def backward(ctx, grad):
+        out_splits, in_splits = ctx.splits
+        return _exchange(grad, in_splits, out_splits, ctx.group, ctx.timer), None, None, None, None
+
+
+def _exchange(x, out_splits, in_splits, group, timer) -> torch.Tensor:
+    x = x.contiguous()
+    out = x.new_empty((sum(out_splits), *x.shape[1:]))
+    began = time.perf_counter()
+    dist.all_to_all_single(out, x, out_splits, in_splits, group=group)
+    if timer is not None:
+        timer.seconds += time.perf_counter() - began
+    return out
+
+
+def all_to_all(x: torch.Tensor, out_splits: list[int], in_splits: list[int], group, timer=None) -> torch.Tensor:
+    """x's rows: in_splits[r] of them to rank r of `group`; returns out_splits[r] rows from each r, in rank order."""
+    return _AllToAll.apply(x, out_splits, in_splits, group, timer)
+
+
+def exchange(counts: torch.Tensor, group, ep: int) -> tuple[list[int], list[int], torch.Tensor]:
+    """counts: (E,) this rank's pairs per expert (experts e·E/ep .. (e+1)·E/ep - 1 on ep rank e). Returns the rows
+    sent to each ep rank, the rows received from each, and received (ep, E/ep): pairs from source s for local
+    expert j. One host sync: the sizes all_to_all_single needs on the host, in one .tolist()."""
+    sent = counts.view(ep, -1)  # (ep, E/ep)
+    received = torch.empty_like(sent)
+    dist.all_to_all_single(received, sent.contiguous(), group=group)
+    sizes = torch.cat([sent.sum(1), received.sum(1)]).tolist()  # the one host sync
+    return sizes[:ep], sizes[ep:], received
+
+
+class ExpertParallel:
+    """MoE.forward's dispatch/combine step at ep > 1: `step(compute, x, counts)` with x (S, C) the pairs sorted
+    by expert and counts (E,) per expert; compute(x_local, local_counts) runs this rank's experts on pairs sorted
+    by local expert. Returns compute's output for every pair of x, in x's order. `seconds`: the all-to-all time
+    (kiln profile's share), host-timed: exact on gloo, launch-to-return on NCCL."""
+
+    def __init__(self, group, n_experts: int):
+        self.group, self.ep = group, dist.get_world_size(group)
+        self.n_experts, self.local = n_experts, n_experts // self.ep
+        self.seconds = 0.0
+        self.last_splits: tuple[list[int], list[int]] | None = None  # (sent, received) of the last call: tests
+
+    def __call__(self, compute, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:  # x (S, C), counts (E,)
+        began = time.perf_counter()
+        sent, got, received = exchange(counts, self.group, self.ep)
+        self.seconds += time.perf_counter() - began
+        self.last_splits = (sent, got)
+        arrived = all_to_all(x, got, sent, self.group, self)  # (R, C): by source rank, then local expert
+        total = sum(got)
+        source_expert = torch.arange(received.numel(), device=x.device)  # (ep·E/ep) segments, source-major
+        segment = source_expert.repeat_interleave(received.flatten(), output_size=total)  # (R,)
+        order = (segment % self.local).argsort(stable=True)  # arrival rows grouped by local expert
+        y = compute(arrived[order], received.sum(0))  # (R, C) by local expert
+        back = torch.empty_like(order).scatter_(0, order, torch.arange(total, device=x.device))
+        return all_to_all(y[back], sent, got, self.group, self)  # (S, C) in x's order
+
+    def take(self) -> float:
+        """The all-to-all seconds since the last take."""
+        seconds, self.seconds = self.seconds, 0.0
+        return seconds
+
+
+def moe_blocks(model: nn.Module) -> list:
+    from kiln.models.moe import MoE  # lazy: kiln.parallel imports no model at import time
+
+    return [m for m in model.modules() if isinstance(m, MoE)]
+
+
+def all_to_all_seconds(model: nn.Module) -> float:
+    """The all-to-all seconds of every MoE block since the last call (0.0 without expert parallelism)."""
+    return sum(m.dispatch.take() for m in moe_blocks(model) if isinstance(m.dispatch, ExpertParallel))

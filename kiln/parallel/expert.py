@@ -120,3 +120,29 @@ def moe_blocks(model: nn.Module) -> list:
 def all_to_all_seconds(model: nn.Module) -> float:
     """The all-to-all seconds of every MoE block since the last call (0.0 without expert parallelism)."""
     return sum(m.dispatch.take() for m in moe_blocks(model) if isinstance(m.dispatch, ExpertParallel))
+
+
+def shard_experts(model: nn.Module, ep_mesh) -> None:
+    """Every MoE block's expert weights (moe.experts' parameters, stacked with the expert as dim 0) become
+    DTensors split Shard(0) over ep_mesh: ep rank r keeps experts r·E/ep .. (r+1)·E/ep - 1 (its slice of the
+    weights every rank initialised alike), and the block's dispatch step becomes an ExpertParallel over the group.
+    The DTensors keep the checkpoint in one layout: DCP and the consolidated export see every expert."""
+    from torch.distributed.tensor import Shard, distribute_tensor  # lazy: ep > 1 only
+
+    for moe in moe_blocks(model):
+        for name, p in list(moe.experts.named_parameters(recurse=False)):
+            if p.shape[0] != moe.n_experts:
+                raise RuntimeError(f"{name}: an expert weight stacks the experts in dim 0, got shape {tuple(p.shape)}")
+            local = distribute_tensor(p.detach(), ep_mesh, [Shard(0)], src_data_rank=None)
+            setattr(moe.experts, name, nn.Parameter(local, requires_grad=p.requires_grad))
+        moe.dispatch = ExpertParallel(ep_mesh.get_group(), moe.n_experts)
+
+
+def wrap_experts(model: nn.Module, mesh, plan, wrap, options: dict) -> None:
+    """The data-parallel wrapper `wrap` (FSDP2's fully_shard or replicate) on every MoE block's experts over
+    mesh["dp_mod_ep"], the dp/ep ranks that hold the same experts, before the blocks are wrapped over all dp.
+    Their gradients are divided by dp, not dp/ep: an expert's gradient on its holder already sums the pairs of the
+    ep group's ranks (the all-to-all's backward), so the sum over dp_mod_ep covers every dp rank once."""
+    for moe in moe_blocks(model):
+        wrap(moe.experts, mesh=mesh["dp_mod_ep"], **options)
+        moe.experts.set_gradient_divide_factor(float(plan.dp))

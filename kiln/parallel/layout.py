@@ -218,7 +218,7 @@ def check_degrees(cfg, world_size: int, model: ModelConfig | None = None, family
         raise KilnError(f"parallel.pp with parallel.strategy={data.name} is not built (ZeroRedundancyOptimizer's "
                         f"state would need one consolidated checkpoint per stage): use --parallel.strategy=fsdp "
                         f"or ddp", key="parallel.strategy", value=data.name)
-    _check_ep(cfg, ep, dp, data, world_size)
+    _check_ep(cfg, ep, data, world_size)
 
 
 def check_experts(ep: int, model: ModelConfig, family=None) -> None:
@@ -238,15 +238,23 @@ def check_experts(ep: int, model: ModelConfig, family=None) -> None:
                         fix="pick an ep that divides it (each ep rank holds n_experts/ep whole experts)")
 
 
-def _check_ep(cfg, ep: int, dp: int, data: Strategy, world_size: int) -> None:
-    if ep == 1:
-        return
-    if dp % ep:
+def check_ep_ranks(cfg, world_size: int) -> None:
+    """parallel.ep against the data-parallel ranks of `world_size` processes: ep is carved out of them, so it must
+    divide dp = world / (tp·pp·cp). `kiln plan` asks it of the --gpus it is given, check_degrees of the launch."""
+    ep = getattr(cfg, "ep", 1)
+    dp = world_size // (cfg.tp * cfg.pp * getattr(cfg, "cp", 1))
+    if ep > 1 and dp % ep:
         split = " × ".join(f"{k}={v}" for k, v in (("tp", cfg.tp), ("pp", cfg.pp), ("cp", getattr(cfg, "cp", 1))))
         raise KilnError(f"parallel.ep={ep} does not divide the {dp} data-parallel ranks ({world_size} processes / "
-                        f"({split})): expert parallelism is carved out of them; pick an ep that divides {dp} or launch "
-                        f"{ep}× more processes", key="parallel.ep", value=ep,
+                        f"({split})): expert parallelism is carved out of them; pick an ep that divides {dp} or "
+                        f"launch {ep}× more processes", key="parallel.ep", value=ep,
                         fix=f"pick an ep that divides {dp} or launch {ep}× more processes")
+
+
+def _check_ep(cfg, ep: int, data: Strategy, world_size: int) -> None:
+    if ep == 1:
+        return
+    check_ep_ranks(cfg, world_size)
     if data.zero_optimizer:
         raise KilnError(f"parallel.ep with parallel.strategy={data.name} is not built (ZeroRedundancyOptimizer "
                         f"would treat each rank's own experts as copies of one another): use "

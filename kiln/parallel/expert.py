@@ -3,7 +3,7 @@ routed to an expert travel to the rank that holds it and back, by torch.distribu
 
     shard_experts(model, ep_mesh)        every MoE's stacked expert weights become DTensors Shard(0) over ep_mesh,
                                          and its dispatch step an ExpertParallel over that group
-    ExpertParallel(group, n_experts)     MoE.forward's dispatch/combine step: pairs out, local experts, pairs back
+    ExpertParallel(moe, group)           MoE's dispatch step (moe.dispatch): pairs out, local experts, pairs back
     exchange(counts, group)              the split sizes both ways (the one host sync per MoE block)
     all_to_all(x, out_splits, in_splits, group)   all_to_all_single with autograd (the backward is the reverse)
 
@@ -80,18 +80,31 @@ def exchange(counts: torch.Tensor, group, ep: int) -> tuple[list[int], list[int]
 
 
 class ExpertParallel:
-    """MoE.forward's dispatch/combine step at ep > 1: `step(compute, x, counts)` with x (S, C) the pairs sorted
-    by expert and counts (E,) per expert; compute(x_local, local_counts) runs this rank's experts on pairs sorted
-    by local expert. Returns compute's output for every pair of x, in x's order. `seconds`: the all-to-all time
-    (kiln profile's share), host-timed: exact on gloo, launch-to-return on NCCL."""
+    """A MoE block's dispatch step at ep > 1 (`moe.dispatch`, kiln.models.moe's seam): dispatch(h, weights,
+    chosen, counts) -> each token's weighted sum of its top-k experts' outputs, as MoE.dispatch returns it, with
+    the experts on the ep ranks that hold them. `seconds`: the all-to-all time (kiln profile's share), host-timed:
+    exact on gloo, launch-to-return on NCCL."""
 
-    def __init__(self, group, n_experts: int):
-        self.group, self.ep = group, dist.get_world_size(group)
-        self.n_experts, self.local = n_experts, n_experts // self.ep
+    def __init__(self, moe: nn.Module, group):
+        self.moe, self.group, self.ep = moe, group, dist.get_world_size(group)
+        self.local = moe.n_experts // self.ep  # experts per ep rank
         self.seconds = 0.0
         self.last_splits: tuple[list[int], list[int]] | None = None  # (sent, received) of the last call: tests
 
-    def __call__(self, compute, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:  # x (S, C), counts (E,)
+    def __call__(self, h, weights, chosen, counts):  # h (N, C), weights and chosen (N, K), counts (E,)
+        from kiln.models.moe import experts  # lazy: kiln.parallel imports no model at import time
+
+        moe = self.moe
+        order = chosen.flatten().argsort(stable=True)  # (S,) pairs grouped by expert, S = N·K
+        token = order // moe.top_k
+        w_fc, w_proj = (lin.weight.to_local() for lin in (moe.experts.fc, moe.experts.proj))  # this rank's experts
+        y = self.exchange(lambda x, c: experts(w_fc, w_proj, x, c, moe.grouped), h[token], counts)  # (S, C)
+        y = y * weights.flatten()[order].unsqueeze(-1)
+        return torch.zeros_like(h).index_add_(0, token, y.to(h.dtype))
+
+    def exchange(self, compute, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:  # x (S, C), counts (E,)
+        """x: the pairs sorted by expert, counts (E,) per expert; compute(x_local, local_counts) runs this rank's
+        experts on pairs sorted by local expert. Returns compute's output for every row of x, in x's order."""
         began = time.perf_counter()
         sent, got, received = exchange(counts, self.group, self.ep)
         self.seconds += time.perf_counter() - began
@@ -130,19 +143,22 @@ def shard_experts(model: nn.Module, ep_mesh) -> None:
     from torch.distributed.tensor import Shard, distribute_tensor  # lazy: ep > 1 only
 
     for moe in moe_blocks(model):
-        for name, p in list(moe.experts.named_parameters(recurse=False)):
-            if p.shape[0] != moe.n_experts:
-                raise RuntimeError(f"{name}: an expert weight stacks the experts in dim 0, got shape {tuple(p.shape)}")
-            local = distribute_tensor(p.detach(), ep_mesh, [Shard(0)], src_data_rank=None)
-            setattr(moe.experts, name, nn.Parameter(local, requires_grad=p.requires_grad))
-        moe.dispatch = ExpertParallel(ep_mesh.get_group(), moe.n_experts)
+        for lin in (moe.experts.fc, moe.experts.proj):  # (E, n_out, n_in) each
+            p = lin.weight
+            whole = p.to_local() if hasattr(p, "to_local") else p  # replicated over tp: every tp rank's is whole
+            shard = distribute_tensor(whole.detach(), ep_mesh, [Shard(0)], src_data_rank=None)
+            lin.weight = nn.Parameter(shard, requires_grad=p.requires_grad)
+        moe.dispatch = ExpertParallel(moe, ep_mesh.get_group())
 
 
 def wrap_experts(model: nn.Module, mesh, plan, wrap, options: dict) -> None:
-    """The data-parallel wrapper `wrap` (FSDP2's fully_shard or replicate) on every MoE block's experts over
-    mesh["dp_mod_ep"], the dp/ep ranks that hold the same experts, before the blocks are wrapped over all dp.
-    Their gradients are divided by dp, not dp/ep: an expert's gradient on its holder already sums the pairs of the
-    ep group's ranks (the all-to-all's backward), so the sum over dp_mod_ep covers every dp rank once."""
+    """The data-parallel wrapper `wrap` (FSDP2's fully_shard or replicate) on every MoE block before the blocks are
+    wrapped over all dp: its router over mesh["dp"] first, then the block itself — what is left of it, the experts
+    — over mesh["dp_mod_ep"], the dp/ep ranks that hold the same experts. (FSDP2 gathers a module's parameters in
+    its forward: the experts' module is never called, MoE's forward reads its weights.) The experts' gradients are
+    divided by dp, not dp/ep: an expert's gradient on its holder already sums the pairs of its ep group's ranks (the
+    all-to-all's backward), so the sum over dp_mod_ep covers every dp rank once."""
     for moe in moe_blocks(model):
-        wrap(moe.experts, mesh=mesh["dp_mod_ep"], **options)
-        moe.experts.set_gradient_divide_factor(float(plan.dp))
+        wrap(moe.router, mesh=mesh["dp"], **options)
+        wrap(moe, mesh=mesh["dp_mod_ep"], **options)
+        moe.set_gradient_divide_factor(float(plan.dp))

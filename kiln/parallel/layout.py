@@ -161,7 +161,7 @@ class ParallelPlan:
                             key="parallel.pp_schedule", value=cfg.pp_schedule, fix=f"use one of {PP_SCHEDULES}")
         virtual = 2 if cfg.pp_schedule == "interleaved_1f1b" and pp > 1 else 1
         if model is not None:
-            _check_model(tp, pp * virtual, model, family, cfg.pp_schedule)
+            _check_model(tp, pp * virtual, model, family, cfg.pp_schedule, getattr(cfg, "ep", 1))
         micro = cfg.pp_microbatches
         if pp > 1 and batch_sequences is not None:
             micro = micro or max(pp, grad_accum_steps)
@@ -245,7 +245,8 @@ def check_ep_ranks(cfg, world_size: int) -> None:
     dp = world_size // (cfg.tp * cfg.pp * getattr(cfg, "cp", 1))
     if ep > 1 and dp % ep:
         split = " × ".join(f"{k}={v}" for k, v in (("tp", cfg.tp), ("pp", cfg.pp), ("cp", getattr(cfg, "cp", 1))))
-        raise KilnError(f"parallel.ep={ep} does not divide the {dp} data-parallel ranks ({world_size} processes / "
+        raise KilnError(f"parallel.ep={ep} does not divide the {dp} data-parallel ranks ({world_size} "
+                        f"process{'es' if world_size > 1 else ''} / "
                         f"({split})): expert parallelism is carved out of them; pick an ep that divides {dp} or "
                         f"launch {ep}× more processes", key="parallel.ep", value=ep,
                         fix=f"pick an ep that divides {dp} or launch {ep}× more processes")
@@ -265,7 +266,7 @@ def _check_ep(cfg, ep: int, data: Strategy, world_size: int) -> None:
                         key="parallel.ep", value=ep, fix="use --parallel.pp=1")
 
 
-def _check_model(tp: int, stages: int, model: ModelConfig, family, schedule: str) -> None:
+def _check_model(tp: int, stages: int, model: ModelConfig, family, schedule: str, ep: int = 1) -> None:
     if stages > model.n_layer:
         what = f"{stages} stages ({schedule}: 2 per rank)" if schedule == "interleaved_1f1b" else f"{stages} stages"
         raise KilnError(f"parallel.pp splits {model.n_layer} blocks into {what}: use at most {model.n_layer} "
@@ -277,10 +278,10 @@ def _check_model(tp: int, stages: int, model: ModelConfig, family, schedule: str
     sizes = {"model.n_head": model.n_head, "model.n_kv_head": model.n_kv_head}
     if family is not None:
         for lin in family.linears(model):
-            if lin.tp == "expert":
-                raise KilnError(f"parallel.tp={tp}: model.arch={model.arch} is a mixture of experts, and expert "
-                                f"parallelism is not built; use --parallel.tp=1 (with --parallel.strategy=fsdp to "
-                                f"shard it)", key="parallel.tp", value=tp)
+            if lin.tp == "expert" and ep == 1:
+                raise KilnError(f"parallel.tp={tp}: model.arch={model.arch} is a mixture of experts, whose experts "
+                                f"tensor parallelism does not split; split them with --parallel.ep (attention "
+                                f"over tp, experts over ep) or use --parallel.tp=1", key="parallel.tp", value=tp)
             if lin.tp == "column":
                 sizes[f"the output width of {lin.name}"] = lin.n_out
                 for i, rows in enumerate(lin.parts):  # a fused linear: each rank takes 1/tp of every part

@@ -150,3 +150,14 @@ def rewound(run: Path, copy: Path, step: int = 3) -> Path:
             shutil.rmtree(later)
     (copy / "checkpoints" / "latest").write_text(f"step_{step:06d}\n")
     return copy
+
+
+def ep_config(source: str, strategy: str, ep: int = 1, tp: int = 1, steps: int = 10, interval: int = 3):
+    """moe_config's Qwen3-MoE nano for `steps` steps of the global batch of 8 in micro-batches of 2 (each of dp4's
+    ranks takes 1, each of dp2's 2, one process 4), saved every `interval` steps: the expert-parallel runs
+    (tests/parallel/ep_worker.py) and their one-process reference."""
+    cfg = moe_config(source, strategy)
+    cfg.train.max_steps, cfg.train.micro_batch_size = steps, 2
+    cfg.parallel.ep, cfg.parallel.tp = ep, tp
+    cfg.checkpoint.interval = interval
+    return cfg

@@ -32,7 +32,7 @@ def build(world, model=None, **parallel):
     (3, llama(n_head=6, n_kv_head=3, d_model=96, d_ff=96), {"tp": 3},
      "parallel.tp=3 does not divide the padded vocabulary model.padded_vocab"),
     (2, ModelConfig(preset="qwen3-moe-nano").resolve(), {"tp": 2},
-     "mixture of experts, and expert parallelism is not built"),
+     "is a mixture of experts, whose experts tensor parallelism does not split"),
 ])
 def test_bad_layouts_are_one_line_errors(world, model, parallel, message):
     with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)")) as e:

@@ -320,13 +320,13 @@ def parallelize(model: nn.Module, cfg: ParallelConfig, world: World, device: tor
 
         options = fsdp_options(cfg, param_dtype, replicated=True)
         if ep:
-            wrap_experts(model, world.mesh, plan, replicate, options)
+            wrap_experts(model, world.mesh, replicate, options)
         replicate(model, mesh=dp_mesh, **options)
         return model
     if ep:
         from torch.distributed.fsdp import fully_shard  # lazy: fsdp only
 
-        wrap_experts(model, world.mesh, plan, fully_shard, fsdp_options(cfg, param_dtype))
+        wrap_experts(model, world.mesh, fully_shard, fsdp_options(cfg, param_dtype))
     shard_blocks(model, getattr(model, "blocks", ()), dp_mesh, fsdp_options(cfg, param_dtype))
     return model
 

@@ -22,9 +22,10 @@ Dropless: every pair is sent and computed, so the result is one process's to the
 the dispatch, from this rank's own routing, as with data parallelism.
 
 Gradients: the all-to-all's backward sends each expert's input gradient back to the pair's rank, and an expert's
-weight gradient on its holder sums the pairs of the whole ep group. The data-parallel wrapper then reduces each
-expert over the dp/ep ranks that hold it (mesh["dp_mod_ep"]) and divides by dp, not dp/ep (the other ranks' pairs
-are in the sum already): kiln.parallel.parallelize sets that divide factor.
+weight gradient on its holder sums the pairs of the whole ep group. The data-parallel wrapper then averages each
+expert over the dp/ep ranks that hold it (mesh["dp_mod_ep"]); the mean over dp the other parameters get needs
+1/ep more (the ep group's pairs are in the sum already), which the local weights' backward applies (_ScaleGrad:
+exact for a power-of-2 ep).
 
 Sync-free alternative not taken: fixed worst-case splits (every pair of a rank to one expert: S rows to each of ep
 ranks) need no sizes on the host, but move ep× the bytes and compute ep× the rows; the sizes' sync is torchtitan's
@@ -79,6 +80,19 @@ def exchange(counts: torch.Tensor, group, ep: int) -> tuple[list[int], list[int]
     return sizes[:ep], sizes[ep:], received
 
 
+class _ScaleGrad(torch.autograd.Function):
+    """Identity whose backward multiplies the gradient by `scale`."""
+
+    @staticmethod
+    def forward(ctx, x, scale: float):
+        ctx.scale = scale
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad * ctx.scale, None
+
+
 class ExpertParallel:
     """A MoE block's dispatch step at ep > 1 (`moe.dispatch`, kiln.models.moe's seam): dispatch(h, weights,
     chosen, counts) -> each token's weighted sum of its top-k experts' outputs, as MoE.dispatch returns it, with
@@ -97,7 +111,9 @@ class ExpertParallel:
         moe = self.moe
         order = chosen.flatten().argsort(stable=True)  # (S,) pairs grouped by expert, S = N·K
         token = order // moe.top_k
-        w_fc, w_proj = (lin.weight.to_local() for lin in (moe.experts.fc, moe.experts.proj))  # this rank's experts
+        # this rank's experts, their gradients scaled by 1/ep (module docstring: Gradients)
+        w_fc, w_proj = (_ScaleGrad.apply(lin.weight.to_local(), 1 / self.ep)
+                        for lin in (moe.experts.fc, moe.experts.proj))
         y = self.exchange(lambda x, c: experts(w_fc, w_proj, x, c, moe.grouped), h[token], counts)  # (S, C)
         y = y * weights.flatten()[order].unsqueeze(-1)
         return torch.zeros_like(h).index_add_(0, token, y.to(h.dtype))
@@ -151,14 +167,14 @@ def shard_experts(model: nn.Module, ep_mesh) -> None:
         moe.dispatch = ExpertParallel(moe, ep_mesh.get_group())
 
 
-def wrap_experts(model: nn.Module, mesh, plan, wrap, options: dict) -> None:
+def wrap_experts(model: nn.Module, mesh, wrap, options: dict) -> None:
     """The data-parallel wrapper `wrap` (FSDP2's fully_shard or replicate) on every MoE block before the blocks are
     wrapped over all dp: its router over mesh["dp"] first, then the block itself — what is left of it, the experts
     — over mesh["dp_mod_ep"], the dp/ep ranks that hold the same experts. (FSDP2 gathers a module's parameters in
     its forward: the experts' module is never called, MoE's forward reads its weights.) The experts' gradients are
-    divided by dp, not dp/ep: an expert's gradient on its holder already sums the pairs of its ep group's ranks (the
-    all-to-all's backward), so the sum over dp_mod_ep covers every dp rank once."""
+    averaged over dp, not dp/ep: an expert's gradient on its holder already sums the pairs of its ep group's ranks
+    (the all-to-all's backward), so the wrapper's mean over dp_mod_ep takes 1/ep more, applied by ExpertParallel
+    (FSDP2's set_gradient_divide_factor would do it with ReduceOp.PREMUL_SUM, which gloo lacks)."""
     for moe in moe_blocks(model):
         wrap(moe.router, mesh=mesh["dp"], **options)
         wrap(moe, mesh=mesh["dp_mod_ep"], **options)
-        moe.set_gradient_divide_factor(float(plan.dp))

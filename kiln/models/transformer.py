@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from kiln.models.cache import KVCache
 from kiln.models.config import ModelConfig
 from kiln.models.costs import make_norm
-from kiln.models.moe import MoE, moe_losses
+from kiln.models.moe import ExpertLinear, MoE, moe_losses
 from kiln.models.parts import (IGNORE_INDEX, SDPA, LMLoss, RMSNorm, Rotary, SwiGLU, at_least_fp32,  # noqa: F401
                                llama3_frequencies, rope_cache)
 from kiln.models.registry import family
@@ -45,10 +45,10 @@ class Transformer(nn.Module):
     def _init_weights(self, module):
         # GPT-2: N(0, 0.02); residual output projections scaled by 1/sqrt(2·n_layer) so the residual
         # stream's variance stays O(1) with depth.
-        if isinstance(module, nn.Linear):
+        if isinstance(module, (nn.Linear, ExpertLinear)):  # ExpertLinear: every expert's weight, stacked
             std = 0.02 / math.sqrt(2 * self.cfg.n_layer) if getattr(module, "residual", False) else 0.02
             nn.init.normal_(module.weight, mean=0.0, std=std)
-            if module.bias is not None:
+            if getattr(module, "bias", None) is not None:
                 nn.init.zeros_(module.bias)
         elif isinstance(module, nn.Embedding):
             nn.init.normal_(module.weight, mean=0.0, std=0.02)

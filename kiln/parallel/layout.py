@@ -264,6 +264,11 @@ def _check_ep(cfg, ep: int, data: Strategy, world_size: int) -> None:
     if cfg.pp > 1:
         raise KilnError(f"parallel.ep={ep} with parallel.pp={cfg.pp} is not built: use --parallel.pp=1",
                         key="parallel.ep", value=ep, fix="use --parallel.pp=1")
+    if cfg.sequence_parallel:  # the MoE, left out of tp, would see 1/tp of the tokens and its router 1/tp of its
+        # gradient, which nothing sums over tp
+        raise KilnError(f"parallel.ep={ep} with parallel.sequence_parallel is not built: use "
+                        f"--parallel.sequence_parallel=false", key="parallel.sequence_parallel", value=True,
+                        fix="use --parallel.sequence_parallel=false")
 
 
 def _check_model(tp: int, stages: int, model: ModelConfig, family, schedule: str, ep: int = 1) -> None:

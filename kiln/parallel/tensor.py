@@ -47,7 +47,8 @@ Hugging Face exports hold the model's own order, through `canonical` on the way 
 in (kiln.train.checkpoint), so a checkpoint resumes under any layout, and a checkpoint written without TP resumes
 with it. Each conversion gathers one fused tensor at a time (a save or a load, not a step).
 
-Not built: expert parallelism (a mixture of experts with tp > 1 is refused by ParallelPlan.build), dropout identical
+A mixture of experts under tp needs expert parallelism (parallel.ep, kiln.parallel.expert): its MoE region is left
+out of tensor parallelism (experts_by_ep), every tp rank of a copy running it alike. Not built: dropout identical
 to one process (each tp rank draws its own masks on its heads; with dropout 0 TP is exact to one process).
 """
 from __future__ import annotations
@@ -223,9 +224,14 @@ def from_canonical(t: torch.Tensor, parts: tuple[int, ...], tp: int) -> torch.Te
     return t if tp == 1 else _reorder(t, tp_order(parts, tp))
 
 
-def apply_tensor_parallel(model: nn.Module, mesh, sequence_parallel: bool = False) -> None:
+def apply_tensor_parallel(model: nn.Module, mesh, sequence_parallel: bool = False, experts_by_ep: bool = False
+                          ) -> None:
     """Split kiln's Transformer over `mesh` (the tp dim) in place: block linears by their family roles, the
-    embedding, head and loss over the vocabulary, the rest replicated (module docstring)."""
+    embedding, head and loss over the vocabulary, the rest replicated (module docstring).
+
+    experts_by_ep: a mixture of experts under expert parallelism (kiln.parallel.expert): each block's MoE (its
+    router and experts, roles replicate and expert) is left out of tensor parallelism, plain tensors that every tp
+    rank of a copy holds and runs alike on the same tokens; expert parallelism splits the experts."""
     tp = mesh.size()
     cfg = getattr(model, "cfg", None)
     if cfg is None or not isinstance(getattr(model, "blocks", None), nn.ModuleList):
@@ -233,6 +239,9 @@ def apply_tensor_parallel(model: nn.Module, mesh, sequence_parallel: bool = Fals
                          f"{type(model).__name__} has none: use --parallel.tp=1 (data parallelism works on any model)")
     fam = family(cfg.arch)
     roles = {lin.name: lin for lin in fam.linears(cfg)}
+    # the MoE region ("mlp" of mlp.router, mlp.experts.fc, ...) left whole under expert parallelism
+    moe = {n.partition(".")[0] for n, lin in roles.items() if lin.tp == "expert"} if experts_by_ep else set()
+    roles = {n: lin for n, lin in roles.items() if n.partition(".")[0] not in moe}
     bad = sorted(n for n, lin in roles.items() if lin.tp not in ("column", "row"))
     if bad:
         raise ValueError(f"parallel.tp={tp}: {cfg.arch}'s {', '.join(bad)} have no tensor-parallel split (roles "
@@ -256,6 +265,8 @@ def apply_tensor_parallel(model: nn.Module, mesh, sequence_parallel: bool = Fals
         regions = {name.rpartition(".")[0] for name in roles}  # attn, mlp: where the activations are split
         for name, module in block.named_modules():
             if not name or name in roles or name in regions or not any(True for _ in module.parameters(False)):
+                continue
+            if any(name == m or name.startswith(m + ".") for m in moe):  # the MoE under expert parallelism
                 continue
             if any(name.startswith(r + ".") for r in regions):  # a norm of this rank's heads (QK-norm)
                 split[name] = Held(Shard(-2))

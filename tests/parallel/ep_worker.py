@@ -27,7 +27,7 @@ dist.all_gather_object(everyone, {"sent": sent, "got": got, "received": received
 results["splits"] = everyone
 
 # ep2 over dp4 (FSDP2)
-state = train(ep_config(source, "fsdp", ep=2), out / "ep2").state
+state = train(ep_config(source, "fsdp", ep=2, interval=3), out / "ep2").state  # step 3: resumed by one process
 
 # The host syncs of one forward and backward at ep2: the split sizes' exchange, once per MoE block
 x = torch.randint(0, 256, (2, 32))

@@ -35,7 +35,7 @@ def ep_reference(tmp_path_factory, source, kiln_cache):
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        train(ep_config(source, "none"), out)
+        train(ep_config(source, "none", interval=3), out)
     finally:
         torch.set_num_threads(threads)
     return out

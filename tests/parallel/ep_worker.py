@@ -27,7 +27,7 @@ dist.all_gather_object(everyone, {"sent": sent, "got": got, "received": received
 results["splits"] = everyone
 
 # ep2 over dp4 (FSDP2)
-state = train(ep_config(source, "fsdp", ep=2, interval=3), out / "ep2").state  # step 3: resumed by one process
+state = train(ep_config(source, "fsdp", ep=2, interval=3), out / "ep2").state  # step 6: resumed by one process
 
 # The host syncs of one forward and backward at ep2: the split sizes' exchange, once per MoE block
 x = torch.randint(0, 256, (2, 32))
@@ -39,7 +39,7 @@ results["blocks"] = len(state.model.moe)
 if rank == 0:
     (out / "ep_results.json").write_text(json.dumps(results))
 
-# ep2 with tp2 (dp2, DDP as FSDP2's replicate), and the one-process reference's step-3 checkpoint resumed as ep2
+# ep2 with tp2 (dp2, DDP as FSDP2's replicate), and the one-process reference's step-6 checkpoint resumed as ep2
 # with tp2 under FSDP2 (copied into place by the test before the launch)
 train(ep_config(source, "ddp", ep=2, tp=2), out / "ep2_tp2")
 train(ep_config(source, "fsdp", ep=2, tp=2), out / "one_to_ep2_tp2", resume=True)

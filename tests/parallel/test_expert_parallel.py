@@ -30,7 +30,8 @@ ROUTED = [[3, 0, 1, 4, 0, 0, 2, 5], [0, 1, 0, 0, 6, 2, 1, 1], [2, 2, 2, 2, 0, 0,
 
 @pytest.fixture(scope="module")
 def ep_reference(tmp_path_factory, source, kiln_cache):
-    """The 10 steps in this one process, on one thread as each torchrun rank runs, saved every 3 steps."""
+    """The 10 steps in this one process, on one thread as each torchrun rank runs, saved every 3 steps (the
+    resumes start at step 6)."""
     out = tmp_path_factory.mktemp("ep-single") / "moe"
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
@@ -45,7 +46,7 @@ def ep_reference(tmp_path_factory, source, kiln_cache):
 def ep_launched(tmp_path_factory, source, ep_reference):
     """One torchrun launch of tests/parallel/ep_worker.py on 4 processes; its wall time is printed (-s shows it)."""
     out = tmp_path_factory.mktemp("ep")
-    rewound(ep_reference, out / "one_to_ep2_tp2")  # the one-process run's step 3, resumed as ep2 × tp2
+    rewound(ep_reference, out / "one_to_ep2_tp2", step=6)  # the one-process run's step 6, resumed as ep2 × tp2
     print(f"expert-parallel launch: {torchrun('ep_worker.py', out, source, nproc=4):.1f} s")
     return out
 
@@ -72,13 +73,13 @@ def test_expert_parallel_trains_as_one_process(ep_launched, ep_reference, run):
 
 
 def test_a_one_process_checkpoint_resumes_as_ep2_with_tp2(ep_launched, ep_reference):
-    """1 process for 3 steps, then ep2 × tp2 (the stacked experts resharded over ep, attention over tp) to 10."""
+    """1 process for 6 steps, then ep2 × tp2 (the stacked experts resharded over ep, attention over tp) to 10."""
     assert_same_run(ep_launched / "one_to_ep2_tp2", ep_reference)
 
 
 def test_an_ep2_checkpoint_resumes_in_one_process(ep_launched, ep_reference, source, tmp_path):
-    """ep2 over dp4 saved at step 3, resumed by one process (no torchrun): the straight curve."""
-    run_dir = rewound(ep_launched / "ep2", tmp_path / "resumed")
+    """ep2 over dp4 saved at step 6, resumed by one process (no torchrun): the straight curve."""
+    run_dir = rewound(ep_launched / "ep2", tmp_path / "resumed", step=6)
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:

@@ -148,3 +148,19 @@ def test_one_host_sync_per_moe_block(ep_launched):
     results = json.loads((ep_launched / "ep_results.json").read_text())
     assert results["blocks"] == 2
     assert results["syncs"] == ["tolist"] * results["blocks"]
+
+
+def test_kiln_profile_shows_the_all_to_all_share(ep_launched):
+    """kiln profile's all-to-all time (kiln.run.profile): the ep2 run's exchanges timed (seconds > 0, then taken),
+    and the report's line with its share of the step."""
+    from kiln.perf.bottleneck import Breakdown, Verdict
+    from kiln.run.profile import ProfileResult, report_lines
+
+    seconds, again = json.loads((ep_launched / "ep_results.json").read_text())["all_to_all_s"]
+    assert seconds > 0 and again == 0
+    b = Breakdown(step_s=0.5, parts={"forward": 0.2, "backward": 0.3}, ops=[], device="cpu", peak_flops=1e11,
+                  bandwidth=1e10, model_flops_per_step=1e9)
+    result = ProfileResult(b, Verdict("compute-bound", ""), {}, 2, all_to_all_s=0.05)
+    assert ("  experts' all-to-all 50.00 ms per step, 10.0% of the step (split sizes and tokens, both ways; within "
+            "forward and backward)") in report_lines(result)
+    assert result.summary()["all_to_all_s"] == 0.05

@@ -3,7 +3,9 @@
     MoE(d_model, n_experts, top_k, d_ff, norm_topk)   the block's MLP: router + experts
     ExpertLinear(n_experts, n_in, n_out)  every expert's weight of one matmul, stacked: .weight (E, n_out, n_in)
     experts(w_fc, w_proj, h_sorted, counts)   the experts' SwiGLUs on rows already grouped by expert (the seam)
-    moe_losses(model)     (load-balancing loss, router z-loss or None) of the last forward, summed as HF sums them
+    stack_experts(state) / per_expert_key(keys)   a state dict of the earlier per-expert layout, stacked / found
+    moe_losses(layers)    (load-balancing loss, router z-loss or None) of the last forward, summed as HF sums them
+    routing_sums(layers) / losses_of(sums, E, z)   the same through the sums they pool (a pipeline adds its stages')
     moe_metrics(model)    {moe_aux_loss, moe_load_max, moe_load_min} since the last call (one host sync)
 
 Routing: probabilities = softmax(router(x)) in fp32, the top-k of them per token, renormalised to sum to 1 when
@@ -13,8 +15,9 @@ every expert takes every token routed to it (no capacity factor), so the result 
 The experts' weights are two 3-D parameters per block, mlp.experts.fc.weight (E, 2F, C: each expert's [gate; up],
 as SwiGLUMLP fuses them) and mlp.experts.proj.weight (E, C, F); Hugging Face's per-expert tensors map onto their
 rows (kiln.models.qwen3_moe). A checkpoint of the earlier layout (mlp.experts.{e}.fc.weight, one nn.Linear per
-expert) is converted on load: MoE stacks those keys into the new ones (optimizer state of that layout does not
-resume: kiln.train.checkpoint refuses it in one line).
+expert) is converted where weights are read: `stack_experts` (kiln export, kiln sample, MoE.load_state_dict);
+resuming its optimizer state is refused in one line (kiln.train.state, kiln.train.checkpoint), naming the way on:
+export the weights and start a run from them (--model.init=hf:DIR).
 
 No host sync: the per-expert counts stay on the device (a scatter-add, not bincount, which reads its max back on
 CUDA), the (token, slot) pairs are sorted by expert with argsort, and `experts` runs every expert in one
@@ -41,6 +44,7 @@ from __future__ import annotations
 import concurrent.futures
 import functools
 import math
+import re
 
 import torch
 import torch.nn as nn
@@ -194,19 +198,42 @@ class MoE(nn.Module):
         self.z_sum = torch.logsumexp(logits.float(), dim=-1).square().sum() if self.z_loss else None
 
 
+_PER_EXPERT = re.compile(r"^((?:.*\.)?experts)\.(\d+)\.(fc|proj)\.weight$")  # kiln's layout before the stacked one
+
+
+def per_expert_key(keys) -> str | None:
+    """The first key of the earlier per-expert layout (blocks.0.mlp.experts.0.fc.weight) among `keys`, or None."""
+    return next((k for k in keys if _PER_EXPERT.match(k)), None)
+
+
+def stack_experts(state: dict) -> dict:
+    """A state dict with the earlier layout's per-expert weights stacked into mlp.experts.{fc,proj}.weight (E, out,
+    in), in expert order; every other entry as it was. A state dict of the stacked layout comes back as it is."""
+    groups: dict[str, dict[int, torch.Tensor]] = {}
+    out = {}
+    for k, v in state.items():
+        m = _PER_EXPERT.match(k)
+        if m:
+            groups.setdefault(f"{m[1]}.{m[3]}.weight", {})[int(m[2])] = v
+        else:
+            out[k] = v
+    for k, experts_ in groups.items():
+        out[k] = torch.stack([experts_[e] for e in sorted(experts_)])
+    return out
+
+
 def _stack_per_expert(module, state, prefix, *args):
-    """A state dict of the per-expert layout (experts.{e}.fc.weight, one nn.Linear each) in the stacked one."""
-    for name in ("fc", "proj"):
-        keys = [f"{prefix}experts.{e}.{name}.weight" for e in range(module.n_experts)]
-        if all(k in state for k in keys):
-            state[f"{prefix}experts.{name}.weight"] = torch.stack([state.pop(k) for k in keys])
+    """MoE.load_state_dict of a state dict in the per-expert layout: stacked first (in place, as torch's pre-hooks
+    work)."""
+    mine = {k: state.pop(k) for k in [k for k in state if k.startswith(prefix) and _PER_EXPERT.match(k)]}
+    state.update(stack_experts(mine))
 
 
 def _moe_layers(model: nn.Module) -> list[MoE]:
     return [m for m in model.modules() if isinstance(m, MoE)]
 
 
-def moe_losses(layers: list[MoE]) -> tuple[torch.Tensor, torch.Tensor]:
+def moe_losses(layers: list[MoE]) -> tuple[torch.Tensor, torch.Tensor | None]:
     """The load-balancing loss of HF's load_balancing_loss_func over all layers' routing of the last forward:
     E · Σ_e f_e · P_e, f_e the share of (token, slot) pairs sent to expert e and P_e its mean routing probability,
     both over every layer's tokens together; and the router z-loss, the mean of logsumexp(logits)²."""
@@ -216,6 +243,26 @@ def moe_losses(layers: list[MoE]) -> tuple[torch.Tensor, torch.Tensor]:
     probs = torch.stack([m.prob_sum for m in layers]).sum(0) / n  # (E,)
     z = torch.stack([m.z_sum for m in layers]).sum() / n if layers[0].z_sum is not None else None
     return E * (routed * probs).sum(), z
+
+
+def routing_sums(layers: list[MoE]) -> torch.Tensor:
+    """What the losses pool over layers, summed over `layers`' last forward: (2E + 2,) fp32 [routed pairs per
+    expert (E), routing probability sums (E), z sum, tokens]. Sums of sums: a pipeline adds its stages' vectors
+    (kiln.parallel.pipeline) and `losses_of` the total is the whole model's; only the probability and z sums carry
+    a gradient."""
+    z = [m.z_sum for m in layers if m.z_sum is not None]
+    p = layers[0].prob_sum
+    return torch.cat([torch.stack([m.routed for m in layers]).sum(0).float(),
+                      torch.stack([m.prob_sum for m in layers]).sum(0),
+                      torch.stack(z).sum().reshape(1) if z else p.new_zeros(1),
+                      p.new_full((1,), float(sum(m.tokens for m in layers)))])
+
+
+def losses_of(sums: torch.Tensor, n_experts: int, z_loss: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(load-balancing loss, z-loss or None) of a routing_sums vector: moe_losses' values, from the pooled sums."""
+    E, n = n_experts, sums[-1]
+    routed, probs = sums[:E] / n, sums[E:2 * E] / n  # (E,) each; routed over K slots sums to K
+    return E * (routed * probs).sum(), sums[2 * E] / n if z_loss else None
 
 
 @torch.no_grad()

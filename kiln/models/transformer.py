@@ -98,10 +98,19 @@ class Transformer(nn.Module):
         return total / count.clamp(min=1)
 
     def _moe_penalty(self) -> torch.Tensor:
-        aux, z = moe_losses(self.moe)
-        self.moe_aux_loss = aux.detach()
-        with torch.no_grad():
-            for m in self.moe:
-                m.load = m.routed if m.load is None else m.load + m.routed
-        penalty = self.cfg.moe_aux_coef * aux
-        return penalty + self.cfg.moe_z_coef * z if z is not None else penalty
+        count_load(self.moe)
+        return moe_penalty(self.cfg, *moe_losses(self.moe), self)
+
+
+def count_load(layers: list[MoE]) -> None:
+    """Adds each block's routed counts of the forward that just ran to its load (what moe_metrics reads)."""
+    with torch.no_grad():
+        for m in layers:
+            m.load = m.routed if m.load is None else m.load + m.routed
+
+
+def moe_penalty(cfg: ModelConfig, aux: torch.Tensor, z: torch.Tensor | None, holder) -> torch.Tensor:
+    """moe_aux_coef × the load-balancing loss (+ moe_z_coef × the z-loss), the loss kept on holder.moe_aux_loss."""
+    holder.moe_aux_loss = aux.detach()
+    penalty = cfg.moe_aux_coef * aux
+    return penalty + cfg.moe_z_coef * z if z is not None else penalty

@@ -300,7 +300,7 @@ def parallelize(model: nn.Module, cfg: ParallelConfig, world: World, device: tor
     if tp and tensor_plan is not None:
         apply_user_plan(model, world.mesh["tp"], tensor_plan)
     elif tp:
-        apply_tensor_parallel(model, world.mesh["tp"], plan.sequence_parallel, experts_by_ep=plan.ep > 1)
+        apply_tensor_parallel(model, world.mesh["tp"], plan.sequence_parallel)
     data = strategy(cfg.strategy)
     if not data.reduces:
         return model

@@ -161,7 +161,7 @@ class ParallelPlan:
                             key="parallel.pp_schedule", value=cfg.pp_schedule, fix=f"use one of {PP_SCHEDULES}")
         virtual = 2 if cfg.pp_schedule == "interleaved_1f1b" and pp > 1 else 1
         if model is not None:
-            _check_model(tp, pp * virtual, model, family, cfg.pp_schedule, getattr(cfg, "ep", 1))
+            _check_model(tp, pp * virtual, model, family, cfg.pp_schedule)
         micro = cfg.pp_microbatches
         if pp > 1 and batch_sequences is not None:
             micro = micro or max(pp, grad_accum_steps)
@@ -264,14 +264,9 @@ def _check_ep(cfg, ep: int, data: Strategy, world_size: int) -> None:
     if cfg.pp > 1:
         raise KilnError(f"parallel.ep={ep} with parallel.pp={cfg.pp} is not built: use --parallel.pp=1",
                         key="parallel.ep", value=ep, fix="use --parallel.pp=1")
-    if cfg.sequence_parallel:  # the MoE, left out of tp, would see 1/tp of the tokens and its router 1/tp of its
-        # gradient, which nothing sums over tp
-        raise KilnError(f"parallel.ep={ep} with parallel.sequence_parallel is not built: use "
-                        f"--parallel.sequence_parallel=false", key="parallel.sequence_parallel", value=True,
-                        fix="use --parallel.sequence_parallel=false")
 
 
-def _check_model(tp: int, stages: int, model: ModelConfig, family, schedule: str, ep: int = 1) -> None:
+def _check_model(tp: int, stages: int, model: ModelConfig, family, schedule: str) -> None:
     if stages > model.n_layer:
         what = f"{stages} stages ({schedule}: 2 per rank)" if schedule == "interleaved_1f1b" else f"{stages} stages"
         raise KilnError(f"parallel.pp splits {model.n_layer} blocks into {what}: use at most {model.n_layer} "
@@ -283,11 +278,7 @@ def _check_model(tp: int, stages: int, model: ModelConfig, family, schedule: str
     sizes = {"model.n_head": model.n_head, "model.n_kv_head": model.n_kv_head}
     if family is not None:
         for lin in family.linears(model):
-            if lin.tp == "expert" and ep == 1:
-                raise KilnError(f"parallel.tp={tp}: model.arch={model.arch} is a mixture of experts, whose experts "
-                                f"tensor parallelism does not split; split them with --parallel.ep (attention "
-                                f"over tp, experts over ep) or use --parallel.tp=1", key="parallel.tp", value=tp)
-            if lin.tp == "column":
+            if lin.tp == "column":  # (an MoE's router and experts are whole on every tp rank: nothing to divide)
                 sizes[f"the output width of {lin.name}"] = lin.n_out
                 for i, rows in enumerate(lin.parts):  # a fused linear: each rank takes 1/tp of every part
                     sizes[f"part {i + 1} of {lin.name} ({lin.parts})"] = rows

@@ -96,3 +96,21 @@ def test_widths_grouped_mm_cannot_take_fall_back_to_the_loop(monkeypatch):
     monkeypatch.setattr(torch.Tensor, "tolist", lambda t: read.append(t) or t.numpy().tolist())
     torch.testing.assert_close(experts(w_fc, w_proj, h, counts).double(), want, rtol=1e-5, atol=1e-5)
     assert len(read) == 1
+
+
+def test_a_checkpoint_of_the_per_expert_layout_exports_but_does_not_resume():
+    from kiln.train.checkpoint import refuse_per_expert
+    from kiln.models.moe import per_expert_key, stack_experts
+    torch.manual_seed(0)
+    moe = MoE(16, n_experts=3, top_k=2, d_ff=8)
+    new = {f"blocks.1.mlp.{k}": v for k, v in moe.state_dict().items()}
+    old = {k: v for k, v in new.items() if ".experts." not in k}
+    for name in ("fc", "proj"):
+        for e in range(3):
+            old[f"blocks.1.mlp.experts.{e}.{name}.weight"] = new[f"blocks.1.mlp.experts.{name}.weight"][e]
+    stacked = stack_experts(old)
+    assert stacked.keys() == new.keys() and all(torch.equal(stacked[k], new[k]) for k in new)
+    assert stack_experts(new) == new and per_expert_key(new) is None
+    refuse_per_expert("run", new)
+    with pytest.raises(ValueError, match=r"blocks\.1\.mlp\.experts\.0\.fc\.weight.*--model\.init=hf:DIR"):
+        refuse_per_expert("run", old)

@@ -42,6 +42,6 @@ if rank == 0:
     (out / "ep_results.json").write_text(json.dumps(results))
 
 # ep2 with tp2 (dp2, DDP as FSDP2's replicate), and the one-process reference's step-6 checkpoint resumed as ep2
-# with tp2 under FSDP2 (copied into place by the test before the launch)
+# with tp2 and sequence parallelism under FSDP2 (copied into place by the test before the launch)
 train(ep_config(source, "ddp", ep=2, tp=2), out / "ep2_tp2")
-train(ep_config(source, "fsdp", ep=2, tp=2), out / "one_to_ep2_tp2", resume=True)
+train(ep_config(source, "fsdp", ep=2, tp=2, sequence_parallel=True), out / "one_to_ep2_tp2", resume=True)

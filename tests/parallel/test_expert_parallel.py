@@ -1,5 +1,6 @@
 """Expert parallelism on CPU with gloo: 4 processes (one torchrun launch, tests/parallel/ep_worker.py) as ep2 over
-dp4 (FSDP2) and ep2 with tp2 (dp2, DDP as FSDP2's replicate) against 1 process, Qwen3-MoE nano (8 experts, 2 per
+dp4 (FSDP2) and ep2 with tp2 (dp2, DDP as FSDP2's replicate; with sequence parallelism under FSDP2 in the resume)
+against 1 process, Qwen3-MoE nano (8 experts, 2 per
 token, the load-balancing loss on), the same global batch and seed, fp32, 10 steps; checkpoints resharded between
 the layouts and one process; the all-to-all's split sizes against a hand count; the host syncs of a step.
 
@@ -84,7 +85,8 @@ def test_expert_parallel_trains_as_one_process(ep_launched, ep_reference, run):
 
 
 def test_a_one_process_checkpoint_resumes_as_ep2_with_tp2(ep_launched, ep_reference):
-    """1 process for 6 steps, then ep2 × tp2 (the stacked experts resharded over ep, attention over tp) to 10."""
+    """1 process for 6 steps, then ep2 × tp2 with sequence parallelism under FSDP2 (the stacked experts resharded
+    over ep, attention over tp) to 10."""
     assert_same_run(ep_launched / "one_to_ep2_tp2", ep_reference)
 
 

@@ -576,16 +576,6 @@ class Checkpointer:
 
         return stack_experts(load_file(str(exported), device=str(map_location)))
 
-
-def refuse_per_expert(path, keys) -> None:
-    """A checkpoint of kiln's per-expert MoE layout (one nn.Linear per expert, before the stacked experts of
-    kiln.models.moe) does not resume: its optimizer state is per expert. Its weights export and start a run."""
-    key = per_expert_key(keys)
-    if key is not None:
-        raise ValueError(f"{path} holds a mixture of experts in kiln's earlier per-expert layout ({key}), whose "
-                         f"optimizer state does not resume in the stacked one; export its weights (kiln export "
-                         f"RUN --hf DIR) and start a new run from them with --model.init=hf:DIR")
-
     def load(self, map_location="cpu", path: Path | None = None, rewrite: bool = True) -> dict:
         """The newest checkpoint that verifies and loads; `path`: that checkpoint only (an error if it fails).
         rewrite=False: a damaged model.safetensors is left for another process to write again (one rank of many)."""
@@ -601,6 +591,15 @@ def refuse_per_expert(path, keys) -> None:
         self.loaded = found
         return state
 
+
+def refuse_per_expert(path, keys) -> None:
+    """A checkpoint of kiln's per-expert MoE layout (one nn.Linear per expert, before the stacked experts of
+    kiln.models.moe) does not resume: its optimizer state is per expert. Its weights export and start a run."""
+    key = per_expert_key(keys)
+    if key is not None:
+        raise ValueError(f"{path} holds a mixture of experts in kiln's earlier per-expert layout ({key}), whose "
+                         f"optimizer state does not resume in the stacked one; export its weights (kiln export "
+                         f"RUN --hf DIR) and start a new run from them with --model.init=hf:DIR")
 
 def verify_but_weights(path: Path) -> CheckpointCorrupt | None:
     """verify(path), except that a damaged model.safetensors in a checkpoint one process wrote (its state.pt holds

@@ -601,6 +601,7 @@ def refuse_per_expert(path, keys) -> None:
                          f"optimizer state does not resume in the stacked one; export its weights (kiln export "
                          f"RUN --hf DIR) and start a new run from them with --model.init=hf:DIR")
 
+
 def verify_but_weights(path: Path) -> CheckpointCorrupt | None:
     """verify(path), except that a damaged model.safetensors in a checkpoint one process wrote (its state.pt holds
     the weights, and every other file verifies) is returned, not raised: state.pt can write it again."""

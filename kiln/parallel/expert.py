@@ -38,6 +38,9 @@ import time
 import torch
 import torch.distributed as dist
 import torch.nn as nn
+from torch.distributed.tensor import Shard, distribute_tensor
+
+from kiln.models.moe import MoE, experts
 
 
 class _AllToAll(torch.autograd.Function):
@@ -106,8 +109,6 @@ class ExpertParallel:
         self.last_splits: tuple[list[int], list[int]] | None = None  # (sent, received) of the last call: tests
 
     def __call__(self, h, weights, chosen, counts):  # h (N, C), weights and chosen (N, K), counts (E,)
-        from kiln.models.moe import experts  # lazy: kiln.parallel imports no model at import time
-
         moe = self.moe
         order = chosen.flatten().argsort(stable=True)  # (S,) pairs grouped by expert, S = N·K
         token = order // moe.top_k
@@ -141,8 +142,6 @@ class ExpertParallel:
 
 
 def moe_blocks(model: nn.Module) -> list:
-    from kiln.models.moe import MoE  # lazy: kiln.parallel imports no model at import time
-
     return [m for m in model.modules() if isinstance(m, MoE)]
 
 
@@ -156,8 +155,6 @@ def shard_experts(model: nn.Module, ep_mesh) -> None:
     DTensors split Shard(0) over ep_mesh: ep rank r keeps experts r·E/ep .. (r+1)·E/ep - 1 (its slice of the
     weights every rank initialised alike), and the block's dispatch step becomes an ExpertParallel over the group.
     The DTensors keep the checkpoint in one layout: DCP and the consolidated export see every expert."""
-    from torch.distributed.tensor import Shard, distribute_tensor  # lazy: ep > 1 only
-
     for moe in moe_blocks(model):
         for lin in (moe.experts.fc, moe.experts.proj):  # (E, n_out, n_in) each
             p = lin.weight

@@ -52,7 +52,7 @@ from torch.distributed.tensor import DTensor
 
 from kiln.models import build_model
 from kiln.models.moe import MoE, losses_of, moe_metrics, routing_sums
-from kiln.models.transformer import count_load, moe_penalty
+from kiln.models.transformer import moe_penalty
 from kiln.parallel import shard_blocks
 from kiln.parallel.layout import ParallelPlan
 from kiln.parallel.tensor import apply_tensor_parallel, canonical, fused_rows
@@ -89,6 +89,7 @@ class Stage(nn.Module):
             self.register_buffer("rope_sin", model.rope_sin, persistent=False)
         self.autocast = contextlib.nullcontext  # the run's precision (set by the step)
         self.moe = [m for m in self.blocks.modules() if isinstance(m, MoE)]  # a plain list: not registered twice
+        self.routed: list[list[torch.Tensor]] = []  # each training forward's routed counts per block, this step
 
     def forward(self, x: torch.Tensor, sums: torch.Tensor | None = None):
         """A mixture of experts: (hidden states, routing sums) out, the sums of this micro-batch's routing over the
@@ -97,7 +98,7 @@ class Stage(nn.Module):
         if not self.moe:
             return x
         if self.moe[0].training:  # (the stage itself is not a submodule of the PipelineModel: its blocks are)
-            count_load(self.moe)
+            self.routed.append([m.routed for m in self.moe])
             mine = routing_sums(self.moe)
         else:
             mine = torch.zeros(2 * self.moe[0].n_experts + 2, device=x.device)
@@ -220,7 +221,13 @@ class PipelineModel(nn.Module):
             st.autocast = autocast
         self._sums.clear()
         self._step_args = (count, scale_loss)
+        for st in self.stages:
+            st.routed.clear()
         self.schedule.step(*((x,) if self.has_first else ()), target=y if self.has_last else None)
+        for st in self.stages:  # the micro-batches' forwards are the last ones: torch's first step runs one more, on
+            for routed in st.routed[-self.plan.pp_microbatches:]:  # the inputs' shapes (uninitialized past stage 0)
+                for m, r in zip(st.moe, routed):
+                    m.load = r if m.load is None else m.load + r
         self._sync_tied()
         return self._share(self._sums[-self.plan.pp_microbatches:] if self.has_last else [], count.device)
 

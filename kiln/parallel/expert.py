@@ -4,7 +4,7 @@ routed to an expert travel to the rank that holds it and back, by torch.distribu
     shard_experts(model, ep_mesh)        every MoE's stacked expert weights become DTensors Shard(0) over ep_mesh,
                                          and its dispatch step an ExpertParallel over that group
     ExpertParallel(moe, group)           MoE's dispatch step (moe.dispatch): pairs out, local experts, pairs back
-    exchange(counts, group)              the split sizes both ways (the one host sync per MoE block)
+    exchange(counts, group, ep)          the split sizes both ways (the one host sync per MoE block)
     all_to_all(x, out_splits, in_splits, group)   all_to_all_single with autograd (the backward is the reverse)
 
 One forward of a MoE block at ep > 1, on each rank of an ep group (torchtitan's ExpertParallel, without its
@@ -106,7 +106,6 @@ class ExpertParallel:
         self.moe, self.group, self.ep = moe, group, dist.get_world_size(group)
         self.local = moe.n_experts // self.ep  # experts per ep rank
         self.seconds = 0.0
-        self.last_splits: tuple[list[int], list[int]] | None = None  # (sent, received) of the last call: tests
 
     def __call__(self, h, weights, chosen, counts):  # h (N, C), weights and chosen (N, K), counts (E,)
         moe = self.moe
@@ -125,7 +124,6 @@ class ExpertParallel:
         began = time.perf_counter()
         sent, got, received = exchange(counts, self.group, self.ep)
         self.seconds += time.perf_counter() - began
-        self.last_splits = (sent, got)
         arrived = all_to_all(x, got, sent, self.group, self)  # (R, C): by source rank, then local expert
         total = sum(got)
         source_expert = torch.arange(received.numel(), device=x.device)  # (ep·E/ep) segments, source-major
@@ -141,7 +139,7 @@ class ExpertParallel:
         return seconds
 
 
-def moe_blocks(model: nn.Module) -> list:
+def moe_blocks(model: nn.Module) -> list[MoE]:
     return [m for m in model.modules() if isinstance(m, MoE)]
 
 

@@ -143,8 +143,7 @@ class ParallelPlan:
             return init_device_mesh(device_type, tuple(self.mesh_shape.values()), mesh_dim_names=MESH_DIMS)
         shape = (self.pp, self.dp // self.ep, self.ep, self.tp)
         mesh = init_device_mesh(device_type, shape, mesh_dim_names=EP_MESH_DIMS)
-        mesh["dp_mod_ep", "ep"]._flatten("dp")
-        return mesh
+        return ExpertMesh(mesh, mesh["dp_mod_ep", "ep"]._flatten("dp"))
 
     @classmethod
     def build(cls, cfg, world_size: int, model: ModelConfig | None = None, family=None,
@@ -177,6 +176,21 @@ class ParallelPlan:
                                 key="parallel.pp_microbatches", value=micro, fix="raise it or use gpipe")
         return cls(world_size, tp, pp, cfg.strategy, cfg.sequence_parallel, cfg.pp_schedule, micro, virtual, cp,
                    getattr(cfg, "ep", 1))
+
+
+class ExpertMesh:
+    """The ep layout's DeviceMesh (dims EP_MESH_DIMS) with its flattened dp kept beside it, asked as the plain mesh
+    is: mesh["dp"], mesh["tp"], mesh.get_group("dp"). (torch deprecates slicing a flattened dim out of the root
+    mesh: the flattened one is to be kept, as here.)"""
+
+    def __init__(self, root, dp):
+        self.root, self.dp = root, dp
+
+    def __getitem__(self, dims):
+        return self.dp if dims == "dp" else self.root[dims]
+
+    def get_group(self, dim: str):
+        return self[dim].get_group()
 
 
 def check_degrees(cfg, world_size: int, model: ModelConfig | None = None, family=None) -> None:

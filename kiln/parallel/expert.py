@@ -153,7 +153,11 @@ def shard_experts(model: nn.Module, ep_mesh) -> None:
     DTensors split Shard(0) over ep_mesh: ep rank r keeps experts r·E/ep .. (r+1)·E/ep - 1 (its slice of the
     weights every rank initialised alike), and the block's dispatch step becomes an ExpertParallel over the group.
     The DTensors keep the checkpoint in one layout: DCP and the consolidated export see every expert."""
-    for moe in moe_blocks(model):
+    blocks = moe_blocks(model)
+    if not blocks:  # kiln.fit with a model of the user's: ParallelPlan.build had no family to check
+        raise ValueError(f"parallel.ep={ep_mesh.size()} splits the experts of kiln's mixture-of-experts blocks "
+                         f"(kiln.models.moe.MoE); {type(model).__name__} has none: use --parallel.ep=1")
+    for moe in blocks:
         for lin in (moe.experts.fc, moe.experts.proj):  # (E, n_out, n_in) each
             p = lin.weight
             whole = p.to_local() if hasattr(p, "to_local") else p  # replicated over tp: every tp rank's is whole

@@ -91,7 +91,7 @@ def tp_reference(tmp_path_factory, source, kiln_cache):
     out = tmp_path_factory.mktemp("tp-single")
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(lm, "TokenLoader", MaskedLoader)
-        for arch in ("llama", "gpt2"):
+        for arch in ("llama", "gpt2", "qwen3_moe"):
             train(tp_config(source, arch, "none", tp=1, steps=6), out / arch)
     return out
 

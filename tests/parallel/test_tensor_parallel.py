@@ -43,7 +43,7 @@ def assert_same_run(got_dir, want_dir):
         torch.testing.assert_close(wg[key], ww[key], rtol=RTOL, atol=1e-5, msg=key)
 
 
-@pytest.mark.parametrize("run,arch", [("llama_fsdp", "llama"), ("gpt2_ddp_sp", "gpt2")])
+@pytest.mark.parametrize("run,arch", [("llama_fsdp", "llama"), ("gpt2_ddp_sp", "gpt2"), ("moe_fsdp_sp", "qwen3_moe")])
 def test_tp2_dp2_trains_as_one_process(tp_launched, tp_reference, run, arch):
     assert_same_run(tp_launched / run, tp_reference / arch)
     got, want = records(tp_launched / run, "eval"), records(tp_reference / arch, "eval")

@@ -33,19 +33,20 @@ from kiln.memory.planner import search
 from kiln.models import ModelConfig, Transformer, build_model
 from kiln.models.config import with_training_fields
 from kiln.models.generate import Sampling
-from kiln.models.lora import apply_lora, trainable_line
+from kiln.models.lora import apply_lora
 from kiln.models.registry import family
 from kiln.numerics.faults import DelayedLoader
 from kiln.perf import flops_per_token
 from kiln.perf.flops import recompute_flops_per_token
 from kiln.perf.peak import linear_shapes, model_peak_flops
-from kiln.perf.hardware import precision_notice, resolve_kernels
+from kiln.perf.hardware import resolve_kernels
 from kiln.precision import mode
 from kiln.run.adapters import load_peft_adapters, merged_weights
 from kiln.run.builder import (RunRecord, build_run, pick_device, recorded_compile, recorded_cpu_linear,
                               recorded_precision, trainer_sections)
 from kiln.run.device_levers import device_levers, refuse_before_data
 from kiln.run.generate import complete
+from kiln.run.start import start_lines
 from kiln.run.oom import OomContext, OutOfMemory, oom_report, ram_check
 from kiln.train.checkpoint import Checkpointer, RunLock, full_weights
 from kiln.train.loop import TrainResult, Trainer
@@ -341,31 +342,9 @@ def _train(lm: LMRun, cfg: Config, run_dir: Path, resume: bool, con: Console, ca
         trainer.resumed_at = lm.state.step  # the failed attempt's records past it move aside (trained again)
         con.print(f"restart {restart['restarts']}: continuing at step {restart['step']}, {restart['steps_lost']} "
                   f"step(s) of the failed attempt trained again", highlight=False)
+    for line in start_lines(lm, cfg, resume):
+        con.print(line, highlight=False)
     c, state = lm.cfg, lm.state
-    tokens_per_step = c.train.micro_batch_size * c.train.grad_accum_steps * c.data.seq_len
-    world = state.world
-    ranks = f" | {world.strategy} × {world.size} ranks" if world.sharded else ""
-    if world.plan.model_parallel or world.plan.cp > 1 or world.plan.ep > 1:
-        ranks = " | mesh " + " × ".join(f"{k}{v}" for k, v in world.plan.mesh_shape.items()) + f" ({world.strategy})"
-        ranks += f", experts over ep{world.plan.ep} of the dp ranks" if world.plan.ep > 1 else ""
-    con.print(f"model: {c.model.init or c.model.preset} ({c.model.arch}) {state.n_params / 1e6:.2f}M parameters | "
-              f"device {state.device} | precision {state.precision.mode} | {tokens_per_step * world.dp_size:,} "
-              f"tokens/step{ranks}", highlight=False)
-    if c.lora.on:
-        con.print(f"lora: rank {c.lora.rank}, alpha {c.lora.alpha:g}, targets {c.lora.targets} | "
-                  f"{trainable_line(state.model)}", highlight=False)
-    scaled = lm.peak_lr()[1]
-    if scaled:
-        con.print(scaled, highlight=False)
-    note = precision_notice(cfg.precision.mode, state.device)  # why auto chose it, or that bf16 is emulated here
-    if resume and c.precision.decided_by:
-        note = f"precision {c.precision.mode}, as recorded when the run started ({c.precision.decided_by})"
-    if note:
-        con.print(note, highlight=False)
-    if c.train.compile_decided_by.startswith("auto"):
-        con.print(f"train.compile {c.train.compile_decided_by}", highlight=False)
-    if c.train.cpu_linear_decided_by.startswith("auto") and state.device.type == "cpu" and mode(c.precision.mode).plain_fp32:
-        con.print(f"train.cpu_linear {c.train.cpu_linear_decided_by}", highlight=False)
     try:
         result = trainer.run()
     except torch.OutOfMemoryError as e:

@@ -244,7 +244,8 @@ def check_experts(ep: int, model: ModelConfig, family=None) -> None:
     n_experts/ep whole experts)."""
     if ep <= 1:
         return
-    dense = not model.n_experts or (family is not None and family.mlp != "moe")
+    # the family description says which linears are experts (Linear.tp == "expert"), not its MLP kind's name
+    dense = not model.n_experts or (family is not None and not any(x.tp == "expert" for x in family.linears(model)))
     if dense:
         raise KilnError(f"parallel.ep={ep} splits the experts of a mixture of experts, but model.arch={model.arch} "
                         f"is dense (one MLP per block): use --parallel.ep=1 or a mixture-of-experts model "

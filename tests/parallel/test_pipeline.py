@@ -235,7 +235,8 @@ def test_tp2_pp2_trains_as_one_process(pp_launched, single, arch):
 def test_a_pipeline_pools_the_load_balancing_loss_over_its_stages(pp_launched, single):
     """The MoE's load-balancing loss is E·Σ f_e·P_e over both stages' blocks together (not a sum of per-stage
     losses): the record's moe_aux_loss and load shares are one process's, step by step, as is the objective (the test above).
-    The check can tell them apart: the mean of the two stages' own losses is 1.7e-3 off the pooled loss (seed 0)."""
+    The check can tell them apart: the sum of the two stages' own losses (each stage's E·Σ f_e·P_e over its blocks)
+    is about twice the pooled one; their mean is closer, 1e-4-2e-3 relative at initialisation (seed-dependent)."""
     got, want = records(pp_launched / "tp2pp2_qwen3_moe", "train"), records(single / "qwen3_moe", "train")
     for x, y in zip(got, want):
         for key in ("moe_aux_loss", "moe_load_max", "moe_load_min"):
@@ -246,8 +247,8 @@ def test_a_pipeline_pools_the_load_balancing_loss_over_its_stages(pp_launched, s
     torch.manual_seed(0)
     model(torch.randint(0, 256, (4, 32)), torch.randint(0, 256, (4, 32)))
     pooled = float(moe_losses(model.moe)[0])
-    per_stage = float(moe_losses(model.moe[:1])[0] + moe_losses(model.moe[1:])[0]) / 2  # each stage's blocks alone
-    assert abs(pooled - per_stage) > 100 * RTOL * pooled
+    per_stage = float(moe_losses(model.moe[:1])[0] + moe_losses(model.moe[1:])[0])  # each stage's blocks alone
+    assert abs(pooled - per_stage) > 0.5 * pooled
 
 
 @pytest.fixture(scope="module")

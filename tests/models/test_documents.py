@@ -88,3 +88,27 @@ def test_doc_shape_and_cache_refused():
     from kiln.models.cache import KVCache
     with pytest.raises(ValueError, match="generation with the KV cache takes none"):
         model(x, doc=torch.zeros(2, 6, dtype=torch.int32), cache=KVCache(2, 32))
+
+
+@pytest.mark.parametrize("plan", [("full", "seg"), ("selective", "none")])
+def test_recompute_and_chunked_loss_pass_doc_through(plan):
+    """Recompute hands the blocks' second argument (the Window with the mask) to the checkpoint, the chunked loss
+    sees only hidden states and targets: the same loss and gradients as the plain model, doc and all."""
+    from kiln.memory.chunked_loss import ChunkedLMLoss
+    from kiln.memory.recompute import apply_recompute
+
+    torch.manual_seed(0)
+    cfg = FAMILIES["qwen3"].resolve()
+    plain, levered = build_model(cfg), build_model(cfg)
+    levered.load_state_dict(plain.state_dict())
+    apply_recompute(levered, plan)
+    levered.loss = ChunkedLMLoss(7)
+    g = torch.Generator().manual_seed(2)
+    x, y, doc = _packed([[torch.randint(0, 97, (n,), generator=g) for n in row] for row in ROWS])
+    losses = [m(x, y, reduction="sum", doc=doc) for m in (plain, levered)]
+    for loss in losses:
+        loss.backward()
+    torch.testing.assert_close(losses[1], losses[0], rtol=1e-6, atol=0)
+    for (name, p), q in zip(plain.named_parameters(), levered.parameters()):
+        err = (q.grad - p.grad).norm()
+        assert err <= 1e-5 * p.grad.norm(), f"{name}: |Δgrad| {err:.3g} vs |grad| {p.grad.norm():.3g}"

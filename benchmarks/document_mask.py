@@ -114,7 +114,7 @@ def main() -> None:
 
     for arch in ("gpt2", "llama"):
         torch.manual_seed(0)
-        model = build_model(ModelConfig(preset="nano", arch=arch, max_seq_len=T).resolve())
+        model = build_model(ModelConfig(preset="nano", arch=arch, max_seq_len=T, vocab_size=256).resolve())
         x = torch.randint(0, 256, (B, T), generator=gen)
         y = torch.randint(0, 256, (B, T), generator=gen)
 

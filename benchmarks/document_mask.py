@@ -14,7 +14,7 @@ ratios to `causal` is reported, and the medians of the times:
 Then the whole model: a training step (forward, backward) of the default nano GPT-2 and of the same shape as
 Llama, on (x, y) against (x, y, doc), alternating the same way; doc's building (positions, mask) is inside.
 
-    .venv/bin/python benchmarks/document_mask.py [--reps 15] [--batch 8] [--seq 256] [--doc-len 64]
+    .venv/bin/python benchmarks/document_mask.py [--reps 15] [--batch 8] [--seq 256] [--doc-len 64] [--no-split]
 """
 from __future__ import annotations
 
@@ -94,6 +94,7 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--seq", type=int, default=256)
     ap.add_argument("--doc-len", type=int, default=64)
+    ap.add_argument("--no-split", action="store_true", help="leave out the per-document split (10x the others' time)")
     args = ap.parse_args()
     B, T = args.batch, args.seq
     gen = torch.Generator().manual_seed(0)
@@ -106,6 +107,8 @@ def main() -> None:
         q, k, v = (torch.randn(B, H, T, D, dtype=dtype, generator=gen).requires_grad_() for _ in range(3))
         fns = {}
         for name, attn in attn_variants(doc).items():
+            if name == "split" and args.no_split:
+                continue
             def step(attn=attn):
                 attn(q, k, v).sum().backward()
             fns[name] = step

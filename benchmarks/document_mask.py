@@ -15,6 +15,7 @@ Then the whole model: a training step (forward, backward) of the default nano GP
 Llama, on (x, y) against (x, y, doc), alternating the same way; doc's building (positions, mask) is inside.
 
     .venv/bin/python benchmarks/document_mask.py [--reps 15] [--batch 8] [--seq 256] [--doc-len 64] [--no-split]
+                                                 [--threads N]
 """
 from __future__ import annotations
 
@@ -95,7 +96,10 @@ def main() -> None:
     ap.add_argument("--seq", type=int, default=256)
     ap.add_argument("--doc-len", type=int, default=64)
     ap.add_argument("--no-split", action="store_true", help="leave out the per-document split (10x the others' time)")
+    ap.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
     args = ap.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
     B, T = args.batch, args.seq
     gen = torch.Generator().manual_seed(0)
     doc = random_docs(B, T, args.doc_len, gen)

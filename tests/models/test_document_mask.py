@@ -8,7 +8,7 @@ import torch.nn.functional as F
 
 from kiln.models import build_model
 from kiln.models.config import ModelConfig
-from kiln.models.documents import document_mask, positions
+from kiln.models.documents import document_mask, positions, same_document
 from kiln.models.transformer import IGNORE_INDEX
 
 TINY = dict(n_layer=2, n_head=4, d_model=64, vocab_size=97, max_seq_len=32)
@@ -30,6 +30,9 @@ def test_positions_and_mask_by_hand():
     assert m[0, 0].int().tolist() == [[1, 0, 0, 0, 0, 0], [1, 1, 0, 0, 0, 0], [1, 1, 1, 0, 0, 0],
                                       [0, 0, 0, 1, 0, 0], [0, 0, 0, 1, 1, 0], [0, 0, 0, 0, 0, 1]]
     assert m[1, 0, 1].int().tolist() == [0, 1, 0, 0, 0, 0]
+    # flex_attention's mask_mod of the same rule (context parallel's, the BlockMask's), on every (b, q, kv)
+    b, q, kv = torch.arange(2)[:, None, None], torch.arange(6)[None, :, None], torch.arange(6)[None, None, :]
+    assert torch.equal(same_document(doc)(b, 0, q, kv), m[:, 0])
 
 
 def _packed(samples: list[list[torch.Tensor]]):

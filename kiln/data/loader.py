@@ -17,11 +17,16 @@ from torch import Tensor
 
 from kiln.data.documents import with_documents
 from kiln.data.mix import Mixture
+from kiln.data.packing import PackedMixture, PackedWindows
 
 _POLL_S = 0.1  # how often a blocked producer re-checks its stop flag; bounds how long close() can wait
 
 
 def _check_length(tokens: np.ndarray, seq_len: int, what: str) -> None:
+    if isinstance(tokens, (PackedWindows, PackedMixture)):  # chat windows: packed at data.seq_len already
+        if tokens.seq_len != seq_len:
+            raise ValueError(f"{what}: the chat windows were packed for seq_len {tokens.seq_len}, not {seq_len}")
+        return
     if isinstance(tokens, Mixture):  # each source must hold a window
         tokens.check_length(seq_len, what)
     if tokens.ndim != 1:
@@ -50,6 +55,9 @@ def batch_starts(seed: int, index: int, batch_size: int, num_tokens: int, seq_le
 def _host_batch(
     tokens: np.ndarray, seed: int, index: int, batch_size: int, seq_len: int, pin: bool, separator: int | None = None
 ) -> tuple[Tensor, ...]:
+    if isinstance(tokens, (PackedWindows, PackedMixture)):  # packed chat windows carry their own documents
+        batch = tuple(torch.from_numpy(a) for a in tokens.train_batch(seed, index, batch_size))
+        return tuple(t.pin_memory() for t in batch) if pin else batch
     if isinstance(tokens, Mixture):  # rows drawn from the sources by weight
         rows = tokens.windows(seed, index, batch_size, seq_len)
         x, y = torch.from_numpy(np.ascontiguousarray(rows[:, :-1])), torch.from_numpy(np.ascontiguousarray(rows[:, 1:]))
@@ -132,7 +140,7 @@ class TokenLoader:
 
     def next(self) -> tuple[Tensor, ...]:
         """The next (x, y) batch, int64 of shape (batch_size, seq_len), on the loader's device; with a separator
-        (x, y, doc)."""
+        (x, y, doc), and so are packed chat windows under the document mask (doc int32, kiln.data.packing)."""
         index = self.batches_served
         if self._queue is None:
             batch = _host_batch(self.tokens, self.seed, index * self.world + self.rank, self.batch_size,
@@ -256,6 +264,12 @@ def val_batches(
     _check_length(tokens, seq_len, "val_batches")
     if batch_size < 1 or max_batches < 1:
         raise ValueError(f"val_batches: batch_size={batch_size} and max_batches={max_batches} must be >= 1")
+    if isinstance(tokens, PackedWindows):  # chat windows: the first ones, in order
+        wanted = min(tokens.windows, batch_size * max_batches)
+        for first in range(0, wanted, batch_size):
+            yield tuple(torch.from_numpy(a).to(device) for a in tokens.rows(np.arange(first, min(first + batch_size,
+                                                                                                   wanted))))
+        return
     available = (len(tokens) - 1) // seq_len  # window k reads tokens k*T .. k*T + T (its last is k+1's first)
     wanted = min(available, batch_size * max_batches)
     starts = (np.arange(wanted) * available // wanted) * seq_len  # evenly spaced window indices, no repeats

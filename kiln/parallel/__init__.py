@@ -12,6 +12,7 @@ FSDP2 (fully_shard per transformer block plus the root). Never a home-made engin
 Tensor parallelism (kiln.parallel.tensor) splits kiln's Transformer over the mesh's tp dim before data parallelism
 wraps it, or a user's own plan splits a model of theirs (kiln.parallel.user_plan, `kiln.fit(tensor_parallel=fn)`);
 kiln.parallel.layout's ParallelPlan holds the degrees (world.plan; World keeps none) and world.mesh the DeviceMesh.
+Context parallelism (kiln.parallel.context) splits each sequence over mesh["cp"] before FSDP2 shards over dp × cp.
 
 Surviving failures (multi-node, elastic restarts) lives beside it: kiln.parallel.watchdog (a collective that fails or
 times out becomes one line naming the rank, the step and the collective), kiln.parallel.elastic (--auto-resume under
@@ -35,7 +36,9 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
 from kiln.parallel.config import ParallelConfig
+from kiln.parallel.context import apply_context_parallel, check_context_parallel
 from kiln.parallel.elastic import agent_store_in_use, round_store
+from kiln.parallel.expert import shard_experts, wrap_experts
 from kiln.parallel.layout import ParallelPlan, check_degrees
 from kiln.parallel.strategy import Strategy, strategy
 from kiln.parallel.tensor import apply_tensor_parallel
@@ -123,6 +126,12 @@ class World:
         return self.plan.dp
 
     @property
+    def grad_ranks(self) -> int:
+        """The ranks data parallelism averages gradients over: the dp copies, times the cp ranks that each computed
+        part of every sequence (FSDP2 shards over dp × cp)."""
+        return self.plan.dp * self.plan.cp
+
+    @property
     def dp_rank(self) -> int:
         """This rank's index among the data-parallel copies: which share of the data it reads (tp ranks of one copy
         read the same)."""
@@ -132,8 +141,8 @@ class World:
         """Reduce over every rank, or over the ranks of one mesh dim (dim="dp": the copies that saw different data;
         a sum of token counts or losses over all ranks would count each tp rank's identical copy again)."""
         group = None
-        if dim is not None and self.mesh is not None and self.plan.mesh_shape[dim] < self.size:
-            if self.plan.mesh_shape[dim] == 1:
+        if dim is not None and self.mesh is not None and self.plan.mesh_shape.get(dim, 1) < self.size:
+            if self.plan.mesh_shape.get(dim, 1) == 1:  # ("cp" is in the mesh only when cp > 1)
                 return t
             group = self.mesh.get_group(dim)
         if self.size > 1:
@@ -191,7 +200,7 @@ def layout_event(world: World, model: nn.Module) -> dict:
     if plan.pp > 1:  # each pipeline rank holds its stage's part: one copy's stages summed
         whole = sum(w for r, (_, w) in enumerate(per_rank) if plan.coords(r)["dp"] == plan.coords(r)["tp"] == 0)
     one = not world.torchrun and not plan.dp_strategy.reduces  # a plain world of one: {"dp": 1}, as ever
-    return {"event": "layout", "mesh": {"dp": world.size} if one else plan.mesh_shape,
+    return {"event": "layout", "mesh": {"dp": world.size} if one else plan.mesh_record,
             "strategy": world.strategy, "sequence_parallel": plan.sequence_parallel,
             "param_bytes_per_rank": [h for h, _ in per_rank], "param_bytes_unsharded": whole}
 
@@ -208,16 +217,15 @@ def init_world(cfg: ParallelConfig, device_type: str) -> World:
     """The world this process is part of: the process group, not yet its layout (the run builder builds the
     ParallelPlan once the model is known and calls world.lay_out). Errors name the fix for a launch that does not
     match the config: the degrees are checked against the world here, before any rank reads data."""
-    if cfg.cp > 1:
-        raise ValueError(f"parallel.cp={cfg.cp}: context parallelism is modelled only (kiln memory, kiln plan); "
-                         f"training it needs CUDA SDPA's ring attention, which kiln does not run yet: set "
-                         f"--parallel.cp=1")
+    check_context_parallel(cfg)
     backend = cfg.backend if cfg.backend != "auto" else ("nccl" if device_type == "cuda" else "gloo")
     timeout = timedelta(seconds=cfg.timeout)
     if not launched_by_torchrun():
-        if cfg.tp * cfg.pp > 1:
-            raise ValueError(f"parallel.tp={cfg.tp} × parallel.pp={cfg.pp} splits the model over {cfg.tp * cfg.pp} "
-                             f"processes: launch with torchrun --nproc_per_node={cfg.tp * cfg.pp} (or a multiple)")
+        if cfg.tp * cfg.pp * cfg.cp > 1:
+            what = f"parallel.tp={cfg.tp} × parallel.pp={cfg.pp}" + (f" × parallel.cp={cfg.cp}" if cfg.cp > 1 else "")
+            n = cfg.tp * cfg.pp * cfg.cp
+            raise ValueError(f"{what} splits the model over {n} processes: launch with torchrun "
+                             f"--nproc_per_node={n} (or a multiple)")
         if not strategy(cfg.strategy).reduces:
             return World(plan=None, device_type=device_type)
         # A world of one: the same code path without torchrun (tests, resuming a parallel run on one device).
@@ -252,7 +260,7 @@ _MESHES: dict = {}  # (shape, device type) -> DeviceMesh: like the process group
 def _mesh(plan: ParallelPlan, device_type: str):
     """The run's DeviceMesh, made once per layout in a process (each one creates a process group per dim, and a
     later run in the same process, a test's, reuses them)."""
-    key = (tuple(plan.mesh_shape.items()), device_type)
+    key = (tuple(plan.mesh_shape.items()), plan.ep, device_type)
     if key not in _MESHES:
         _MESHES[key] = plan.device_mesh(device_type)
     return _MESHES[key]
@@ -291,6 +299,8 @@ def parallelize(model: nn.Module, cfg: ParallelConfig, world: World, device: tor
     are gathered just before it runs; bf16 autocast runs become FSDP2's MixedPrecisionPolicy (bf16 parameters in
     compute, fp32 gradient reduction). Under TP its parameters are DTensors on the 2-D (dp, tp) mesh.
     ddp with tp > 1: FSDP2's replicate (DDP's all-reduce over mesh["dp"], for DTensor parameters).
+    ep > 1 (kiln.parallel.expert): each MoE block's experts split over mesh["ep"] and wrapped first, over
+    mesh["dp_mod_ep"] (fully_shard, or replicate under ddp), then everything else over mesh["dp"] as above.
     """
     plan = world.plan
     tp = plan is not None and plan.tp > 1
@@ -298,11 +308,18 @@ def parallelize(model: nn.Module, cfg: ParallelConfig, world: World, device: tor
         apply_user_plan(model, world.mesh["tp"], tensor_plan)
     elif tp:
         apply_tensor_parallel(model, world.mesh["tp"], plan.sequence_parallel)
+    if plan is not None and plan.cp > 1:  # each sequence split over the cp ranks; FSDP2 then shards over dp × cp
+        apply_context_parallel(model, world.mesh["cp"])
     data = strategy(cfg.strategy)
     if not data.reduces:
         return model
     dp_mesh = world.mesh["dp"] if world.mesh is not None else None
-    if data.ddp_reducer and not tp:
+    if plan is not None and plan.cp > 1:  # FSDP2 shards over every rank of a copy's data: dp × cp (dp_shard_cp)
+        dp_mesh = world.mesh["dp", "cp"]._flatten("dp_cp")
+    ep = plan is not None and plan.ep > 1
+    if ep:  # experts split over mesh["ep"], then data-parallel over mesh["dp_mod_ep"] (kiln.parallel.expert)
+        shard_experts(model, world.mesh["ep"])
+    if data.ddp_reducer and not (tp or ep):
         ids = [device.index] if device.type == "cuda" else None
         group = dp_mesh.get_group() if dp_mesh is not None and plan.dp < world.size else None
         ddp = nn.parallel.DistributedDataParallel(model, device_ids=ids, process_group=group)
@@ -312,8 +329,15 @@ def parallelize(model: nn.Module, cfg: ParallelConfig, world: World, device: tor
     if not data.shards_parameters:  # ddp with tp: every rank of a dp group keeps whole (TP-split) parameters
         from torch.distributed._composable.replicate_with_fsdp import replicate  # lazy: ddp × tp only
 
-        replicate(model, mesh=dp_mesh, **fsdp_options(cfg, param_dtype, replicated=True))
+        options = fsdp_options(cfg, param_dtype, replicated=True)
+        if ep:
+            wrap_experts(model, world.mesh, replicate, options)
+        replicate(model, mesh=dp_mesh, **options)
         return model
+    if ep:
+        from torch.distributed.fsdp import fully_shard  # lazy: fsdp only
+
+        wrap_experts(model, world.mesh, fully_shard, fsdp_options(cfg, param_dtype))
     shard_blocks(model, getattr(model, "blocks", ()), dp_mesh, fsdp_options(cfg, param_dtype))
     return model
 

@@ -8,8 +8,9 @@ from pathlib import Path
 import pytest
 import torch
 
+from kiln.run import lm
 from kiln.run.lm import train
-from tests.parallel.scenarios import fit_run, lm_config, moe_config
+from tests.parallel.scenarios import MaskedLoader, fit_run, lm_config, lora_config, moe_config, tp_config
 from tests.train.test_golden_curve import corpus_text
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -59,12 +60,39 @@ def moe_reference(tmp_path_factory, source, kiln_cache):
 
 
 @pytest.fixture(scope="session")
+def lora_reference(tmp_path_factory, source, kiln_cache):
+    """tests/parallel/worker.py's LoRA runs (scenarios.lora_config) in this one process, on one thread as each
+    torchrun rank runs."""
+    out = tmp_path_factory.mktemp("single-lora")
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        for mode in ("fp32", "bf16"):
+            train(lora_config(source, "none", mode), out / mode)
+    finally:
+        torch.set_num_threads(threads)
+    return out
+
+
+@pytest.fixture(scope="session")
 def launched(tmp_path_factory, source, kiln_cache):
     """One torchrun launch of tests/parallel/worker.py: every 2-process scenario."""
     out = tmp_path_factory.mktemp("dist")
     for strategy in ("fsdp", "zero1"):  # one process writes 5 steps; the launch resumes them on 2 ranks
         train(lm_config(source, "none", steps=5), out / f"from_one_{strategy}")
     torchrun("worker.py", out, source, nproc=2, timeout=300)
+    return out
+
+
+@pytest.fixture(scope="session")
+def tp_reference(tmp_path_factory, source, kiln_cache):
+    """tp_worker.py's runs in this one process (4 micro-batches of 2 where each dp rank takes 2), with its uneven
+    valid-token counts (test_tensor_parallel.py, test_context_parallel.py)."""
+    out = tmp_path_factory.mktemp("tp-single")
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(lm, "TokenLoader", MaskedLoader)
+        for arch in ("llama", "gpt2", "qwen3_moe"):
+            train(tp_config(source, arch, "none", tp=1, steps=6), out / arch)
     return out
 
 

@@ -1,0 +1,43 @@
+"""What `kiln train` says before its first step: the model, device, precision and layout line, LoRA's trainable
+share, the scaled learning rate, and why auto chose the precision, compile and CPU-linear settings.
+
+    lines = start_lines(lm, cfg, resume)   one string per line, in the order they print
+"""
+from __future__ import annotations
+
+from kiln.models.lora import trainable_line
+from kiln.perf.hardware import precision_notice
+from kiln.precision import mode
+
+
+def start_lines(lm, cfg, resume: bool) -> list[str]:
+    """lm: the built LMRun; cfg: the config as given (its precision.mode may be auto)."""
+    lines = []
+    c, state = lm.cfg, lm.state
+    tokens_per_step = c.train.micro_batch_size * c.train.grad_accum_steps * c.data.seq_len
+    world = state.world
+    ranks = f" | {world.strategy} × {world.size} ranks" if world.sharded else ""
+    if world.plan.model_parallel or world.plan.cp > 1 or world.plan.ep > 1:
+        mesh = " × ".join(f"{k}{v}" for k, v in world.plan.mesh_shape.items())
+        ranks = f" | mesh {mesh} ({world.strategy})"
+        ranks += f", experts over ep{world.plan.ep} of the dp ranks" if world.plan.ep > 1 else ""
+    lines.append(f"model: {c.model.init or c.model.preset} ({c.model.arch}) {state.n_params / 1e6:.2f}M parameters "
+                 f"| device {state.device} | precision {state.precision.mode} | {tokens_per_step * world.dp_size:,} "
+                 f"tokens/step{ranks}")
+    if c.lora.on:
+        lines.append(f"lora: rank {c.lora.rank}, alpha {c.lora.alpha:g}, targets {c.lora.targets} | "
+                     f"{trainable_line(state.model)}")
+    scaled = lm.peak_lr()[1]
+    if scaled:
+        lines.append(scaled)
+    note = precision_notice(cfg.precision.mode, state.device)  # why auto chose it, or that bf16 is emulated here
+    if resume and c.precision.decided_by:
+        note = f"precision {c.precision.mode}, as recorded when the run started ({c.precision.decided_by})"
+    if note:
+        lines.append(note)
+    if c.train.compile_decided_by.startswith("auto"):
+        lines.append(f"train.compile {c.train.compile_decided_by}")
+    cpu_fp32 = state.device.type == "cpu" and mode(c.precision.mode).plain_fp32
+    if c.train.cpu_linear_decided_by.startswith("auto") and cpu_fp32:
+        lines.append(f"train.cpu_linear {c.train.cpu_linear_decided_by}")
+    return lines

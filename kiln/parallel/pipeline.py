@@ -43,6 +43,7 @@ import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
 from kiln.models import build_model
+from kiln.models.lora import adapter_layout, add_adapters
 from kiln.parallel import shard_blocks
 from kiln.parallel.layout import ParallelPlan
 from kiln.parallel.tensor import apply_tensor_parallel, canonical, fused_rows
@@ -110,6 +111,7 @@ class PipelineModel(nn.Module):
         if plan.tp > 1:  # torchtitan's order: tensor parallel on the whole model, then the split into stages
             apply_tensor_parallel(model, mesh["tp"], plan.sequence_parallel)
         self.cfg = model.cfg  # what kiln.parallel.tensor.fused_rows reads (the checkpoint's TP row order)
+        self.adapters = adapter_layout(model)  # LoRA's, for whole_model's copy
         self.pp_group, self.dp_group = mesh["pp"].get_group(), mesh["dp"].get_group()
         n_stages = plan.pp * plan.virtual_stages
         layers = plan.stage_layers(model.cfg.n_layer)
@@ -292,6 +294,7 @@ class PipelineModel(nn.Module):
         if not weights:
             return None
         model = build_model(self.cfg, self.device)
+        add_adapters(model, self.adapters)
         model.load_state_dict(weights)
         return model.to(next(iter(weights.values())).dtype)
 

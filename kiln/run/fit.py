@@ -308,9 +308,9 @@ class FitParts:
         return {"train": recorded_cpu_linear(cfg.train, device, precision, linears, world)}
 
     def model(self, cfg: Config, device) -> nn.Module:
-        # lora.rank > 0: its nn.Linear layers named by lora.targets (suffixes, as PEFT's target_modules) get
-        # adapters in place, the rest of the model is frozen
-        apply_lora(self.model_, cfg.lora)
+        # lora.rank > 0: its nn.Linear layers named by lora.targets (suffixes, as PEFT's target_modules; kiln's
+        # Transformer: its family's linears) get adapters in place, the rest of the model is frozen
+        apply_lora(self.model_, cfg.lora, self.model_.cfg if isinstance(self.model_, Transformer) else None)
         return self.model_
 
     def loader(self, cfg: Config, world, device) -> BatchLoader:

@@ -152,6 +152,7 @@ class LMRun:
         if not world.main:
             return None
         model = build_model(self.cfg.model, self.state.device)
+        apply_lora(model, self.cfg.lora, self.cfg.model, fresh=False)  # the run's adapters, loaded next
         model.load_state_dict(weights)
         model.to(self.state.precision.param_dtype)
         return generate_text(model, self.data.tokenizer, prompt, max_new_tokens, temperature, top_k, seed,

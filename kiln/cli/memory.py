@@ -138,7 +138,7 @@ def _print_layout(plan, jobs, stages, worst: int) -> None:
         print("note: whole-step peaks under tp2 (the embedding, head and logits split over the vocabulary) and pp2 "
               "(also pp2 × fsdp) are measured on CPU gloo within 5% "
               "(tests/memory/test_rank_peak.py); other layouts are modelled (docs/parallel.md); context "
-              "parallelism is modelled only: training refuses it")
+              "parallelism is modelled as ring attention (training all-gathers k and v: docs/parallel.md)")
     if plan.pp > 1:
         print(f"pipeline {plan.pp_schedule}, {job.grad_accum} micro-batches of {job.micro_batch} sequences; every "
               f"stage (the worst in full below):")

@@ -101,21 +101,24 @@ def run(args, overrides) -> int:
         return 1
     if args.gpus > 1:
         print("layout: pp·dp·cp·tp (tp innermost, within a node); sp = sequence parallel; 1f1b / i1f1b (interleaved) "
-              "/ m = pipeline micro-batches; cp is modelled only (training refuses it); peak and step s are the "
+              "/ m = pipeline micro-batches; cp is modelled as ring attention (training all-gathers k/v, tp = pp = 1); "
+              "peak and step s are the "
               "worst pipeline stage's, modelled (docs/parallel.md)")
     layout = f"{'layout':<22}{'strat':<7}" if args.gpus > 1 else ""
     print(f"{'#':>3} {layout}{'precision':<12}{'mb×acc':<9}{'recompute':<11}{'offl':<6}{'optimizer':<15}{'chunk':>6}"
           f"{'state':>8}{'acts':>8}{'logit+t':>8}{'total':>8}{'step s':>10}   (GiB)")
     for i, c in enumerate(plan.candidates[: args.top], 1):
         print(_row(i, c, args.gpus))
-    # context parallelism is modelled only: the recommendation is the fastest layout training can run
+    # context parallelism is modelled as ring attention, which kiln does not train (it all-gathers k and v, with
+    # tp = pp = 1: docs/parallel.md): the recommendation is the fastest layout whose model is what training runs
     best = next((c for c in plan.candidates if c.choice.cp == 1), None)
     if best is None:
-        print("every fitting layout needs context parallelism, which kiln models but does not train yet")
+        print("every fitting layout needs context parallelism, modelled here as ring attention, which kiln does "
+              "not train (docs/parallel.md)")
         return 1
     if best is not plan.best:
-        print(f"note: #1 uses context parallelism (parallel.cp), modelled only; recommended is the fastest "
-              f"without it")
+        print(f"note: #1 uses context parallelism (parallel.cp), modelled as ring attention; recommended is the "
+              f"fastest without it")
     flags = " ".join(f"--{k}={v}" for k, v in best.overrides.items()
                      if v not in ("", None) and not (k == "parallel.strategy" and not strategy(v).reduces))
     nodes = -(-args.gpus // args.gpus_per_node)

@@ -23,7 +23,9 @@ import numpy as np
 
 from kiln.data.corpus import STDLIB, CorpusError, by_extension, source_files, sources
 from kiln.data.loader import TokenLoader, val_batches
+from kiln.data.chat_data import prepare_chat
 from kiln.data.mix import Mixture, check_mix, mix_sources
+from kiln.data.packing import PackedMixture, PackedWindows
 from kiln.data import prepare as _prepare
 from kiln.data.prepare import (
     Progress,
@@ -39,6 +41,7 @@ from kiln.data.prepare import (
     worker_count,
 )
 from kiln.data.pretokenized import check_ids, join, read_tokens, token_files
+from kiln.data.sft import check_chat
 from kiln.data.shards import VERSION as SHARD_VERSION
 from kiln.data.shards import ShardError, dtype_for_vocab, open_shards
 from kiln.data.tokenizer import (
@@ -93,9 +96,9 @@ class DataConfig:
     on_bad_record: str = "error"  # error: stop at the first unreadable record, naming file and line | skip: skip it and count it in the summary
     mix: tuple = ()  # [[data.mix]] tables {source, weight, name, format, text_field, pattern}: a weighted mixture instead of data.source
     cache_per_node: bool = False  # multi-node: cache_dir is node-local, so each node's local rank 0 prepares it
-    records: str = "text"  # text: each record is plain text (pretraining) | chat: `messages` [{role, content}] or prompt/completion pairs, rendered with the chat template (fine-tuning; kiln.data.chat)
+    records: str = "text"  # text: each record is plain text (pretraining) | chat: `messages` [{role, content}] (system/user/assistant) or prompt/completion pairs, rendered with the chat template and packed whole into seq_len + 1 windows, a longer one skipped and counted (fine-tuning; kiln.data.sft, chat_data, packing)
     chat_template: str = ""  # records=chat: "" = the tokenizer's own (data.tokenizer=hf:DIR, or implied by model.init=hf:DIR) | chatml | PATH.jinja
-    train_on: str = "assistant"  # records=chat: assistant (the loss counts assistant turns and their end-of-turn token; a completion) | all (every token)
+    train_on: str = "assistant"  # records=chat: assistant (the loss counts every assistant turn's content and its end-of-turn token, not the role header; a completion) | all (every token); metrics.jsonl's loss_tokens counts them
     document_mask: bool | None = None  # attention and RoPE positions restart at every document boundary in a window; None = true for records=chat, false for text
 
     def validate(self) -> None:
@@ -163,8 +166,22 @@ class DataConfig:
                             f"vocabulary (e.g. 50257 for GPT-2)",
                             key="data.vocab_size", value=self.vocab_size,
                             fix="give the token files' vocabulary (e.g. 50257 for GPT-2)")
+        if self.masks_documents and self.records == "text" and self.format == "tokens" \
+                and not self.tokenizer.startswith("hf:"):
+            raise KilnError("data.document_mask=true finds documents by their end-of-text id, which "
+                            "data.format=tokens does not know without the files' tokenizer; give "
+                            "--data.tokenizer=hf:DIR or set --data.document_mask=false",
+                            key="data.document_mask", value=self.document_mask,
+                            fix="give --data.tokenizer=hf:DIR or set --data.document_mask=false")
         if self.mix:
             check_mix(self)
+        for one in [o for _, _, o in mix_sources(self)] if self.mix else [self]:
+            check_chat(one)  # data.records, chat_template, train_on, document_mask (kiln.data.sft)
+
+    @property
+    def masks_documents(self) -> bool:
+        """Whether windows carry their documents (kiln.data.documents): data.document_mask, or by records."""
+        return self.records == "chat" if self.document_mask is None else bool(self.document_mask)
 
 
 @dataclass
@@ -603,6 +620,8 @@ def prepare_data(cfg: DataConfig, run_dir: Path | None = None, log: Callable[[st
 def _prepare_one(cfg: DataConfig, run_dir: Path | None, log: Callable[[str], None], progress,
                  shared: Tokenizer | None = None) -> PreparedData:
     """One source's prepare_data; `shared`: the tokenizer of the [[data.mix]] it belongs to (BPE)."""
+    if cfg.records == "chat":  # packed chat windows (kiln.data.chat_data)
+        return PreparedData(*prepare_chat(cfg, cache_root(cfg), run_dir, log))
     final = cache_dir_for(cfg, shared)
     built = not (final / "meta.json").is_file()
     build = _build_tokens if cfg.format == "tokens" else \
@@ -657,8 +676,9 @@ def _prepare_mix(cfg: DataConfig, run_dir, log, progress) -> PreparedData:
     if run_dir is not None:
         tok.save(Path(run_dir))
     total = sum(w for _, w, _ in parts)
-    train = Mixture([n for n, _, _ in parts], [w for _, w, _ in parts], [p.train for _, _, p in parts])
-    val = Mixture([n for n, _, _ in parts], [w for _, w, _ in parts], [p.val for _, _, p in parts])
+    kind = PackedMixture if isinstance(parts[0][2].train, PackedWindows) else Mixture  # chat: whole windows
+    train = kind([n for n, _, _ in parts], [w for _, w, _ in parts], [p.train for _, _, p in parts])
+    val = kind([n for n, _, _ in parts], [w for _, w, _ in parts], [p.val for _, _, p in parts])
     log("data: mixture " + ", ".join(f"{n} {w / total:.0%}" for n, w, _ in parts))
     return PreparedData(tokenizer=tok, train=train, val=val,
                         unigram_loss=sum(w * p.unigram_loss for _, w, p in parts) / total,

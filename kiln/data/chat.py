@@ -5,6 +5,7 @@
                                         "chat_template" (a string, or named templates: "default"); None if it has none
     tokens = special_tokens(DIR)        {"bos_token": "<s>", "eos_token": ...}: the names a template may use
     text = render(messages, template, tokens, add_generation_prompt=True)
+    text, spans = render_spans(messages, template, tokens)   and the character spans of its {% generation %} blocks
     check_messages(messages, where)     a conversation's shape, or one ValueError naming `where`
 
 The environment is transformers': Jinja's sandbox (templates come from the Hub: untrusted code), trim_blocks and
@@ -17,6 +18,8 @@ Encoding the text: the tokenizer's encode_chat, where the template's special tok
 from __future__ import annotations
 
 import json
+import re
+import threading
 from datetime import datetime
 from functools import lru_cache
 from pathlib import Path
@@ -27,6 +30,7 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 SPECIAL_TOKENS = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
 REASONING = ("reasoning_content", "thinking", "reasoning")
+_TRACKING = threading.local()  # render_spans' (output blocks so far, spans found) while it renders
 
 
 class TemplateError(ValueError):
@@ -74,6 +78,29 @@ def render(messages: list[dict], template: str, tokens: dict[str, str] | None = 
            add_generation_prompt: bool = True, **variables) -> str:
     """The conversation as the template writes it; add_generation_prompt ends it with the assistant's header.
     `variables` reach the template as transformers' apply_chat_template(**kwargs) do (e.g. enable_thinking)."""
+    return "".join(_generate(messages, template, tokens, add_generation_prompt, variables))
+
+
+def render_spans(messages: list[dict], template: str, tokens: dict[str, str] | None = None,
+                 add_generation_prompt: bool = False, **variables) -> tuple[str, list[tuple[int, int]]]:
+    """The rendered text and the [start, end) character spans of its {% generation %} blocks, found as
+    transformers' return_assistant_tokens_mask finds them: a block starts at the length of the output so far."""
+    blocks, spans = [], []
+    _TRACKING.active = (blocks, spans)
+    try:
+        for block in _generate(messages, template, tokens, add_generation_prompt, variables):
+            blocks.append(block)
+    finally:
+        _TRACKING.active = None
+    return "".join(blocks), spans
+
+
+def has_generation(template: str) -> bool:
+    """Whether the template marks the assistant's text with {% generation %} blocks."""
+    return re.search(r"{%-?\s*generation\s*-?%}", template) is not None
+
+
+def _generate(messages, template, tokens, add_generation_prompt, variables):
     chat = []
     for message in messages:
         message = {k: v for k, v in message.items() if v is not None}
@@ -82,9 +109,10 @@ def render(messages: list[dict], template: str, tokens: dict[str, str] | None = 
             message = {"thinking": reasoning, **message, "reasoning_content": reasoning}
         chat.append(message)
     try:
-        return _compiled(template).render(messages=chat, tools=None, documents=None,
-                                          add_generation_prompt=add_generation_prompt,
-                                          **{**(tokens or {}), **variables})
+        # generate(): the output a block at a time, so render_spans sees where each {% generation %} block begins
+        yield from _compiled(template).generate(messages=chat, tools=None, documents=None,
+                                                add_generation_prompt=add_generation_prompt,
+                                                **{**(tokens or {}), **variables})
     except jinja2.TemplateError as e:
         raise TemplateError(f"the chat template: {e.message or type(e).__name__}") from None
 
@@ -100,7 +128,12 @@ class _Generation(Extension):
         return jinja2.nodes.CallBlock(self.call_method("_body"), [], [], body).set_lineno(lineno)
 
     def _body(self, caller):
-        return caller()
+        out = caller()
+        active = getattr(_TRACKING, "active", None)
+        if active is not None:
+            start = sum(len(b) for b in active[0])
+            active[1].append((start, start + len(out)))
+        return out
 
 
 def _raise(message):

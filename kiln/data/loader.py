@@ -15,12 +15,18 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from kiln.data.documents import with_documents
 from kiln.data.mix import Mixture
+from kiln.data.packing import PackedMixture, PackedWindows
 
 _POLL_S = 0.1  # how often a blocked producer re-checks its stop flag; bounds how long close() can wait
 
 
 def _check_length(tokens: np.ndarray, seq_len: int, what: str) -> None:
+    if isinstance(tokens, (PackedWindows, PackedMixture)):  # chat windows: packed at data.seq_len already
+        if tokens.seq_len != seq_len:
+            raise ValueError(f"{what}: the chat windows were packed for seq_len {tokens.seq_len}, not {seq_len}")
+        return
     if isinstance(tokens, Mixture):  # each source must hold a window
         tokens.check_length(seq_len, what)
     if tokens.ndim != 1:
@@ -47,27 +53,29 @@ def batch_starts(seed: int, index: int, batch_size: int, num_tokens: int, seq_le
 
 
 def _host_batch(
-    tokens: np.ndarray, seed: int, index: int, batch_size: int, seq_len: int, pin: bool
-) -> tuple[Tensor, Tensor]:
+    tokens: np.ndarray, seed: int, index: int, batch_size: int, seq_len: int, pin: bool, separator: int | None = None
+) -> tuple[Tensor, ...]:
+    if isinstance(tokens, (PackedWindows, PackedMixture)):  # packed chat windows carry their own documents
+        batch = tuple(torch.from_numpy(a) for a in tokens.train_batch(seed, index, batch_size))
+        return tuple(t.pin_memory() for t in batch) if pin else batch
     if isinstance(tokens, Mixture):  # rows drawn from the sources by weight
         rows = tokens.windows(seed, index, batch_size, seq_len)
         x, y = torch.from_numpy(np.ascontiguousarray(rows[:, :-1])), torch.from_numpy(np.ascontiguousarray(rows[:, 1:]))
     else:
         starts = batch_starts(seed, index, batch_size, len(tokens), seq_len)
         x, y = (torch.from_numpy(a) for a in _windows(tokens, starts, seq_len))
-    if pin:
-        x, y = x.pin_memory(), y.pin_memory()
-    return x, y
+    batch = (x, y) if separator is None else with_documents(x, y, separator)  # (x, y) or (x, y, doc)
+    return tuple(t.pin_memory() for t in batch) if pin else batch
 
 
 def _produce(
-    tokens: np.ndarray, seed: int, batch_size: int, seq_len: int, pin: bool, rank: int, world: int,
-    index: int, out: queue.Queue, stop: threading.Event,
+    tokens: np.ndarray, seed: int, batch_size: int, seq_len: int, pin: bool, separator: int | None, rank: int,
+    world: int, index: int, out: queue.Queue, stop: threading.Event,
 ) -> None:
     """Background thread body: put (i, batch) for i = index, index+1, ... until stopped; an error ends it."""
     while not stop.is_set():
         try:
-            item = _host_batch(tokens, seed, index * world + rank, batch_size, seq_len, pin)
+            item = _host_batch(tokens, seed, index * world + rank, batch_size, seq_len, pin, separator)
         except BaseException as e:  # handed to next(), which re-raises it on the training thread
             item = e
         while not stop.is_set():
@@ -88,6 +96,8 @@ class TokenLoader:
     builds the next batch while the device computes. For a CPU device they are built on demand in the caller's
     thread (about 30 µs for 8x256 tokens): the step's compute threads already take every core, so a producer
     thread can only take a core from them, and there is nothing for it to overlap with. `threaded` overrides it.
+
+    separator: the id that ends a document (data.document_mask): batches are then (x, y, doc), kiln.data.documents.
     """
 
     def __init__(
@@ -102,6 +112,7 @@ class TokenLoader:
         rank: int = 0,
         world: int = 1,
         what: str = "TokenLoader",  # how errors name the tokens: the user's data.source
+        separator: int | None = None,
     ) -> None:
         _check_length(tokens, seq_len, what)
         if batch_size < 1:
@@ -114,6 +125,7 @@ class TokenLoader:
         self.seed = seed
         self.device = torch.device(device)
         self.prefetch = prefetch
+        self.separator = separator
         self.threaded = self.device.type != "cpu" if threaded is None else threaded
         # Pinned host memory lets .to(device, non_blocking=True) return at once instead of waiting for the copy.
         self._pin = self.device.type == "cuda"
@@ -126,28 +138,28 @@ class TokenLoader:
         self._thread: threading.Thread | None = None
         self._start_prefetch()
 
-    def next(self) -> tuple[Tensor, Tensor]:
-        """The next (x, y) batch, int64 of shape (batch_size, seq_len), on the loader's device."""
+    def next(self) -> tuple[Tensor, ...]:
+        """The next (x, y) batch, int64 of shape (batch_size, seq_len), on the loader's device; with a separator
+        (x, y, doc), and so are packed chat windows under the document mask (doc int32, kiln.data.packing)."""
         index = self.batches_served
         if self._queue is None:
-            x, y = _host_batch(self.tokens, self.seed, index * self.world + self.rank, self.batch_size, self.seq_len,
-                               self._pin)
+            batch = _host_batch(self.tokens, self.seed, index * self.world + self.rank, self.batch_size,
+                                self.seq_len, self._pin, self.separator)
         else:
             got, item = self._queue.get()
             if isinstance(item, BaseException):
                 self._join()
                 raise RuntimeError(f"TokenLoader background thread failed on batch {got}") from item
             assert got == index, f"prefetcher produced batch {got}, expected {index}"
-            x, y = item
+            batch = item
         self.batches_served += 1
         if self.device.type != "cpu":
             # From pinned memory the copy is asynchronous: it is queued on the current stream, ahead of the
             # forward pass that reads it, and the host returns at once to queue that forward pass.
-            x = x.to(self.device, non_blocking=True)
-            y = y.to(self.device, non_blocking=True)
-        return x, y
+            batch = tuple(t.to(self.device, non_blocking=True) for t in batch)
+        return batch
 
-    def __iter__(self) -> Iterator[tuple[Tensor, Tensor]]:
+    def __iter__(self) -> Iterator[tuple[Tensor, ...]]:
         while True:
             yield self.next()
 
@@ -198,7 +210,8 @@ class TokenLoader:
         self._stop = threading.Event()
         # The thread gets the array and numbers, not `self`, so a loader dropped without close() is still
         # collected and __del__ stops the thread. daemon: a crashed training loop must still let the process exit.
-        args = (self.tokens, self.seed, self.batch_size, self.seq_len, self._pin, self.rank, self.world)
+        args = (self.tokens, self.seed, self.batch_size, self.seq_len, self._pin, self.separator, self.rank,
+                self.world)
         self._thread = threading.Thread(
             target=_produce, args=(*args, self.batches_served, self._queue, self._stop),
             name="kiln-token-loader", daemon=True,
@@ -239,9 +252,11 @@ class TokenLoader:
 
 
 def val_batches(
-    tokens: np.ndarray, batch_size: int, seq_len: int, max_batches: int, device: torch.device | str = "cpu"
-) -> Iterator[tuple[Tensor, Tensor]]:
-    """Fixed validation batches: non-overlapping windows spread evenly over the whole split.
+    tokens: np.ndarray, batch_size: int, seq_len: int, max_batches: int, device: torch.device | str = "cpu",
+    separator: int | None = None,
+) -> Iterator[tuple[Tensor, ...]]:
+    """Fixed validation batches: non-overlapping windows spread evenly over the whole split; with a separator
+    (x, y, doc) as the training batches (kiln.data.documents).
 
     The same arguments always give the same batches, so validation losses compare across steps and runs.
     At most max_batches * batch_size windows; the last batch is smaller when the split has fewer windows.
@@ -249,9 +264,16 @@ def val_batches(
     _check_length(tokens, seq_len, "val_batches")
     if batch_size < 1 or max_batches < 1:
         raise ValueError(f"val_batches: batch_size={batch_size} and max_batches={max_batches} must be >= 1")
+    if isinstance(tokens, PackedWindows):  # chat windows: the first ones, in order
+        wanted = min(tokens.windows, batch_size * max_batches)
+        for first in range(0, wanted, batch_size):
+            yield tuple(torch.from_numpy(a).to(device) for a in tokens.rows(np.arange(first, min(first + batch_size,
+                                                                                                   wanted))))
+        return
     available = (len(tokens) - 1) // seq_len  # window k reads tokens k*T .. k*T + T (its last is k+1's first)
     wanted = min(available, batch_size * max_batches)
     starts = (np.arange(wanted) * available // wanted) * seq_len  # evenly spaced window indices, no repeats
     for first in range(0, wanted, batch_size):
-        x, y = _windows(tokens, starts[first : first + batch_size], seq_len)
-        yield torch.from_numpy(x).to(device), torch.from_numpy(y).to(device)
+        x, y = (torch.from_numpy(a) for a in _windows(tokens, starts[first : first + batch_size], seq_len))
+        batch = (x, y) if separator is None else with_documents(x, y, separator)
+        yield tuple(t.to(device) for t in batch)

@@ -16,7 +16,7 @@ from kiln.data.corpus import STDLIB
 from kiln.data.shards import ShardedTokens
 from kiln.errors import KilnError
 
-MIX_KEYS = ("source", "weight", "name", "format", "text_field", "pattern")
+MIX_KEYS = ("source", "weight", "name", "format", "text_field", "pattern", "records")
 
 
 def source_name(source: str) -> str:
@@ -50,7 +50,7 @@ def check_mix(cfg) -> None:
         if isinstance(weight, bool) or not isinstance(weight, (int, float)) or not weight > 0:
             raise KilnError(f"{where}: weight={weight!r} must be a number > 0",
                             key="data.mix", value=weight, fix="give a weight > 0")
-        for key in ("name", "format", "text_field", "pattern"):
+        for key in ("name", "format", "text_field", "pattern", "records"):
             if key in entry and not isinstance(entry[key], str):
                 raise KilnError(f"{where}: {key}={entry[key]!r} must be a string",
                                 key="data.mix", value=entry[key], fix=f"give {key} as a string")
@@ -61,6 +61,11 @@ def check_mix(cfg) -> None:
                         "(hf:DIR)",
                         key="data.tokenizer", value=cfg.tokenizer,
                         fix="give the mixture the files' tokenizer (hf:DIR)")
+    kinds = sorted({e.get("records", cfg.records) for e in cfg.mix if isinstance(e, dict)})
+    if len(kinds) > 1:
+        raise KilnError(f"[[data.mix]] mixes records {kinds}: chat windows carry a loss mask and document "
+                        f"boundaries that text windows do not; give every source the same records",
+                        key="data.mix", value=kinds, fix="give every source the same records")
     dupes = sorted({n for n in names if names.count(n) > 1})
     if dupes:
         raise KilnError(f"[[data.mix]]: the name(s) {dupes} are used twice (names default to the file name without "
@@ -73,7 +78,8 @@ def mix_sources(cfg) -> list[tuple[str, float, object]]:
     out = []
     for entry in cfg.mix:
         one = replace(cfg, mix=(), source=entry["source"], format=entry.get("format", cfg.format),
-                      text_field=entry.get("text_field", cfg.text_field), pattern=entry.get("pattern", cfg.pattern))
+                      text_field=entry.get("text_field", cfg.text_field), pattern=entry.get("pattern", cfg.pattern),
+                      records=entry.get("records", cfg.records))
         out.append((entry.get("name") or source_name(entry["source"]), float(entry.get("weight", 1.0)), one))
     return out
 

@@ -32,6 +32,7 @@ class Tokenizer(Protocol):
 
     def encode(self, text: str) -> list[int]: ...
     def encode_chat(self, text: str) -> list[int]: ...  # a rendered chat template: its special tokens are ids
+    def chat_offsets(self, text: str) -> tuple[list[int], list[tuple[int, int]]]: ...  # and each id's characters
     def decode(self, ids: list[int]) -> str: ...
     def encode_batch(self, texts: list[str]) -> list[np.ndarray]: ...
     def save(self, run_dir: Path) -> None: ...
@@ -58,6 +59,15 @@ class ByteTokenizer:
 
     def encode_chat(self, text: str) -> list[int]:
         return self.encode(text)  # no special tokens: a template's markers are text
+
+    def chat_offsets(self, text: str) -> tuple[list[int], list[tuple[int, int]]]:
+        """encode_chat's ids and each one's [start, end) character span in `text` (a character's bytes share it)."""
+        ids, offsets = [], []
+        for i, ch in enumerate(text):
+            b = ch.encode("utf-8", "surrogatepass")
+            ids += b
+            offsets += [(i, i + 1)] * len(b)
+        return ids, offsets
 
     def decode(self, ids: Iterable[int]) -> str:
         return bytes(ids).decode("utf-8", errors="replace")
@@ -153,6 +163,16 @@ class BPETokenizer:
         finally:
             self._tok.encode_special_tokens = True
 
+    def chat_offsets(self, text: str) -> tuple[list[int], list[tuple[int, int]]]:
+        """encode_chat's ids and each one's [start, end) character span in `text`, as the Encoding's offsets give it
+        (transformers' char_to_token reads the same)."""
+        self._tok.encode_special_tokens = False
+        try:
+            encoding = self._tok.encode(text, add_special_tokens=False)
+        finally:
+            self._tok.encode_special_tokens = True
+        return encoding.ids, encoding.offsets
+
     def decode(self, ids: Iterable[int]) -> str:
         return self._tok.decode(list(ids), skip_special_tokens=False)
 
@@ -186,6 +206,9 @@ class IdsTokenizer:
                          "data.tokenizer=hf:DIR (the files' tokenizer) to sample from a prompt")
 
     def encode_chat(self, text: str) -> list[int]:
+        return self.encode(text)
+
+    def chat_offsets(self, text: str):
         return self.encode(text)
 
     def decode(self, ids: Iterable[int]) -> str:

@@ -98,12 +98,13 @@ def training_tasks(tc, tokenizer, max_seq_len: int, model_parallel: bool, log: C
                    ) -> list[Prepared]:
     """train.eval_tasks (tc: the train section) read and tokenized before the first step: a bad row stops the run
     before it trains. One line per task says what is scored, and how many contexts lose their start to the model's
-    window. model_parallel: the run splits its model (tp or pp), which the scoring's forward cannot take yet."""
+    window. model_parallel: the run splits its model or its sequences (tp, pp or cp), which the scoring's forward
+    cannot take yet."""
     if not tc.eval_tasks:
         return []
     if model_parallel:
-        raise ValueError("train.eval_tasks is scored under data parallelism only (ddp, fsdp, zero): parallel.tp "
-                         "and parallel.pp split the forward it needs; score the checkpoints with `kiln eval` instead")
+        raise ValueError("train.eval_tasks is scored under data parallelism only (ddp, fsdp, zero): parallel.tp, "
+                         "parallel.pp and parallel.cp split the forward it needs; score the checkpoints with `kiln eval` instead")
     tasks = [prepare(t, tokenizer, max_seq_len, tc.eval_task_limit) for t in load_tasks(tc.eval_tasks)]
     for p in tasks:
         cut = f"; {p.truncated} context(s) longer than model.max_seq_len={max_seq_len} lose their start " \

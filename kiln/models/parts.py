@@ -7,6 +7,7 @@ applied to a built model from outside.
 from __future__ import annotations
 
 import math
+from typing import NamedTuple
 
 import torch
 import torch.nn as nn
@@ -51,17 +52,42 @@ class Rotary(nn.Module):
         return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
 
 
+class Window(NamedTuple):
+    """What a block's attention is told of the window besides x (its `rope_cache` argument). A plain (cos, sin)
+    pair, or None without RoPE, is the window of one document from position 0."""
+
+    cos: torch.Tensor | None  # (T, D/2) from position 0 (sliced to T by the attention), or (B, 1, T, D/2) per row
+    sin: torch.Tensor | None
+    mask: object = None  # None: plain causal | (B, 1, T, T) bool | a flex BlockMask (kiln.models.documents)
+
+
+def window(rope_cache) -> Window:
+    """The Window of a block's rope_cache argument: None, a (cos, sin) pair (pipeline stages pass one), a Window."""
+    if rope_cache is None:
+        return Window(None, None)
+    return rope_cache if isinstance(rope_cache, Window) else Window(*rope_cache)
+
+
 class SDPA(nn.Module):
-    """Causal attention core through torch.nn.functional.scaled_dot_product_attention."""
+    """Causal attention core through torch.nn.functional.scaled_dot_product_attention; with a mask (documents
+    packed in a window, kiln.models.documents) the mask instead: SDPA's attn_mask for a boolean one,
+    flex_attention for a BlockMask."""
 
     def __init__(self, dropout: float = 0.0):
         super().__init__()
         self.dropout = dropout
 
-    def forward(self, q, k, v):  # q (B, H, T, D); k, v (B, KV, T, D)
+    def forward(self, q, k, v, mask=None):  # q (B, H, T, D); k, v (B, KV, T, D)
         gqa = k.shape[1] != q.shape[1]
         p = self.dropout if self.training else 0.0
-        return F.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=True, enable_gqa=gqa)
+        if mask is None:
+            return F.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=True, enable_gqa=gqa)
+        if isinstance(mask, torch.Tensor):
+            return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=p, enable_gqa=gqa)
+        if p:
+            raise ValueError("flex_attention has no dropout: set model.dropout=0 to attend with a block mask")
+        from torch.nn.attention.flex_attention import flex_attention  # lazy: only a BlockMask (GPU, context parallel)
+        return flex_attention(q, k, v, block_mask=mask, enable_gqa=gqa)
 
 
 class LMLoss(nn.Module):
@@ -93,9 +119,11 @@ class Attention(nn.Module):
         self.proj.residual = True
 
     def forward(self, x, rope_cache=None, cache=None):
-        """rope_cache: RoPE's (cos, sin) tables from position 0; with a KV cache (kiln.models.cache, generation),
-        those of each row's positions, (B, 1, T, D/2), and `cache` this block's LayerCache."""
+        """rope_cache: RoPE's (cos, sin) tables from position 0, or a Window: those of each row's positions
+        (B, 1, T, D/2) and the document mask of packed documents; with a KV cache (kiln.models.cache, generation),
+        `cache` is this block's LayerCache."""
         B, T, _ = x.shape
+        win = window(rope_cache)
         qkv = self.qkv(x)  # (B, T, (H + 2·KV)·D)
         # The heads this module computes, read off the output width: all of them, or a tensor-parallel rank's share
         # (kiln.parallel.tensor gives each rank its rows of q, k and v).
@@ -110,10 +138,11 @@ class Attention(nn.Module):
         q, k = q.transpose(1, 2), k.transpose(1, 2)  # (B, H, T, D), (B, KV, T, D)
         v = v.view(B, T, KV, D).transpose(1, 2)
         if self.rope is not None:
-            cos, sin = rope_cache if cache is not None else (rope_cache[0][:T], rope_cache[1][:T])
+            cos, sin = (win.cos[:T], win.sin[:T]) if win.cos.dim() == 2 else (win.cos, win.sin)
             q, k = self.rope(q, cos, sin), self.rope(k, cos, sin)
         if cache is None:
-            y = self.core(q, k, v)  # (B, H, T, D)
+            # (B, H, T, D); a core without a mask argument (the Triton FlashAttention) is never given one
+            y = self.core(q, k, v) if win.mask is None else self.core(q, k, v, win.mask)
         else:
             k, v = cache.update(k, v)  # (B, KV, S, D): the cached positions and these T
             # The cache's mask, not is_causal: the T queries are the last T of S keys (is_causal aligns them with

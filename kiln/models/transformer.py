@@ -15,9 +15,10 @@ import torch.nn.functional as F
 from kiln.models.cache import KVCache
 from kiln.models.config import ModelConfig
 from kiln.models.costs import make_norm
+from kiln.models.documents import check_doc, document_mask, positions as document_positions
 from kiln.models.moe import MoE, moe_losses
 from kiln.models.parts import (IGNORE_INDEX, SDPA, LMLoss, RMSNorm, Rotary, SwiGLU, at_least_fp32,  # noqa: F401
-                               llama3_frequencies, rope_cache)
+                               Window, llama3_frequencies, rope_cache)
 from kiln.models.registry import family
 
 
@@ -57,21 +58,31 @@ class Transformer(nn.Module):
     def head_weight(self) -> torch.Tensor:
         return self.embed.weight if self.head is None else self.head.weight
 
-    def hidden(self, idx: torch.Tensor, cache: KVCache | None = None) -> torch.Tensor:
+    def hidden(self, idx: torch.Tensor, cache: KVCache | None = None, doc: torch.Tensor | None = None) -> torch.Tensor:
         """Final normalized hidden states (B, T, C) for token ids (B, T). With a KV cache (generation), idx are the
-        next T tokens after the cached ones: their keys and values are added to it (kiln.models.cache)."""
+        next T tokens after the cached ones: their keys and values are added to it (kiln.models.cache). doc (B, T):
+        the document of each position within its window (kiln.models.documents): positions restart at each
+        document's first token and attention stays inside the document, so each computes what it would alone."""
         B, T = idx.shape
         if T > self.cfg.max_seq_len:
             raise ValueError(f"sequence length {T} exceeds model.max_seq_len={self.cfg.max_seq_len}")
+        if doc is not None and cache is not None:
+            raise ValueError("a document mask is for training windows; generation with the KV cache takes none")
         x = self.embed(idx)  # (B, T, C)
-        positions = torch.arange(T, device=idx.device) if cache is None else cache.positions(T, idx.device)
+        mask = None
+        if doc is not None:
+            check_doc(doc, idx)
+            positions, mask = document_positions(doc), document_mask(doc)  # (B, T), (B, 1, T, T)
+        else:
+            positions = torch.arange(T, device=idx.device) if cache is None else cache.positions(T, idx.device)
         rope = None
         if self.pos_embed is not None:
             x = x + self.pos_embed(positions)
-        elif cache is None:
+            rope = None if mask is None else Window(None, None, mask)
+        elif cache is None and doc is None:
             rope = (self.rope_cos, self.rope_sin)  # the blocks take the first T rows
-        else:  # each row's own positions (left padding shifts them), (B, 1, T, D/2)
-            rope = (self.rope_cos[positions].unsqueeze(1), self.rope_sin[positions].unsqueeze(1))
+        else:  # each row's own positions (left padding or document starts shift them), (B, 1, T, D/2)
+            rope = Window(self.rope_cos[positions].unsqueeze(1), self.rope_sin[positions].unsqueeze(1), mask)
         x = self.drop(x)
         for i, block in enumerate(self.blocks):
             x = block(x, rope) if cache is None else block(x, rope, cache.layer(i))
@@ -79,14 +90,16 @@ class Transformer(nn.Module):
             cache.advance(T)
         return self.norm(x)
 
-    def forward(self, idx, targets=None, reduction: str = "mean", cache: KVCache | None = None):
+    def forward(self, idx, targets=None, reduction: str = "mean", cache: KVCache | None = None,
+                doc: torch.Tensor | None = None):
         """Logits (B, T, V) without targets; with targets the loss ("mean" over valid targets or "sum").
 
         A mixture of experts in training adds moe_aux_coef × its load-balancing loss (and moe_z_coef × the
         router z-loss) to the mean, as HF's Qwen3-MoE adds router_aux_loss_coef × aux_loss; with "sum" the same
         term times the valid-target count, so the step's division by the count gives it back. cache: a KVCache
-        to read and extend (generation, kiln.models.generate)."""
-        h = self.hidden(idx, cache)
+        to read and extend (generation, kiln.models.generate). doc (B, T): documents packed in each window
+        (kiln.models.documents); the targets that cross a boundary are IGNORE_INDEX already (the data's work)."""
+        h = self.hidden(idx, cache, doc)
         if targets is None:
             return F.linear(h, self.head_weight)
         total = self.loss(h.flatten(0, 1), self.head_weight, targets.flatten())

@@ -165,11 +165,12 @@ class FaultInjector:
     def transform(self, batches: list[tuple[torch.Tensor, torch.Tensor]]) -> list:
         """The batches of the current step, with the data faults applied."""
         if self.cfg.unshifted_labels:
-            batches = [(x, x.clone()) for x, _ in batches]
+            batches = [(x, x.clone(), *doc) for x, _, *doc in batches]
         if self.cfg.spike and self.step == self.cfg.spike and not self.spiked:
             self.spiked = True
             # Targets remapped by a fixed affine map of the ids: mostly tokens the model finds unlikely.
-            batches = [(x, torch.where(y == IGNORE_INDEX, y, (y * 7 + 13) % self.vocab_size)) for x, y in batches]
+            batches = [(x, torch.where(y == IGNORE_INDEX, y, (y * 7 + 13) % self.vocab_size), *doc)
+                       for x, y, *doc in batches]
         return batches
 
     def close(self) -> None:

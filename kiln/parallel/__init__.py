@@ -12,6 +12,7 @@ FSDP2 (fully_shard per transformer block plus the root). Never a home-made engin
 Tensor parallelism (kiln.parallel.tensor) splits kiln's Transformer over the mesh's tp dim before data parallelism
 wraps it, or a user's own plan splits a model of theirs (kiln.parallel.user_plan, `kiln.fit(tensor_parallel=fn)`);
 kiln.parallel.layout's ParallelPlan holds the degrees (world.plan; World keeps none) and world.mesh the DeviceMesh.
+Context parallelism (kiln.parallel.context) splits each sequence over mesh["cp"] before FSDP2 shards over dp × cp.
 
 Surviving failures (multi-node, elastic restarts) lives beside it: kiln.parallel.watchdog (a collective that fails or
 times out becomes one line naming the rank, the step and the collective), kiln.parallel.elastic (--auto-resume under
@@ -35,6 +36,7 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
 from kiln.parallel.config import ParallelConfig
+from kiln.parallel.context import apply_context_parallel, check_context_parallel
 from kiln.parallel.elastic import agent_store_in_use, round_store
 from kiln.parallel.layout import ParallelPlan, check_degrees
 from kiln.parallel.strategy import Strategy, strategy
@@ -123,6 +125,12 @@ class World:
         return self.plan.dp
 
     @property
+    def grad_ranks(self) -> int:
+        """The ranks data parallelism averages gradients over: the dp copies, times the cp ranks that each computed
+        part of every sequence (FSDP2 shards over dp × cp)."""
+        return self.plan.dp * self.plan.cp
+
+    @property
     def dp_rank(self) -> int:
         """This rank's index among the data-parallel copies: which share of the data it reads (tp ranks of one copy
         read the same)."""
@@ -132,8 +140,8 @@ class World:
         """Reduce over every rank, or over the ranks of one mesh dim (dim="dp": the copies that saw different data;
         a sum of token counts or losses over all ranks would count each tp rank's identical copy again)."""
         group = None
-        if dim is not None and self.mesh is not None and self.plan.mesh_shape[dim] < self.size:
-            if self.plan.mesh_shape[dim] == 1:
+        if dim is not None and self.mesh is not None and self.plan.mesh_shape.get(dim, 1) < self.size:
+            if self.plan.mesh_shape.get(dim, 1) == 1:  # ("cp" is in the mesh only when cp > 1)
                 return t
             group = self.mesh.get_group(dim)
         if self.size > 1:
@@ -208,16 +216,15 @@ def init_world(cfg: ParallelConfig, device_type: str) -> World:
     """The world this process is part of: the process group, not yet its layout (the run builder builds the
     ParallelPlan once the model is known and calls world.lay_out). Errors name the fix for a launch that does not
     match the config: the degrees are checked against the world here, before any rank reads data."""
-    if cfg.cp > 1:
-        raise ValueError(f"parallel.cp={cfg.cp}: context parallelism is modelled only (kiln memory, kiln plan); "
-                         f"training it needs CUDA SDPA's ring attention, which kiln does not run yet: set "
-                         f"--parallel.cp=1")
+    check_context_parallel(cfg)
     backend = cfg.backend if cfg.backend != "auto" else ("nccl" if device_type == "cuda" else "gloo")
     timeout = timedelta(seconds=cfg.timeout)
     if not launched_by_torchrun():
-        if cfg.tp * cfg.pp > 1:
-            raise ValueError(f"parallel.tp={cfg.tp} × parallel.pp={cfg.pp} splits the model over {cfg.tp * cfg.pp} "
-                             f"processes: launch with torchrun --nproc_per_node={cfg.tp * cfg.pp} (or a multiple)")
+        if cfg.tp * cfg.pp * cfg.cp > 1:
+            what = f"parallel.tp={cfg.tp} × parallel.pp={cfg.pp}" + (f" × parallel.cp={cfg.cp}" if cfg.cp > 1 else "")
+            n = cfg.tp * cfg.pp * cfg.cp
+            raise ValueError(f"{what} splits the model over {n} processes: launch with torchrun "
+                             f"--nproc_per_node={n} (or a multiple)")
         if not strategy(cfg.strategy).reduces:
             return World(plan=None, device_type=device_type)
         # A world of one: the same code path without torchrun (tests, resuming a parallel run on one device).
@@ -298,10 +305,14 @@ def parallelize(model: nn.Module, cfg: ParallelConfig, world: World, device: tor
         apply_user_plan(model, world.mesh["tp"], tensor_plan)
     elif tp:
         apply_tensor_parallel(model, world.mesh["tp"], plan.sequence_parallel)
+    if plan is not None and plan.cp > 1:  # each sequence split over the cp ranks; FSDP2 then shards over dp × cp
+        apply_context_parallel(model, world.mesh["cp"])
     data = strategy(cfg.strategy)
     if not data.reduces:
         return model
     dp_mesh = world.mesh["dp"] if world.mesh is not None else None
+    if plan is not None and plan.cp > 1:  # FSDP2 shards over every rank of a copy's data: dp × cp (dp_shard_cp)
+        dp_mesh = world.mesh["dp", "cp"]._flatten("dp_cp")
     if data.ddp_reducer and not tp:
         ids = [device.index] if device.type == "cuda" else None
         group = dp_mesh.get_group() if dp_mesh is not None and plan.dp < world.size else None

@@ -27,7 +27,9 @@ class ParallelConfig:
     pp_schedule: str = "1f1b"  # gpipe | 1f1b | interleaved_1f1b (2 virtual stages per rank)
     pp_microbatches: int = 0  # pipeline micro-batches per step; 0 = max(pp, train.grad_accum_steps)
     sequence_parallel: bool = False  # tp: norms and dropout on 1/tp of the sequence between the TP regions
-    cp: int = 1  # context parallel: modelled by `kiln memory` and `kiln plan` only; training refuses cp > 1
+    cp: int = 1  # context parallel: each sequence split over cp ranks (2 chunks each, load-balanced), k and v
+    # all-gathered for attention (kiln.parallel.context); trains with strategy fsdp, tp = pp = 1, a dense family and
+    # data.seq_len divisible by 2·cp; `kiln memory` and `kiln plan` model it with tp and pp too
     ep: int = 1  # expert parallel: each of ep ranks holds n_experts/ep whole experts; tokens go to them by all-to-all. ep is carved out of the data-parallel ranks (it divides world/(tp·pp·cp)); MoE families only
 
     def validate(self):

@@ -2,7 +2,8 @@
 it see different data (data parallel), decided once from the `parallel` section, the world size and the model.
 
     plan = ParallelPlan.build(cfg.parallel, world_size, model_cfg, family)   degrees checked, or a one-line error
-    plan.mesh_shape                    {"pp": P, "dp": D, "tp": T}: tp innermost (neighbouring ranks, one node)
+    plan.mesh_shape                    {"pp": P, "dp": D, "tp": T}: tp innermost (neighbouring ranks, one node);
+                                       with cp > 1 {"pp", "dp", "cp", "tp"}
     plan.device_mesh(device_type)      torch's DeviceMesh with those named dims (init_device_mesh)
     plan.stage_layers()                the blocks each pipeline stage holds (even split, the remainder first)
     plan.rank_blocks(n_layer, stage)   the blocks one pipeline rank holds (interleaved: its v chunks)
@@ -13,9 +14,8 @@ One plan per run, built by the run builder (kiln.run.builder) once the model is 
 else: World (kiln.parallel) keeps the process group and its collectives and reads its degrees from world.plan;
 the estimator's Job and the planner's Choice hold one (kiln.memory).
 
-Context parallelism (parallel.cp, the sequence split over cp ranks with ring attention) is modelled by the
-estimator and the planner only: it needs CUDA SDPA's ring attention (torch.distributed.tensor.experimental.
-context_parallel), which gloo on CPU cannot run and kiln's tests could not hold exact; `kiln train` refuses it.
+Context parallelism (parallel.cp, each sequence split over cp ranks: kiln.parallel.context) adds a mesh dim "cp"
+between dp and tp when cp > 1 (FSDP2 shards over dp × cp flattened); at cp = 1 the mesh is as before.
 
 Everything that branches on a layout asks this object: the model pipeline (apply TP, split into stages, wrap for
 data parallelism), the loop (which ranks hold the loss, which reduce what), the checkpointer, the estimator and
@@ -45,7 +45,7 @@ class ParallelPlan:
     pp_schedule: str = "1f1b"
     pp_microbatches: int = 0  # 0 = max(pp, grad_accum_steps), resolved by build() when the batch is known
     virtual_stages: int = 1  # stages per pipeline rank (interleaved_1f1b: 2)
-    cp: int = 1  # context parallel: modelled by the estimator and planner only (the runtime refuses it, see build)
+    cp: int = 1  # context parallel: each sequence split over cp ranks (kiln.parallel.context)
 
     @property
     def dp(self) -> int:
@@ -59,6 +59,9 @@ class ParallelPlan:
 
     @property
     def mesh_shape(self) -> dict[str, int]:
+        """{"pp", "dp", "tp"} degrees, outermost first; with cp > 1 also "cp", between dp and tp."""
+        if self.cp > 1:
+            return {"pp": self.pp, "dp": self.dp, "cp": self.cp, "tp": self.tp}
         return {"pp": self.pp, "dp": self.dp, "tp": self.tp}
 
     @property
@@ -72,9 +75,9 @@ class ParallelPlan:
         return self.tp > 1 or self.pp > 1
 
     def coords(self, rank: int) -> dict[str, int]:
-        """This rank's index along each mesh dim (row-major over MESH_DIMS, tp fastest)."""
+        """This rank's index along each mesh dim (row-major over mesh_shape's dims, tp fastest)."""
         out, rest = {}, rank
-        for dim in reversed(MESH_DIMS):
+        for dim in reversed(self.mesh_shape):
             out[dim], rest = rest % self.mesh_shape[dim], rest // self.mesh_shape[dim]
         return out
 
@@ -82,7 +85,7 @@ class ParallelPlan:
         """The ranks of `rank`'s group along mesh dim `dim`: those whose other coordinates are rank's (its tp peers,
         the dp copies it averages gradients with, the stages of its pipeline), in order along the dim."""
         mine = self.coords(rank)
-        return [r for r in range(self.world_size // self.cp)
+        return [r for r in range(self.world_size)
                 if all(c == mine[d] for d, c in self.coords(r).items() if d != dim)]
 
     def holds(self, rank: int, n_layer: int) -> dict:
@@ -115,7 +118,7 @@ class ParallelPlan:
         always ask mesh["tp"])."""
         from torch.distributed.device_mesh import init_device_mesh  # lazy: only a multi-process run builds one
 
-        return init_device_mesh(device_type, tuple(self.mesh_shape.values()), mesh_dim_names=MESH_DIMS)
+        return init_device_mesh(device_type, tuple(self.mesh_shape.values()), mesh_dim_names=tuple(self.mesh_shape))
 
     @classmethod
     def build(cls, cfg, world_size: int, model: ModelConfig | None = None, family=None,

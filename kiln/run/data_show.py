@@ -2,7 +2,8 @@
 statistics. A shift error, a tokenizer that splits oddly or a corpus that is mostly whitespace is visible at once.
 
 Cells: each token decoded on its own, whitespace made visible (· space, ⏎ newline, ⇥ tab), ⟂ the end-of-document
-token (a document boundary), ∅ a target the loss ignores. Inputs and targets of one position share a column: when
+token (a document boundary), ∅ a target the loss ignores (a prompt token under data.train_on=assistant, a document's
+last target under data.document_mask, padding): every other target is counted, and each row says how many. Inputs and targets of one position share a column: when
 the data is right, each target is the next column's input.
 """
 from __future__ import annotations
@@ -65,10 +66,14 @@ def statistics(data) -> DataStats:
     parts = [part for _, _, part in data.sources] if data.sources else [data]  # a mixture: each source's cache
     documents = sum(json.loads((part.cache_dir / "meta.json").read_text())["docs"] for part in parts)
     counts = np.zeros(data.tokenizer.vocab_size, dtype=np.int64)
-    for start in range(0, len(data.train), 1 << 24):
-        counts += np.bincount(data.train[start:start + (1 << 24)], minlength=data.tokenizer.vocab_size)
+    for train in [p.train for p in parts]:
+        flat = train.content() if hasattr(train, "content") else train  # chat: its windows less their padding
+        for start in range(0, len(flat), 1 << 24):
+            counts += np.bincount(flat[start:start + (1 << 24)], minlength=data.tokenizer.vocab_size)
     top = np.argsort(-counts)[:8]
-    return DataStats(documents=documents, train_tokens=len(data.train), val_tokens=len(data.val),
+    train_tokens, val_tokens = (sum(len(p.content()) if hasattr(p, "content") else len(p) for p in split)
+                                for split in ([p.train for p in parts], [p.val for p in parts]))
+    return DataStats(documents=documents, train_tokens=train_tokens, val_tokens=val_tokens,
                      vocab_size=data.tokenizer.vocab_size, used=int((counts > 0).sum()),
                      top=[(cell(data.tokenizer, int(t)), counts[t] / counts.sum()) for t in top if counts[t]])
 
@@ -82,11 +87,13 @@ def show(cfg, batches: int = 1, rows: int = 2, positions: int = 48, log=print) -
                  f"target is the next column's input")
     try:
         for b in range(batches):
-            x, y = loader.next()
+            x, y, *doc = loader.next()  # doc: the document mask's (packed chat windows, data.document_mask)
             lines.append(f"batch {b + 1} ({cfg.train.micro_batch_size} × {cfg.data.seq_len} tokens), the first "
                          f"{min(positions, cfg.data.seq_len)} positions of {min(rows, len(x))} rows:")
             for r in range(min(rows, len(x))):
-                lines.append(f" row {r}")
+                docs = f", {int(doc[0][r].max()) + 1} documents" if doc else ""
+                lines.append(f" row {r}: the loss counts {int((y[r] != IGNORE_INDEX).sum())} of {len(y[r])} targets "
+                             f"(the others {IGNORED}){docs}")
                 lines += aligned(data.tokenizer, x[r, :positions].tolist(), y[r, :positions].tolist())
     finally:
         loader.close()

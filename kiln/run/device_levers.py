@@ -4,13 +4,18 @@
                                          one line each, returned for the run to print at start, for those that run
                                          and do nothing useful here (no silent no-ops)
 
-`kiln train` (through build_lm) and `kiln.fit` call it first.
+    refuse_before_data(cfg)              the preset's shape against lora.targets and parallel.cp, in one line each
+
+`kiln train` (through build_lm) and `kiln.fit` call device_levers first; build_lm then refuse_before_data.
 """
 from __future__ import annotations
 
 import torch
 
 from kiln.config import Config
+from kiln.models.lora import resolve_targets
+from kiln.models.registry import family
+from kiln.parallel.context import check_context_parallel
 from kiln.perf.hardware import resolve_kernels
 
 
@@ -44,3 +49,14 @@ def device_levers(cfg: Config, device: torch.device) -> list[str]:
                      f"beside them (8 bytes a parameter more when the parameters are fp32){late}; "
                      f"--optim.offload=none uses less memory")
     return notes
+
+
+def refuse_before_data(cfg: Config) -> None:
+    """Settings the preset's shape refuses, found before the data is read and before the launch's process group:
+    lora.targets against the family's linears, parallel.cp against data.seq_len and a mixture of experts (a
+    model.init's shape is checked again once it is read: kiln.run.lm's layout())."""
+    if cfg.lora.on and not cfg.model.init:
+        resolved = cfg.model.resolve()
+        resolve_targets(family(resolved.arch), resolved, cfg.lora.targets)
+    if cfg.parallel.cp > 1:
+        check_context_parallel(cfg.parallel, cfg.data.seq_len, moe=cfg.model.resolve().n_experts > 0)

@@ -68,7 +68,7 @@ class Doctor:
         self.lm, self.state, self.faults = lm, lm.state, faults
         self.model = lm.state.model  # eager, even when train.compile is on: hooks go on the real modules
         self.device = lm.state.device
-        x, y = lm.state.loader.next()
+        x, y, *_ = lm.state.loader.next()  # a document mask's doc is left out: the checks are the model's own
         if faults is not None:
             faults.begin_step(0)  # step 0 never arms the step-keyed faults; data faults apply to every batch
             (x, y), = faults.transform([(x, y)])

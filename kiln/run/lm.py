@@ -19,9 +19,12 @@ from rich.console import Console
 from kiln.config import Config, checked
 from kiln.data import PreparedData, TokenLoader, prepare_data, val_batches
 from kiln.data.batches import to_device
+from kiln.data.documents import document_separator
 from kiln.evaluate import Prepared, score_task, training_tasks
 from kiln.parallel import ParallelPlan, launched_by_torchrun
 from kiln.parallel.elastic import batch_after_resharding, restart_record
+from kiln.interop.base import base_reference
+from kiln.parallel.context import check_context_parallel
 from kiln.interop.hf import read_hf
 from kiln.memory.devices import get_device, local_device
 from kiln.memory.estimate import fmt_bytes, parse_bytes
@@ -30,7 +33,7 @@ from kiln.memory.planner import search
 from kiln.models import ModelConfig, Transformer, build_model
 from kiln.models.config import with_training_fields
 from kiln.models.generate import Sampling
-from kiln.models.lora import apply_lora, resolve_targets, trainable_line
+from kiln.models.lora import apply_lora, trainable_line
 from kiln.models.registry import family
 from kiln.numerics.faults import DelayedLoader
 from kiln.perf import flops_per_token
@@ -38,9 +41,10 @@ from kiln.perf.flops import recompute_flops_per_token
 from kiln.perf.peak import linear_shapes, model_peak_flops
 from kiln.perf.hardware import precision_notice, resolve_kernels
 from kiln.precision import mode
+from kiln.run.adapters import load_peft_adapters, merged_weights
 from kiln.run.builder import (RunRecord, build_run, pick_device, recorded_compile, recorded_cpu_linear,
                               recorded_precision, trainer_sections)
-from kiln.run.device_levers import device_levers
+from kiln.run.device_levers import device_levers, refuse_before_data
 from kiln.run.generate import complete
 from kiln.run.oom import OomContext, OutOfMemory, oom_report, ram_check
 from kiln.train.checkpoint import Checkpointer, RunLock, full_weights
@@ -70,8 +74,9 @@ def model_plan(cfg: Config, model_cfg: ModelConfig, precision: str, device: torc
     """The model pipeline's plan from the train and memory sections (kiln.config checked they agree); layout: the
     run's ParallelPlan when the model is split."""
     kernels = resolve_kernels(cfg.train.kernels, device)
-    if kernels == "triton" and model_cfg.dropout > 0:
-        kernels = "torch"  # train.kernels=auto with dropout: FlashAttention has none (explicit triton is refused)
+    if kernels == "triton" and (model_cfg.dropout > 0 or cfg.data.masks_documents):
+        kernels = "torch"  # train.kernels=auto with dropout or a document mask: FlashAttention has neither (explicit
+        # triton is refused)
     job = runtime_job(model_cfg, precision, device, **sections(cfg))
     # tp > 1: kiln.parallel.tensor puts its vocabulary-parallel loss in the plain LMLoss's place
     fused = kernels == "triton" and cfg.parallel.tp == 1
@@ -135,7 +140,8 @@ class LMRun:
     def _evaluate_on(self, model, tokens) -> float:
         c, world = self.cfg, self.state.world
         batches = val_batches(tokens, c.train.micro_batch_size, c.data.seq_len,
-                              eval_batch_count(c.train, len(tokens), c.data.seq_len))  # 0: every window
+                              eval_batch_count(c.train, len(tokens), c.data.seq_len),  # 0: every window
+                              separator=document_separator(c.data, self.data.tokenizer))
         mine = itertools.islice(batches, world.dp_rank, None, world.dp_size)  # each copy its share; totals summed
         return evaluate(model, (to_device(b, self.state.device) for b in mine), self.state.objective,
                         self.state.precision, self.state.device, world if world.size > 1 else None)
@@ -149,6 +155,7 @@ class LMRun:
         alone."""
         world = self.state.world
         weights = full_weights(self.state) if world.splits_weights else self.state.model.state_dict()
+        weights = merged_weights(self.cfg.model, self.cfg.lora, weights) if self.cfg.lora.on else weights
         if not world.main:
             return None
         model = build_model(self.cfg.model, self.state.device)
@@ -198,11 +205,10 @@ def build_lm(cfg: Config, run_dir: Path | None = None, log=print, device: torch.
     """
     for note in device_levers(cfg, device or pick_device(cfg.train.device)):  # refused before the data
         log(note)
-    if cfg.lora.on and not cfg.model.init:  # lora.targets against the preset's family, before the data too
-        resolved = cfg.model.resolve()
-        resolve_targets(family(resolved.arch), resolved, cfg.lora.targets)
+    refuse_before_data(cfg)
     parts = LMParts(Path(run_dir) if run_dir is not None else None, with_data, log)
     run = build_run(cfg, parts, device, log)
+    run.state.base = parts.base
     return LMRun(run.cfg, run.state, parts.data, parts.tasks, run.record)
 
 
@@ -217,6 +223,7 @@ class LMParts:
     objective: LanguageModeling = field(default_factory=LanguageModeling)
     data: PreparedData | None = None
     initial: dict | None = None  # model.init: the checkpoint's weights
+    base: dict | None = None  # a LoRA run's model.init: its path and digest, what its checkpoints refer to
     tasks: list[Prepared] = field(default_factory=list)
 
     def inputs(self, cfg: Config, world, device, log) -> dict:
@@ -226,6 +233,7 @@ class LMParts:
         if model.init:  # a Hugging Face checkpoint: its shape, its weights and (unless told) its tokenizer
             directory = Path(model.init.removeprefix("hf:"))
             shape, self.initial = read_hf(directory)
+            self.base = base_reference(model.init) if cfg.lora.on else None  # LoRA checkpoints refer to it
             model = replace(with_training_fields(shape, model), init=model.init)
             if data_cfg.tokenizer == "bytes" and (directory / "tokenizer.json").is_file():
                 data_cfg = replace(data_cfg, tokenizer=model.init)
@@ -252,6 +260,7 @@ class LMParts:
     def layout(self, cfg: Config, world_size: int) -> ParallelPlan:
         """The layout checked against the model: heads, widths and layers the split divides."""
         tc = cfg.train
+        check_context_parallel(cfg.parallel, cfg.data.seq_len, moe=cfg.model.n_experts > 0)  # a checkpoint's shape
         return ParallelPlan.build(cfg.parallel, world_size, cfg.model, family(cfg.model.arch),
                                   tc.micro_batch_size * tc.grad_accum_steps, tc.grad_accum_steps)
 
@@ -268,6 +277,7 @@ class LMParts:
                 raise ValueError(f"{cfg.model.init}: the checkpoint does not fill kiln's model (missing "
                                  f"{missing[:3]}, unexpected {unexpected[:3]})")
         apply_lora(model, cfg.lora, cfg.model)  # lora.rank > 0: adapters on the family's linears, the rest frozen
+        load_peft_adapters(model, cfg.model, cfg.lora)  # lora.init=peft:DIR: the adapters start as DIR's
         return model
 
     def loader(self, cfg: Config, world, device):
@@ -277,7 +287,8 @@ class LMParts:
             return None
         loader = TokenLoader(data.train, cfg.train.micro_batch_size, cfg.data.seq_len, cfg.data.seed, device,
                              cfg.data.prefetch, rank=world.dp_rank, world=world.dp_size,
-                             what=f"data.source={cfg.data.source!r}, train split")
+                             what=f"data.source={cfg.data.source!r}, train split",
+                             separator=document_separator(cfg.data, data.tokenizer))
         if cfg.faults.data_delay_ms:
             loader = DelayedLoader(loader, cfg.faults.data_delay_ms)
         if len(data.val) < cfg.data.seq_len + 1:  # found now, not at the first evaluation
@@ -285,7 +296,7 @@ class LMParts:
                              f"fewer than one sequence of data.seq_len + 1 = {cfg.data.seq_len + 1}; raise "
                              f"data.val_fraction, lower data.seq_len, or use more text")
         self.tasks = [] if data is None else training_tasks(
-            cfg.train, data.tokenizer, cfg.model.max_seq_len, world.plan.model_parallel,
+            cfg.train, data.tokenizer, cfg.model.max_seq_len, world.plan.model_parallel or world.plan.cp > 1,
             self.log if world.main else lambda msg: None)
         return loader
 
@@ -335,7 +346,7 @@ def _train(lm: LMRun, cfg: Config, run_dir: Path, resume: bool, con: Console, ca
     tokens_per_step = c.train.micro_batch_size * c.train.grad_accum_steps * c.data.seq_len
     world = state.world
     ranks = f" | {world.strategy} × {world.size} ranks" if world.sharded else ""
-    if world.plan.model_parallel:
+    if world.plan.model_parallel or world.plan.cp > 1:
         ranks = " | mesh " + " × ".join(f"{k}{v}" for k, v in world.plan.mesh_shape.items()) + f" ({world.strategy})"
     con.print(f"model: {c.model.init or c.model.preset} ({c.model.arch}) {state.n_params / 1e6:.2f}M parameters | "
               f"device {state.device} | precision {state.precision.mode} | {tokens_per_step * world.dp_size:,} "

@@ -11,8 +11,8 @@
 that saved none, an hf: directory without weights) is a SourceError naming the path, which the CLI prints as
 one line (exit 2).
 
-A LoRA run (base model + adapters, the finetune issue) is not read yet: `_run_weights` is where its adapters
-would be merged into the base weights before the model is built.
+A LoRA run's checkpoint (lora.rank > 0) is its adapters and a reference to its base (kiln.run.adapters): the base
+is read again (refused in one line when its files changed on disk) and the adapters merged into it.
 """
 from __future__ import annotations
 
@@ -28,6 +28,7 @@ from kiln.data.tokenizer import TOKENIZER_FILE, BPETokenizer, ByteTokenizer, Tok
 from kiln.errors import KilnError
 from kiln.interop.hf import read_hf
 from kiln.models import ModelConfig, Transformer, build_model, param_count
+from kiln.run.adapters import lora_run
 from kiln.run.lm import pick_device
 from kiln.train.checkpoint import CheckpointConfig, Checkpointer
 
@@ -89,18 +90,24 @@ def _from_run(path: Path, dev: torch.device, dtype: torch.dtype) -> ModelSource:
     cfg = load_config(checkpoint / "config.toml" if (checkpoint / "config.toml").is_file() else run_dir / "config.toml")
     model_cfg = cfg.model.resolve()
     model = build_model(model_cfg, dev)
-    model.load_state_dict(weights)
-    model.to(dtype).eval()
-    tokenizer = load_tokenizer(run_dir)
     step = int(STEP_DIR.fullmatch(checkpoint.name).group(1))
     what = f"{run_dir} step {step}"
+    if cfg.lora.on:  # base + adapters, merged: the plain model generates with the KV cache as any other
+        weights = lora_run(cfg, weights, checkpoint).merged()
+        what += f" (LoRA rank {cfg.lora.rank} on {cfg.model.init or 'its own base'})"
+    missing, unexpected = model.load_state_dict(weights, strict=False)
+    if unexpected or any(not k.startswith("rope_") for k in missing):  # a base read from hf:DIR has no rope_
+        raise SourceError(checkpoint, f"the checkpoint does not fill kiln's model (missing {missing[:3]}, "
+                                      f"unexpected {unexpected[:3]})")
+    model.to(dtype).eval()
+    tokenizer = load_tokenizer(run_dir)
     return ModelSource(model, tokenizer, model_cfg, step, tokenizer.eot_id, (tokenizer.eot_id,),
                        _describe(what, model_cfg), dev)
 
 
 def _run_weights(run_dir: Path, checkpoint: Path | None, dev: torch.device) -> tuple[dict, Path]:
-    """The model weights of `checkpoint` (None: the newest that verifies) and the checkpoint they came from.
-    Here a LoRA run's adapters would be merged into its base model's weights."""
+    """The model weights of `checkpoint` (None: the newest that verifies) and the checkpoint they came from (a LoRA
+    run's: its adapters, and its base unless it refers to model.init's)."""
     checkpointer = Checkpointer(CheckpointConfig(), run_dir)
     if checkpoint is None and checkpointer.latest() is None:
         raise SourceError(run_dir, str(checkpointer.none_error()))  # none saved yet, or none verifies

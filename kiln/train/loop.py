@@ -138,6 +138,9 @@ class Trainer:
     def resume(self) -> Path:
         """Load the latest checkpoint of the run directory into the state (numerics monitor included)."""
         if self.state.world.sharded:
+            latest = self.checkpointer.latest()
+            if latest is not None:  # the base a LoRA checkpoint refers to, before any weights are loaded
+                self.state.check_base(torch.load(latest / "state.pt", map_location="cpu", weights_only=True), latest)
             path = self.checkpointer.load_sharded(self.state)
             self.resumed_at = self.state.step  # the records an interrupted attempt wrote past it move aside
             return path
@@ -146,6 +149,7 @@ class Trainer:
         if (path / "sharded").is_dir():
             raise ValueError(f"{path} was written under parallel.strategy by several ranks; resume it with "
                              f"--parallel.strategy=ddp or fsdp (one process works without torchrun)")
+        self.state.check_base(state, path)
         self.state.load_state_dict(state)
         self.resumed_at = self.state.step
         return path

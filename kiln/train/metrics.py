@@ -60,9 +60,9 @@ class StepMetrics:
         # The one host-device transfer per log interval.
         threshold = result.clip_threshold if result.clip_threshold is not None else result.grad_norm.new_tensor(
             self.grad_clip)
-        loss, grad_norm, skipped, scale, threshold = torch.stack([
+        loss, grad_norm, skipped, scale, threshold, counted = torch.stack([
             result.loss.double(), result.grad_norm.double(), self.skipped_total.double(), state.scaler.scale.double(),
-            threshold.double()]).tolist()
+            threshold.double(), result.count.double().reshape(())]).tolist()
         elapsed = time.perf_counter() - self.window_start
         rate = self.window_units * state.world.dp_size / elapsed  # global: every data-parallel copy served as many
         # per device: the global rate shared by the ranks; a measured peak the model beat is raised to its rate
@@ -77,6 +77,8 @@ class StepMetrics:
             "peak_mem_bytes": peak_memory_bytes(state.device),
             "mfu": mfu if self.flops_per_unit else None, "hfu": hfu if self.flops_per_unit else None,
             "mfu_peak_flops": peak if self.flops_per_unit else None,  # the peak this record's MFU divides by
+            # the step's targets (samples) its loss counts over every rank: a prompt-masked batch counts fewer
+            f"loss_{self.unit}": int(counted),
             "skipped_steps": int(skipped), "loss_scale": scale if state.scaler.enabled else None,
             # ddp, zero1: seconds per step the gradient all-reduces were in flight (overlapping the backward)
             "comm_s": state.world.comm.take() / self.window_steps if state.world.comm is not None else None,

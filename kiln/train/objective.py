@@ -7,7 +7,8 @@
 The step divides every micro-batch's sum by the count of the whole global batch, so k micro-batches, even of
 uneven sizes or valid-token counts, give the gradient of one batch k times larger.
 
-    LanguageModeling()   kiln's Transformer: batch (x, y) of token ids; per valid target token
+    LanguageModeling()   kiln's Transformer: batch (x, y) of token ids, or (x, y, doc) with each position's
+                         document (packed chat windows); per valid target token
     Supervised(loss)     any model: batch (inputs, targets); loss(model(inputs), targets); per sample
     Contrastive(loss)    any encoder: batch (view_a, view_b); loss(model(view_a), model(view_b)) (NT-Xent)
 """
@@ -44,7 +45,9 @@ def _first_dim(x) -> int:
 
 
 class LanguageModeling:
-    """kiln's Transformer: model(x, y, reduction="sum") is the summed loss over targets != IGNORE_INDEX."""
+    """kiln's Transformer: model(x, y, reduction="sum") is the summed loss over targets != IGNORE_INDEX. A third
+    tensor, doc (B, T), is the document of each position in packed windows (data.document_mask): the model's
+    attention and positions restart at each document (kiln.models.documents)."""
 
     unit = "tokens"
 
@@ -55,6 +58,9 @@ class LanguageModeling:
         return batch[0].numel()
 
     def __call__(self, model, batch) -> torch.Tensor:
+        if len(batch) == 3:  # packed documents (kiln.data.packing): the model restarts attention where doc changes
+            x, y, doc = batch
+            return model(x, y, reduction="sum", doc=doc)
         x, y = batch
         return model(x, y, reduction="sum")
 

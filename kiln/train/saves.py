@@ -64,11 +64,11 @@ class Saves:
         """Before the first save: warn when keep_last checkpoints of this size will not fit on the disk."""
         if not state.world.main:
             return
-        tensors = [*state.model.state_dict().values()]
-        tensors += [v for s in state.optimizer.state.values() if s  # ZeRO-1 keeps None for others' parameters
-                    for v in s.values() if isinstance(v, torch.Tensor)]
+        weights = [*state.model_state_dict().values()]  # a LoRA run on model.init: the adapters only
+        tensors = weights + [v for s in state.optimizer.state.values() if s  # ZeRO-1: None for others' parameters
+                             for v in s.values() if isinstance(v, torch.Tensor)]
         size = sum(t.numel() * t.element_size() for t in tensors)
-        size += sum(p.numel() * p.element_size() for p in state.model.parameters())  # model.safetensors
+        size += sum(t.numel() * t.element_size() for t in weights)  # model.safetensors
         target = self.checkpointer.dir if self.checkpointer.dir.exists() else run_dir
         target.mkdir(parents=True, exist_ok=True)
         free = shutil.disk_usage(target).free

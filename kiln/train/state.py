@@ -21,6 +21,7 @@ import numpy as np
 import torch
 import torch.nn as nn
 
+from kiln.interop.base import check_base
 from kiln.parallel import World
 from kiln.train.checkpoint import global_tokens_seen, rng_state, saved_world, set_rng_state
 from kiln.train.optim import AdaptiveClip, OptimConfig, build_optimizer, optimizer_groups
@@ -79,15 +80,34 @@ class TrainState:
     world: World = field(default_factory=World)  # this process's place in data parallelism (a world of one)
     adaptive_clip: AdaptiveClip | None = None  # optim.clip_mode=adaptive: the norm history the threshold comes from
     resumed_world: dict | None = None  # the world ({"size", "dp"}) that wrote the checkpoint this state resumed
+    # The frozen base a checkpoint refers to instead of holding it (a LoRA run on model.init=hf:DIR: the path and
+    # its files' xxh3, kiln.interop.base): the model's state then holds only the trainable weights, the adapters.
+    base: dict | None = None
+
+    def model_state_dict(self) -> dict:
+        """The model's weights a checkpoint holds: all of them, or with a `base` only the trainable ones."""
+        weights = self.model.state_dict()
+        if self.base is None:
+            return weights
+        trainable = {name for name, p in self.model.named_parameters() if p.requires_grad}
+        return {name: t for name, t in weights.items() if name in trainable}
 
     def state_dict(self) -> dict:
         """Everything, in one process's hands (a world of one, and the in-memory rollback snapshot)."""
-        return {"model": self.model.state_dict(), "optimizer": self.optimizer.state_dict(), "rng": rng_state()} \
+        return {"model": self.model_state_dict(), "optimizer": self.optimizer.state_dict(), "rng": rng_state()} \
             | self.shared_state_dict()
 
     def load_state_dict(self, state: dict) -> None:
         try:
-            self.model.load_state_dict(state["model"])
+            if self.base is None:
+                self.model.load_state_dict(state["model"])
+            else:  # the frozen weights are the base's, loaded when the model was built
+                missing = set(self.model_state_dict()) - set(state["model"])
+                if missing:
+                    raise RuntimeError(f"Missing key(s):\n{sorted(missing)[0]}")
+                unexpected = self.model.load_state_dict(state["model"], strict=False).unexpected_keys
+                if unexpected:
+                    raise RuntimeError(f"Unexpected key(s):\n{unexpected[0]}")
         except RuntimeError as e:  # torch lists every key; the first one says enough
             detail = next((line.strip() for line in str(e).splitlines()[1:] if line.strip()), str(e))
             raise ValueError(f"the checkpoint holds a model of another shape than this config builds ({detail[:160]}"
@@ -115,6 +135,8 @@ class TrainState:
             state["numerics"] = self.numerics.state_dict()
         if self.adaptive_clip is not None:
             state["adaptive_clip"] = self.adaptive_clip.state_dict()
+        if self.base is not None:
+            state["base"] = self.base
         return state
 
     def load_shared_state_dict(self, state: dict) -> None:
@@ -129,6 +151,12 @@ class TrainState:
             self.numerics.load_state_dict(state["numerics"])
         if self.adaptive_clip is not None and "adaptive_clip" in state:  # else its history starts here
             self.adaptive_clip.load_state_dict(state["adaptive_clip"])
+
+    def check_base(self, saved: dict, where) -> None:
+        """Refuse, in one line, a checkpoint whose base (a LoRA run's model.init) differs from the one this run
+        loaded: another directory's files, or the same directory's changed on disk."""
+        if saved.get("base") is not None:
+            check_base(saved["base"], str(where), self.base or {"init": "", "files": {}})
 
     @property
     def n_params(self) -> int:

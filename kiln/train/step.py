@@ -37,8 +37,8 @@ def micro_batch_losses(model, batches, objective, precision: Precision, world: W
     trace's replay both take their losses from here. The consumer runs the backward before drawing the next loss:
     gradients are reduced across ranks on the last micro-batch only."""
     count = sum(objective.count(b) for b in batches)
-    if world is not None:  # the global batch's count: every rank divides by the same number (tp ranks share data)
-        world.all_reduce(count, dim="dp")
+    if world is not None:  # the global batch's count: every rank divides by the same number (tp ranks share data;
+        world.all_reduce(count, dim="dp")  # cp ranks too: each sees the whole batch and sums its 1/cp of the tokens)
     count = count.clamp(min=1)
     for i, batch in enumerate(batches):
         with gradient_sync(model, i == len(batches) - 1):
@@ -52,14 +52,16 @@ def accumulate_gradients(model, batches, objective, precision: Precision, scaler
     """Forward and backward over every micro-batch; returns (mean loss over the global batch, count)."""
     if isinstance(model, PipelineModel):
         return _pipeline_gradients(model, batches, objective, precision, scaler, world)
-    # DDP and FSDP average gradients over the dp ranks; each rank's loss is already a share of the global mean.
-    ranks = world.dp_size if world is not None and world.dp_strategy.reduces else 1
+    # DDP and FSDP average gradients over the dp ranks (FSDP over dp × cp under context parallelism); each rank's
+    # loss is already a share of the global mean.
+    ranks = world.grad_ranks if world is not None and world.dp_strategy.reduces else 1
     total_loss, count = None, None
     for loss, count in micro_batch_losses(model, batches, objective, precision, world):
         scaler.scale_loss(loss * ranks if ranks > 1 else loss).backward()
         total_loss = loss.detach().double() if total_loss is None else total_loss + loss.detach()
-    if world is not None:
-        world.all_reduce(total_loss, dim="dp")  # every rank logs and judges the same loss
+    if world is not None:  # every rank logs and judges the same loss: the copies' and each copy's cp shares
+        world.all_reduce(total_loss, dim="dp")
+        world.all_reduce(total_loss, dim="cp")
     return total_loss, count
 
 
@@ -142,5 +144,6 @@ def evaluate(model, batches, objective, precision: Precision, device, world: Wor
         for dim in ("pp", "dp"):  # holds them, the others zeros)
             world.all_reduce(total, dim=dim)
             world.all_reduce(count, dim=dim)
+        world.all_reduce(total, dim="cp")  # each cp rank summed its 1/cp of the tokens; all counted the batch
     return (total / count.clamp(min=1)).item()
 

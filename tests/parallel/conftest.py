@@ -8,8 +8,9 @@ from pathlib import Path
 import pytest
 import torch
 
+from kiln.run import lm
 from kiln.run.lm import train
-from tests.parallel.scenarios import fit_run, lm_config, lora_config, moe_config
+from tests.parallel.scenarios import MaskedLoader, fit_run, lm_config, lora_config, moe_config, tp_config
 from tests.train.test_golden_curve import corpus_text
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -80,6 +81,18 @@ def launched(tmp_path_factory, source, kiln_cache):
     for strategy in ("fsdp", "zero1"):  # one process writes 5 steps; the launch resumes them on 2 ranks
         train(lm_config(source, "none", steps=5), out / f"from_one_{strategy}")
     torchrun("worker.py", out, source, nproc=2, timeout=300)
+    return out
+
+
+@pytest.fixture(scope="session")
+def tp_reference(tmp_path_factory, source, kiln_cache):
+    """tp_worker.py's runs in this one process (4 micro-batches of 2 where each dp rank takes 2), with its uneven
+    valid-token counts (test_tensor_parallel.py, test_context_parallel.py)."""
+    out = tmp_path_factory.mktemp("tp-single")
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(lm, "TokenLoader", MaskedLoader)
+        for arch in ("llama", "gpt2"):
+            train(tp_config(source, arch, "none", tp=1, steps=6), out / arch)
     return out
 
 

@@ -22,17 +22,6 @@ from tests.parallel.test_dist import losses, records
 RTOL = 1e-5
 
 
-@pytest.fixture(scope="module")
-def tp_reference(tmp_path_factory, source, kiln_cache):
-    """The same runs in this one process (4 micro-batches of 2 where each dp rank takes 2)."""
-    out = tmp_path_factory.mktemp("tp-single")
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(lm, "TokenLoader", MaskedLoader)
-        for arch in ("llama", "gpt2"):
-            train(tp_config(source, arch, "none", tp=1, steps=6), out / arch)
-    return out
-
-
 def weights(run_dir):
     return load_file(str(run_dir / "checkpoints" / (run_dir / "checkpoints" / "latest").read_text().strip()
                          / "model.safetensors"))

@@ -23,6 +23,11 @@ train(tp_config(source, "gpt2", "ddp", tp=2, steps=6, sequence_parallel=True), o
 # fsdp × 4 (no TP) for 3 steps, resumed as tp2 × dp2 to step 6: a checkpoint resharded into the TP layout
 train(tp_config(source, "llama", "fsdp", tp=1, steps=3), out / "fsdp_to_tp")
 train(tp_config(source, "llama", "fsdp", tp=2, steps=6), out / "fsdp_to_tp", resume=True)
+# dp2 × cp2 under FSDP2 over all 4 ranks (tests/parallel/test_context_parallel.py): llama, each copy's sequences
+# split over 2 cp ranks, the valid counts uneven across the copies
+llama_cp = tp_config(source, "llama", "fsdp", tp=1, steps=6)
+llama_cp.parallel.cp = 2
+train(llama_cp, out / "llama_dp2_cp2")
 
 # kiln.fit on a model of the user's own with the user's plan (tests/parallel/test_fit_tensor_parallel.py): tp2 × dp2
 # under FSDP2, saved at step 3; under DDP (FSDP2's replicate over mesh["dp"]); and the FSDP2 run's step-3 checkpoint

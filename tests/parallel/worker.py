@@ -7,6 +7,7 @@ import sys
 import time
 from pathlib import Path
 
+from tests.parallel.cp_scenarios import cp_config, model_parity
 from tests.parallel.scenarios import fit_run, lm_config, lora_config, measured_state_bytes, moe_config
 from kiln.parallel.watchdog import CollectiveError
 from kiln.run.lm import train
@@ -59,6 +60,9 @@ levers.numerics.fp16_telemetry_interval = 2
 # collectives shows.
 levers.faults.slow_forward_ms, levers.faults.rank = 80.0, 1
 train(levers, out / "levers")
+train(cp_config(source), out / "lm_cp")  # context parallel (tests/parallel/test_context_parallel.py)
+train(cp_config(source, steps=4, recompute="full"), out / "lm_cp_recompute")
+model_parity(out)
 train(lm_config(source, "ddp", steps=8, nan_forward="blocks.1.attn@4", nan_rank=1, trace=True), out / "nan")
 try:
     train(lm_config(source, "ddp", steps=2, global_batch_size=4), out / "bad_global")

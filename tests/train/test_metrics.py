@@ -7,7 +7,8 @@ from kiln.run.lm import train
 from kiln.train.logging import KINDS
 
 TRAIN_KEYS = {"kind", "step", "loss", "lr", "grad_norm", "tokens_per_s", "step_time_s", "tokens_seen",
-              "peak_mem_bytes", "mfu", "hfu", "mfu_peak_flops", "clip_threshold", "utilisation", "skipped_steps"}
+              "peak_mem_bytes", "mfu", "hfu", "mfu_peak_flops", "clip_threshold", "utilisation", "skipped_steps",
+              "loss_tokens"}
 
 
 def test_every_record_has_a_kind_and_its_fields(small_config, tmp_path):
@@ -32,5 +33,8 @@ def test_every_record_has_a_kind_and_its_fields(small_config, tmp_path):
                                                                          "train_loss", "gap"}
         else:
             assert {"kind", "step", "event"} <= set(r)
+    # text windows: every target counts, so the step's counted targets are its tokens
+    assert {r["loss_tokens"] for r in records if r["kind"] == "train"} == {
+        cfg.train.micro_batch_size * cfg.train.grad_accum_steps * cfg.data.seq_len}
     assert [r["step"] for r in records if r["kind"] == "eval"] == [3, 6]
     assert {r["event"] for r in records if r["kind"] == "numerics"} >= {"nonfinite", "nonfinite_trace"}

@@ -374,3 +374,10 @@ def trainable_line(model: nn.Module) -> str:
     """The start line's `trainable N of M parameters (x%)`."""
     n, m = trainable_count(model)
     return f"trainable {n:,} of {m:,} parameters ({100 * n / max(m, 1):.2f}%)"
+
+
+def lora_line(lora: LoraConfig, model: nn.Module) -> str:
+    """What `kiln train` and kiln.fit print at the start of a LoRA run ("" without adapters)."""
+    if not lora.on:
+        return ""
+    return f"lora: rank {lora.rank}, alpha {lora.alpha:g}, targets {lora.targets} | {trainable_line(model)}"

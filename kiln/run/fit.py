@@ -45,7 +45,7 @@ from kiln.data.batches import BatchLoader, eval_batches, is_dataset, to_device
 from kiln.parallel import ParallelPlan, launched_by_torchrun
 from kiln.memory.offload import parse_blocks
 from kiln.memory.estimate import recompute_plan
-from kiln.models.lora import apply_lora, trainable_line
+from kiln.models.lora import apply_lora, lora_line
 from kiln.models.transformer import Transformer
 from kiln.perf import device_peak_flops
 from kiln.perf.compile import compile_setting
@@ -357,10 +357,8 @@ def _fit(run, parts: FitParts, eval_data, run_dir, resume, con, flops_per_sample
     con.print(f"model: {type(model).__name__} {format_count(state.n_params)} parameters | device {device} | "
               f"precision {precision} | {objective!r} | {tc.micro_batch_size}×{tc.grad_accum_steps} per step",
               highlight=False)
-    if cfg.lora.on:
-        con.print(f"lora: rank {cfg.lora.rank}, alpha {cfg.lora.alpha:g}, targets {cfg.lora.targets} | "
-                  f"{trainable_line(state.model)}", highlight=False)
-    for line in (*parts.notes[:2], scaled, precision_notice(cfg.precision.mode, device), *parts.notes[2:]):
+    for line in (lora_line(cfg.lora, state.model), *parts.notes[:2], scaled,
+                 precision_notice(cfg.precision.mode, device), *parts.notes[2:]):
         if line:
             con.print(line, highlight=False)
     result = trainer.run()

@@ -33,7 +33,7 @@ from kiln.memory.planner import search
 from kiln.models import ModelConfig, Transformer, build_model
 from kiln.models.config import with_training_fields
 from kiln.models.generate import Sampling
-from kiln.models.lora import apply_lora, trainable_line
+from kiln.models.lora import apply_lora, lora_line
 from kiln.models.registry import family
 from kiln.numerics.faults import DelayedLoader
 from kiln.perf import flops_per_token
@@ -159,7 +159,6 @@ class LMRun:
         if not world.main:
             return None
         model = build_model(self.cfg.model, self.state.device)
-        apply_lora(model, self.cfg.lora, self.cfg.model, fresh=False)  # the run's adapters, loaded next
         model.load_state_dict(weights)
         model.to(self.state.precision.param_dtype)
         return generate_text(model, self.data.tokenizer, prompt, max_new_tokens, temperature, top_k, seed,
@@ -342,21 +341,17 @@ def _train(lm: LMRun, cfg: Config, run_dir: Path, resume: bool, con: Console, ca
         trainer.resumed_at = lm.state.step  # the failed attempt's records past it move aside (trained again)
         con.print(f"restart {restart['restarts']}: continuing at step {restart['step']}, {restart['steps_lost']} "
                   f"step(s) of the failed attempt trained again", highlight=False)
-    c, state = lm.cfg, lm.state
+    c, state, world = lm.cfg, lm.state, lm.state.world
     tokens_per_step = c.train.micro_batch_size * c.train.grad_accum_steps * c.data.seq_len
-    world = state.world
     ranks = f" | {world.strategy} × {world.size} ranks" if world.sharded else ""
     if world.plan.model_parallel or world.plan.cp > 1:
         ranks = " | mesh " + " × ".join(f"{k}{v}" for k, v in world.plan.mesh_shape.items()) + f" ({world.strategy})"
     con.print(f"model: {c.model.init or c.model.preset} ({c.model.arch}) {state.n_params / 1e6:.2f}M parameters | "
               f"device {state.device} | precision {state.precision.mode} | {tokens_per_step * world.dp_size:,} "
               f"tokens/step{ranks}", highlight=False)
-    if c.lora.on:
-        con.print(f"lora: rank {c.lora.rank}, alpha {c.lora.alpha:g}, targets {c.lora.targets} | "
-                  f"{trainable_line(state.model)}", highlight=False)
-    scaled = lm.peak_lr()[1]
-    if scaled:
-        con.print(scaled, highlight=False)
+    for line in (lora_line(c.lora, state.model), lm.peak_lr()[1]):  # the adapters' share; optim.lr's scaling
+        if line:
+            con.print(line, highlight=False)
     note = precision_notice(cfg.precision.mode, state.device)  # why auto chose it, or that bf16 is emulated here
     if resume and c.precision.decided_by:
         note = f"precision {c.precision.mode}, as recorded when the run started ({c.precision.decided_by})"

@@ -14,7 +14,8 @@ ratios to `causal` is reported, and the medians of the times:
 Then the whole model: a training step (forward, backward) of the default nano GPT-2 and of the same shape as
 Llama, on (x, y) against (x, y, doc), alternating the same way; doc's building (positions, mask) is inside.
 
-    .venv/bin/python benchmarks/document_mask.py [--reps 15] [--batch 8] [--seq 256] [--doc-len 64]
+    .venv/bin/python benchmarks/document_mask.py [--reps 15] [--batch 8] [--seq 256] [--doc-len 64] [--no-split]
+                                                 [--threads N]
 """
 from __future__ import annotations
 
@@ -94,7 +95,11 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--seq", type=int, default=256)
     ap.add_argument("--doc-len", type=int, default=64)
+    ap.add_argument("--no-split", action="store_true", help="leave out the per-document split (10x the others' time)")
+    ap.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
     args = ap.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
     B, T = args.batch, args.seq
     gen = torch.Generator().manual_seed(0)
     doc = random_docs(B, T, args.doc_len, gen)
@@ -106,6 +111,8 @@ def main() -> None:
         q, k, v = (torch.randn(B, H, T, D, dtype=dtype, generator=gen).requires_grad_() for _ in range(3))
         fns = {}
         for name, attn in attn_variants(doc).items():
+            if name == "split" and args.no_split:
+                continue
             def step(attn=attn):
                 attn(q, k, v).sum().backward()
             fns[name] = step
@@ -114,7 +121,7 @@ def main() -> None:
 
     for arch in ("gpt2", "llama"):
         torch.manual_seed(0)
-        model = build_model(ModelConfig(preset="nano", arch=arch, max_seq_len=T).resolve())
+        model = build_model(ModelConfig(preset="nano", arch=arch, max_seq_len=T, vocab_size=256).resolve())
         x = torch.randint(0, 256, (B, T), generator=gen)
         y = torch.randint(0, 256, (B, T), generator=gen)
 

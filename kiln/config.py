@@ -19,6 +19,7 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 
 from kiln.data import DataConfig
+from kiln.data.documents import document_mask_refusal
 from kiln.data.sft import chat_template_for
 from kiln.errors import KilnError
 from kiln.parallel import ParallelConfig
@@ -247,13 +248,9 @@ def _cross_checks(cfg: Config) -> None:
         raise ConfigError("train.kernels=triton already fuses the LM head and cross-entropy (the logits never exist "
                           "at once); memory.chunked_loss would replace it: drop --memory.chunked_loss, or use "
                           "--train.kernels=torch")
-    if cfg.data.masks_documents and (cfg.train.kernels == "triton" or cfg.parallel.pp > 1):
-        what = ("train.kernels=triton runs attention in FlashAttention, which takes no mask" if cfg.parallel.pp == 1
-                else f"parallel.pp={cfg.parallel.pp} sends the pipeline stages hidden states, not the documents")
-        fix = "--train.kernels=torch" if cfg.parallel.pp == 1 else "--parallel.pp=1"
-        raise ConfigError(f"{what}, and data.document_mask is on (records={cfg.data.records}); use {fix}, or set "
-                          f"--data.document_mask=false", key="data.document_mask", value=cfg.data.document_mask,
-                          fix=f"use {fix}, or set --data.document_mask=false")
+    refused = document_mask_refusal(cfg.data, cfg.train.kernels, cfg.parallel.pp, cfg.parallel.cp)
+    if refused:
+        raise ConfigError(refused[0], key="data.document_mask", value=cfg.data.document_mask, fix=refused[1])
     if cfg.parallel.tp > 1 and cfg.memory.chunked_loss:
         raise ConfigError(f"parallel.tp={cfg.parallel.tp} computes the loss on logits split over the vocabulary (1/tp "
                           f"of them per rank); memory.chunked_loss would need the whole head on each rank: drop "

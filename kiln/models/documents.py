@@ -6,8 +6,8 @@ samples of a chat set). From doc alone, with no host sync:
 
     positions(doc)             (B, T) long: t minus the first position of its document (RoPE's and GPT-2's table row)
     document_mask(doc)         (B, 1, T, T) bool: key j is seen by query i when j ≤ i and both are in one document
-    document_block_mask(doc)   the same rule as flex_attention's BlockMask (CUDA; context parallel builds its own
-                               shards' masks from it)
+    same_document(doc)         the rule as flex_attention's mask_mod (context parallel builds its shards' masks)
+    document_block_mask(doc)   the same rule as flex_attention's BlockMask (CUDA)
 
 Attention with the boolean mask goes through SDPA, measured on CPU against flex_attention and a per-document split
 (benchmarks/document_mask.py, docs/benchmarks.md): flex_attention has no backward on CPU (torch 2.13:
@@ -36,18 +36,24 @@ def document_mask(doc: torch.Tensor) -> torch.Tensor:
     return ((doc[:, :, None] == doc[:, None, :]) & causal)[:, None]
 
 
+def same_document(doc: torch.Tensor):
+    """flex_attention's mask_mod of the rule: (b, h, q, kv) -> q ≥ kv and one document (q, kv: positions of doc's
+    windows; a context-parallel shard offsets its q before calling it)."""
+
+    def mask_mod(b, h, q, kv):
+        return (q >= kv) & (doc[b, q] == doc[b, kv])
+
+    return mask_mod
+
+
 def document_block_mask(doc: torch.Tensor, block_size: int = 128):
     """flex_attention's BlockMask for causal attention within each document of doc (B, T); its blocks without any
     allowed pair are skipped, which is where flex gains over a dense mask on a GPU. Not used on a CPU, where
-    flex_attention has no backward."""
+    flex_attention has no backward (and building it took 24 s for T = 22 on the shared 2-core CPU)."""
     from torch.nn.attention.flex_attention import create_block_mask  # lazy: flex pulls in torch's compile stack
 
     B, T = doc.shape
-
-    def same_document(b, h, q, kv):
-        return (q >= kv) & (doc[b, q] == doc[b, kv])
-
-    return create_block_mask(same_document, B, None, T, T, device=doc.device, BLOCK_SIZE=block_size)
+    return create_block_mask(same_document(doc), B, None, T, T, device=doc.device, BLOCK_SIZE=block_size)
 
 
 def check_doc(doc: torch.Tensor, idx: torch.Tensor) -> None:

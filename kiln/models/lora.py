@@ -13,6 +13,7 @@
                                     with one adapter pair per piece: `lora_A[piece]` (r, in), `lora_B[piece]`
                                     (rows, r); y = x Wᵀ + b + scale · concat_p(B_p A_p dropout(x))
     merge_lora(model)               each LoraLinear back to a plain nn.Linear holding W + scale·B·A (export)
+    adapter_layout(model), add_adapters(copy, layout)   a plain copy of a model given the same adapters
     trainable_count(model)          (trainable, total) parameters of a built model, tied ones once
     parameter_counts(cfg, lora)     the same from the config alone
 
@@ -110,7 +111,7 @@ class LoraLinear(nn.Linear):
     """A frozen nn.Linear plus adapter pairs, one per piece of its output rows (module docstring)."""
 
     def __init__(self, base: nn.Linear, pieces: dict[str, int], rank: int, alpha: float, dropout: float,
-                 fan_in_fan_out: bool = False):
+                 fan_in_fan_out: bool = False, fresh: bool = True):
         nn.Module.__init__(self)  # not nn.Linear's: the base's weight and bias are taken over, not allocated
         for key, value in vars(base).items():  # in/out_features and marks such as `residual` (the init's)
             if not key.startswith("_") and key != "training":
@@ -129,7 +130,8 @@ class LoraLinear(nn.Linear):
             self.lora_A[k] = nn.Parameter(torch.empty(rank, self.in_features, **like))
             self.lora_B[k] = nn.Parameter(torch.zeros(rows, rank, **like))
         self.lora_dropout = nn.Dropout(dropout) if dropout > 0 else nn.Identity()
-        self.reset_adapters()
+        if fresh:  # else the caller loads them (a copy of a trained model): no draw from torch's generator
+            self.reset_adapters()
 
     @torch.no_grad()
     def reset_adapters(self) -> None:
@@ -259,14 +261,15 @@ def parameter_counts(cfg, lora: LoraConfig) -> tuple[int, int]:
 # ---------------------------------------------------------------- applying and undoing
 
 
-def _adapt(model: nn.Module, name: str, pieces: dict, lora: LoraConfig, fan_in_fan_out: bool) -> None:
+def _adapt(model: nn.Module, name: str, pieces: dict, lora: LoraConfig, fan_in_fan_out: bool,
+           fresh: bool = True) -> None:
     module = model.get_submodule(name)
     if not isinstance(module, nn.Linear) or isinstance(module, LoraLinear):
         raise KilnError(f"lora.targets={lora.targets!r}: {name} is a {type(module).__name__}, not an nn.Linear LoRA "
                         f"can adapt", key="lora.targets", value=lora.targets, fix="name nn.Linear layers only")
     parent, _, leaf = name.rpartition(".")
     setattr(model.get_submodule(parent) if parent else model, leaf,
-            LoraLinear(module, pieces, lora.rank, lora.alpha, lora.dropout, fan_in_fan_out))
+            LoraLinear(module, pieces, lora.rank, lora.alpha, lora.dropout, fan_in_fan_out, fresh))
 
 
 def _user_targets(model: nn.Module, lora: LoraConfig) -> list[str]:
@@ -292,18 +295,20 @@ def _user_targets(model: nn.Module, lora: LoraConfig) -> list[str]:
     return chosen
 
 
-def apply_lora(model: nn.Module, lora: LoraConfig, cfg=None) -> list[str]:
+def apply_lora(model: nn.Module, lora: LoraConfig, cfg=None, fresh: bool = True) -> list[str]:
     """The targeted linears of `model` become LoraLinear in place, every other parameter stops requiring a gradient
     (frozen); returns the adapted modules' names. cfg: the resolved ModelConfig of kiln's Transformer (targets from
     its family description), or None for a user's model (nn.Linear names matched by suffix). Adapters are drawn
-    from torch's global generator in module order: the same seed gives the same adapters on every rank."""
+    from torch's global generator in module order: the same seed gives the same adapters on every rank.
+    fresh=False: left uninitialised, for a copy whose state_dict is loaded next (no draw from the generator)."""
     if not lora.on:
         return []
     held = next((n for n, m in model.named_modules() if isinstance(m, LoraLinear)), None)
     if held is not None:
         raise KilnError(f"lora.rank={lora.rank}: the model already holds LoRA adapters ({held}); pass the model "
                         f"without them, or fold them in first with kiln.models.lora.merge_lora(model)",
-                        key="lora.rank", value=lora.rank, fix="pass a model without adapters")
+                        key="lora.rank", value=lora.rank,
+                        fix="pass the model without them, or fold them in first with kiln.models.lora.merge_lora(model)")
     if cfg is not None:
         plan = [(t.name, {k: rows for k, _, rows in t.pieces}, t.fan_in_fan_out) for t in _targets(cfg, lora)]
     else:
@@ -311,8 +316,24 @@ def apply_lora(model: nn.Module, lora: LoraConfig, cfg=None) -> list[str]:
     for p in model.parameters():
         p.requires_grad_(False)
     for name, pieces, fan_in_fan_out in plan:
-        _adapt(model, name, pieces, lora, fan_in_fan_out)
+        _adapt(model, name, pieces, lora, fan_in_fan_out, fresh)
     return [name for name, _, _ in plan]
+
+
+def adapter_layout(model: nn.Module) -> dict[str, tuple]:
+    """{module name: (pieces, rank, alpha, dropout, fan_in_fan_out)} of the LoraLinear modules of `model`: what
+    add_adapters needs to give a plain copy of it the same adapters."""
+    return {name: (dict(m.pieces), m.rank, m.scale * m.rank, getattr(m.lora_dropout, "p", 0.0), m.fan_in_fan_out)
+            for name, m in model.named_modules() if isinstance(m, LoraLinear)}
+
+
+def add_adapters(model: nn.Module, layout: dict[str, tuple]) -> None:
+    """A plain copy of a model (kiln.parallel.pipeline's whole model, a sample's copy) given the adapters of
+    `layout` (adapter_layout of the trained one), uninitialised: its state_dict is loaded next."""
+    for name, (pieces, rank, alpha, dropout, fan_in_fan_out) in layout.items():
+        parent, _, leaf = name.rpartition(".")
+        setattr(model.get_submodule(parent) if parent else model, leaf,
+                LoraLinear(model.get_submodule(name), pieces, rank, alpha, dropout, fan_in_fan_out, fresh=False))
 
 
 @torch.no_grad()
@@ -353,3 +374,10 @@ def trainable_line(model: nn.Module) -> str:
     """The start line's `trainable N of M parameters (x%)`."""
     n, m = trainable_count(model)
     return f"trainable {n:,} of {m:,} parameters ({100 * n / max(m, 1):.2f}%)"
+
+
+def lora_line(lora: LoraConfig, model: nn.Module) -> str:
+    """What `kiln train` and kiln.fit print at the start of a LoRA run ("" without adapters)."""
+    if not lora.on:
+        return ""
+    return f"lora: rank {lora.rank}, alpha {lora.alpha:g}, targets {lora.targets} | {trainable_line(model)}"

@@ -51,6 +51,7 @@ import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
 from kiln.models import build_model
+from kiln.models.lora import adapter_layout, add_adapters
 from kiln.models.moe import MoE, losses_of, moe_metrics, routing_sums
 from kiln.models.transformer import moe_penalty
 from kiln.parallel import shard_blocks
@@ -132,6 +133,7 @@ class PipelineModel(nn.Module):
         if plan.tp > 1:  # torchtitan's order: tensor parallel on the whole model, then the split into stages
             apply_tensor_parallel(model, mesh["tp"], plan.sequence_parallel)
         self.cfg = model.cfg  # what kiln.parallel.tensor.fused_rows reads (the checkpoint's TP row order)
+        self.adapters = adapter_layout(model)  # LoRA's, for whole_model's copy
         self.pp_group, self.dp_group = mesh["pp"].get_group(), mesh["dp"].get_group()
         n_stages = plan.pp * plan.virtual_stages
         layers = plan.stage_layers(model.cfg.n_layer)
@@ -341,6 +343,7 @@ class PipelineModel(nn.Module):
         if not weights:
             return None
         model = build_model(self.cfg, self.device)
+        add_adapters(model, self.adapters)
         model.load_state_dict(weights)
         return model.to(next(iter(weights.values())).dtype)
 

@@ -15,7 +15,7 @@ from kiln.report.runs import Run, number
 # numeric key gets a chart named after it.
 CHARTED_TRAIN = {"step", "kind", "loss", "lr", "grad_norm", "clip_threshold", "tokens_per_s", "samples_per_s",
                  "step_time_s", "tokens_seen", "samples_seen", "peak_mem_bytes", "mfu", "hfu", "mfu_peak_flops",
-                 "utilisation", "skipped_steps", "loss_scale"}
+                 "utilisation", "skipped_steps", "loss_scale", "loss_tokens"}
 # val_ppl is exp(val_loss): the summary gives it; train_loss is the train curve's mean since the last evaluation
 CHARTED_EVAL = {"step", "kind", "val_loss", "val_ppl", "train_loss", "gap"}
 # Numerics events marked on the loss-vs-step chart (and loss_scale events of an overflow, whose step the scaler
@@ -165,6 +165,7 @@ def build_charts(runs: list[Run], clip_thresholds: list[float | None]) -> list[C
     scale = Chart("loss_scale", "fp16 loss scale", "step", "scale", logy=True)
     mem = Chart("peak_memory", "peak memory (CUDA allocator; process RSS on CPU)", "step", "GiB")
     skipped = Chart("skipped_steps", "steps skipped so far (update withheld)", "step", "steps")
+    counted = Chart("loss_tokens", "tokens the loss counts per step (prompt-masked or packed data)", "step", "tokens")
     gap = Chart("gap", "generalisation gap (val loss − train loss since the previous evaluation)", "step", "gap")
     per_source = Chart("val_loss_sources", "validation loss per data source ([[data.mix]])", "step", loss_step.ylabel)
     tasks = Chart("task_accuracy", "task accuracy (train.eval_tasks): acc (solid), acc_norm (dashed), acc ± its "
@@ -200,6 +201,9 @@ def build_charts(runs: list[Run], clip_thresholds: list[float | None]) -> list[C
         x, y = series(run.train, "skipped_steps")
         if any(y):
             skipped.lines.append(Line(i, run.name, x, y))
+        x, y = series(run.train, "loss_tokens")
+        if len(set(y)) > 1:  # text data counts every target: a flat line says nothing the batch size does not
+            counted.lines.append(Line(i, run.name, x, y))
         gap.lines.append(Line(i, run.name, *series(run.eval, "gap"), "points"))
         sources = dict.fromkeys(k for r in run.eval for k in r if k.startswith("val_loss/"))
         for j, key in enumerate(sources):  # one colour per source (per run when comparing runs)
@@ -215,7 +219,7 @@ def build_charts(runs: list[Run], clip_thresholds: list[float | None]) -> list[C
                     chart = extra.setdefault(key, Chart(f"{kind}_{key}", f"{key} ({kind} records)", "step", key))
                     chart.lines.append(Line(i, run.name, x, y))
     charts = [loss_step, loss_seen, per_source, tasks, bpb, gap, lr, grad, rate, step_time, util, scale, mem, skipped,
-              *extra.values()]
+              counted, *extra.values()]
     for c in charts:
         c.lines = [line for line in c.lines if line.x]
     shown = {"solid": "MFU (solid)", "dashed": "HFU (dashed)", "dotted": "device busy (dotted)"}

@@ -285,10 +285,13 @@ class LMParts:
         data, loader = self.data, None
         if data is None:
             return None
+        separator = document_separator(cfg.data, data.tokenizer)
         loader = TokenLoader(data.train, cfg.train.micro_batch_size, cfg.data.seq_len, cfg.data.seed, device,
                              cfg.data.prefetch, rank=world.dp_rank, world=world.dp_size,
-                             what=f"data.source={cfg.data.source!r}, train split",
-                             separator=document_separator(cfg.data, data.tokenizer))
+                             what=f"data.source={cfg.data.source!r}, train split", separator=separator)
+        if separator is not None and world.main:
+            self.log(f"data.document_mask: documents end at id {separator}; attention and positions restart after "
+                     f"it, and its target is not counted")
         if cfg.faults.data_delay_ms:
             loader = DelayedLoader(loader, cfg.faults.data_delay_ms)
         if len(data.val) < cfg.data.seq_len + 1:  # found now, not at the first evaluation

@@ -5,7 +5,7 @@ share, the scaled learning rate, and why auto chose the precision, compile and C
 """
 from __future__ import annotations
 
-from kiln.models.lora import trainable_line
+from kiln.models.lora import lora_line
 from kiln.perf.hardware import precision_notice
 from kiln.precision import mode
 
@@ -24,9 +24,9 @@ def start_lines(lm, cfg, resume: bool) -> list[str]:
     lines.append(f"model: {c.model.init or c.model.preset} ({c.model.arch}) {state.n_params / 1e6:.2f}M parameters "
                  f"| device {state.device} | precision {state.precision.mode} | {tokens_per_step * world.dp_size:,} "
                  f"tokens/step{ranks}")
-    if c.lora.on:
-        lines.append(f"lora: rank {c.lora.rank}, alpha {c.lora.alpha:g}, targets {c.lora.targets} | "
-                     f"{trainable_line(state.model)}")
+    lora = lora_line(c.lora, state.model)  # the adapters' share of the parameters
+    if lora:
+        lines.append(lora)
     scaled = lm.peak_lr()[1]
     if scaled:
         lines.append(scaled)

@@ -8,8 +8,8 @@ import torch.nn as nn
 
 from kiln.errors import KilnError
 from kiln.models import ModelConfig, build_model, family
-from kiln.models.lora import (LoraConfig, LoraLinear, adapter_state_dict, apply_lora, lora_tensors, merge_lora,
-                              trainable_count)
+from kiln.models.lora import (LoraConfig, LoraLinear, adapter_layout, adapter_state_dict, add_adapters, apply_lora,
+                              lora_tensors, merge_lora, trainable_count)
 
 ARCHS = ("gpt2", "llama", "qwen3")
 
@@ -146,6 +146,22 @@ def test_merge_gives_w_plus_scale_b_a():
     torch.testing.assert_close(model(idx), before, rtol=1e-12, atol=1e-12)
 
 
+def test_a_plain_copy_gets_the_same_adapters():
+    """kiln.parallel.pipeline's whole model and a run's sample copy: adapter_layout → add_adapters → load."""
+    cfg = small("qwen3")
+    model = build_model(cfg)
+    apply_lora(model, LoraConfig(rank=3, alpha=5.0, dropout=0.1, targets="attn.qkv,mlp.proj"), cfg)
+    randomise(model)
+    copy = build_model(cfg)
+    state = torch.get_rng_state()
+    add_adapters(copy, adapter_layout(model))
+    assert torch.equal(torch.get_rng_state(), state)  # nothing drawn: the values are loaded next
+    copy.load_state_dict(model.state_dict())
+    idx = torch.randint(0, 100, (2, 8))
+    torch.testing.assert_close(copy.eval()(idx), model.eval()(idx), rtol=0, atol=0)
+    assert copy.blocks[1].mlp.proj.lora_dropout.p == 0.1
+
+
 def test_user_model_targets_by_suffix():
     net = nn.Sequential()
     net.add_module("enc", nn.Sequential(nn.Linear(4, 8)))
@@ -194,6 +210,12 @@ def test_target_refusals_word_for_word():
                             "LoRA does not adapt yet; adapt attention only: --lora.targets=attn")
     attn = lora_tensors(moe, LoraConfig(rank=2, targets="attn"))
     assert {t.module.rsplit(".", 1)[-1] for t in attn} == {"q_proj", "k_proj", "v_proj", "o_proj"}
+    net = nn.Sequential(nn.Linear(2, 2))
+    apply_lora(net, LoraConfig(rank=2))
+    with pytest.raises(KilnError) as e:
+        apply_lora(net, LoraConfig(rank=2))
+    assert str(e.value) == ("lora.rank=2: the model already holds LoRA adapters (0); pass the model without them, or "
+                            "fold them in first with kiln.models.lora.merge_lora(model)")
     net = nn.Sequential(nn.Linear(2, 2))
     with pytest.raises(KilnError) as e:
         apply_lora(net, LoraConfig(rank=2, targets="fc1"))

@@ -9,6 +9,7 @@ from torch.utils.data import TensorDataset
 from kiln import fit
 from kiln.config import make_config
 from kiln.data import DataConfig, TokenLoader
+from kiln.data.documents import with_documents
 from kiln.models import ModelConfig
 from kiln.models.parts import IGNORE_INDEX
 from kiln.perf.cpu_linear import onednn_available
@@ -131,8 +132,10 @@ def tp_config(source: str, arch: str, strategy: str, tp: int, steps: int, sequen
     """lm_config's run on a tensor-parallel layout: 2 micro-batches of 2 sequences per data-parallel rank (the
     global batch of 8 on any dp degree up to 4); arch llama has grouped-query attention (4 heads, 2 key/value heads)
     and a SwiGLU MLP, both fused weights that tensor parallelism must split by part; arch qwen3_moe the same attention
-with a mixture of experts."""
+    with a mixture of experts. gpt2 runs with the document mask (data.document_mask; MaskedLoader's documents end at each
+    newline)."""
     cfg = lm_config(source, strategy, steps)
+    cfg.data.document_mask = arch == "gpt2"
     if arch == "llama":
         cfg.model = ModelConfig(preset="llama-125m", n_layer=2, n_head=4, n_kv_head=2, d_model=64, d_ff=96,
                                 max_seq_len=64, vocab_size=256)
@@ -148,11 +151,13 @@ with a mixture of experts."""
 
 class MaskedLoader(TokenLoader):
     """Every target 'e' ignored: each micro-batch holds a different count of valid tokens (the data-parallel ranks
-    too), so a loss not normalised by the global count, or counted again on each tp rank, is off."""
+    too), so a loss not normalised by the global count, or counted again on each tp rank, is off. With a document
+    mask the documents end at each newline (the corpus is one document: its separator never shows)."""
 
     def next(self):
-        x, y = super().next()
-        return x, y.masked_fill(y == ord("e"), IGNORE_INDEX)
+        x, y, *doc = super().next()
+        y = y.masked_fill(y == ord("e"), IGNORE_INDEX)
+        return (x, y) if not doc else with_documents(x, y, ord("\n"))
 
 
 def rewound(run: Path, copy: Path, step: int = 3) -> Path:

@@ -2,6 +2,7 @@
 tests/parallel/tp_worker.py) as tp2 × dp2 against 1 process, at the same global batch and seed, fp32, 6 steps, with
 uneven valid-token counts across the data-parallel ranks (MaskedLoader). Both runs split the embedding, the head
 and the loss over the vocabulary (GPT-2's tied matrix once, Llama's embedding and head each), as every tp > 1 run does.
+The GPT-2 runs pack documents with the document mask (data.document_mask): each rank's heads attend inside them.
 
 Tolerance 1e-5 relative: the 4-process run adds the same fp32 numbers in another order (row-parallel partial sums
 all-reduced over tp, gradients reduced over dp) which moves the last bits of each step (~1e-7); AdamW carries them
@@ -58,7 +59,7 @@ def test_the_reference_sees_uneven_valid_counts(source, kiln_cache, tmp_path):
         run = lm.build_lm(cfg, tmp_path, log=lambda m: None)
     batches = [run.state.loader.next() for _ in range(4)]
     run.state.loader.close()
-    counts = [int((y != -100).sum()) for _, y in batches]
+    counts = [int((b[1] != -100).sum()) for b in batches]
     assert counts[0] + counts[2] != counts[1] + counts[3]  # dp rank 0 takes stream batches 0, 2; rank 1 takes 1, 3
 
 
@@ -127,3 +128,13 @@ def test_sample_and_export_read_a_tp_run(tp_launched, tp_reference, tmp_path):
     want = weights(tp_reference / "llama")
     torch.testing.assert_close(tensors["blocks.0.attn.qkv.weight"], want["blocks.0.attn.qkv.weight"], rtol=RTOL,
                                atol=1e-6)
+
+
+def test_the_gpt2_runs_pack_documents(source, kiln_cache, tmp_path):
+    """The GPT-2 scenario's batches carry documents that split windows (else the mask under TP would not be tested)."""
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(lm, "TokenLoader", MaskedLoader)
+        run = lm.build_lm(tp_config(source, "gpt2", "none", tp=1, steps=1), tmp_path, log=lambda m: None)
+    batches = [run.state.loader.next() for _ in range(4)]
+    run.state.loader.close()
+    assert all(len(b) == 3 for b in batches) and sum(int(b[2].max()) for b in batches) >= 2

@@ -301,3 +301,14 @@ def test_task_scores_are_charted_together(tmp_path):
     assert [(line.label, line.x, line.y) for line in _chart(charts, "task_bpb").lines] == [
         ("wiki", [50, 100], [2.75, 2.5])]
     assert not [c.key for c in charts if c.key.startswith("eval_task")]
+
+
+def test_counted_tokens_are_charted_only_when_they_vary(tmp_path):
+    """loss_tokens: a chat run's counted tokens change with each batch (a chart); a text run counts every target,
+    the same number each step (no chart)."""
+    def run(name, counts):
+        records = [train_record(s, 1.0) | {"loss_tokens": n} for s, n in zip((10, 20, 30), counts)]
+        return read_run(make_run(tmp_path / name, train=records))
+    chat, text = build_charts([run("chat", (300, 412, 288))], [None]), build_charts([run("text", (2048,) * 3)], [None])
+    assert [(line.x, line.y) for line in _chart(chat, "loss_tokens").lines] == [([10, 20, 30], [300, 412, 288])]
+    assert "loss_tokens" not in [c.key for c in text] and not [c.key for c in text if c.key.endswith("loss_tokens")]

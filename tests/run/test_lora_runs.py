@@ -13,6 +13,8 @@ from torch.utils.data import TensorDataset
 
 from kiln import fit
 from kiln.cli.main import main
+from kiln.config import make_config
+from kiln.data import DataConfig
 from kiln.interop.hf import write_hf
 from kiln.models import param_count
 from kiln.models.lora import LoraLinear, lora_tensors
@@ -21,8 +23,23 @@ from kiln.report import collect
 from kiln.report.page import _summary_rows
 from kiln.run.doctor import Doctor
 from kiln.run.lm import build_lm, train
+from tests.conftest import small_model
 
 LORA = {"rank": 4, "alpha": 8.0}
+
+
+@pytest.fixture(scope="module")
+def base_hf(tmp_path_factory, corpus_file, kiln_cache):
+    """A pretrained base: the test corpus's small GPT trained 12 steps at lr 3e-2 (val_loss below the unigram
+    baseline), exported to Hugging Face's layout as `kiln export --hf` writes it."""
+    cfg = make_config(model=small_model(), data=DataConfig(source=str(corpus_file), seq_len=32))
+    cfg.train.max_steps, cfg.train.micro_batch_size, cfg.train.sample_tokens, cfg.train.device = 12, 4, 0, "cpu"
+    cfg.precision.mode, cfg.log.tensorboard, cfg.log.progress = "fp32", False, "off"
+    cfg.optim.lr, cfg.schedule.warmup_steps = 3e-2, 2
+    out = tmp_path_factory.mktemp("lora-base")
+    base = train(cfg, out / "run", console=Console(file=io.StringIO()))
+    write_hf(base.state.model.cfg, base.state.model.state_dict(), 256, out / "hf")
+    return out / "hf"
 
 
 def _lora_cfg(small_config, mode="fp32", **sections):
@@ -52,7 +69,7 @@ def test_the_base_is_frozen_and_stored_as_the_mode_says(small_config, tmp_path, 
 
 
 def test_a_lora_run_trains_the_adapters_and_leaves_the_base(small_config, tmp_path):
-    cfg = _lora_cfg(small_config, "bf16", train={"max_steps": 6})
+    cfg = _lora_cfg(small_config, "bf16", train={"max_steps": 6, "sample_tokens": 8})  # sampled from a copy
     out = io.StringIO()
     result = train(cfg, tmp_path / "run", console=Console(file=out, width=200))
     model_cfg = result.state.model.cfg
@@ -68,7 +85,7 @@ def test_a_lora_run_trains_the_adapters_and_leaves_the_base(small_config, tmp_pa
             assert value.abs().max() > 0 and before[key].abs().max() == 0, key  # trained from B = 0
         elif ".lora_" not in key:
             assert torch.equal(value, before[key]), key  # the base, bit for bit
-    assert math.isfinite(result.val_loss)
+    assert math.isfinite(result.val_loss) and result.sample is not None
     rows = dict(_summary_rows(collect([tmp_path / "run"])))  # kiln report's summary: the share from config.toml
     assert rows["trainable parameters"] == [f"{n:,} of {m:,} ({100 * n / m:.2f}%)"]
 
@@ -127,15 +144,26 @@ def test_a_nan_in_an_adapted_linear_is_traced_to_it(small_config, tmp_path):
     assert result.step == 4 and math.isfinite(result.val_loss)  # the NaN step was never applied
 
 
-def test_doctor_on_a_lora_fine_tune(small_config, tmp_path):
-    """A pretrained base (a short kiln run exported to Hugging Face's layout): init_loss is judged against the
-    data's unigram loss, weight_std asks the base for finite values and the adapters for PEFT's init, and lora_A's
-    zero gradient while B = 0 is no failure."""
-    base = train(small_config(train={"max_steps": 12}, optim={"lr": 3e-2}, schedule={"warmup_steps": 2}),
-                 tmp_path / "base", console=Console(file=io.StringIO()))
-    write_hf(base.state.model.cfg, base.state.model.state_dict(), 256, tmp_path / "hf")
+def test_a_loss_spike_in_a_lora_run_is_rolled_back(small_config, tmp_path, base_hf):
+    """The spike guard judges a fine-tune as any other run: a planted spike (scrambled targets) at step 12 is found,
+    the state (the adapters and their optimizer state) restored from the last snapshot before it, and the run ends."""
+    cfg = _lora_cfg(small_config, train={"max_steps": 14}, log={"interval": 2},
+                    numerics={"spike_policy": "rollback", "snapshot_interval": 5, "spike_min_history": 8},
+                    faults={"spike": 12})
+    cfg.model.init = f"hf:{base_hf}"
+    result = train(cfg, tmp_path / "run", console=Console(file=io.StringIO()))
+    events = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    spikes = [e for e in events if e.get("event") == "loss_spike"]
+    rollback, = [e for e in events if e.get("event") == "rollback"]
+    assert [s["step"] for s in spikes] == [12] and rollback["skipped_batches"] == 12 - rollback["to_step"] > 0
+    assert result.step == 14 and math.isfinite(result.val_loss)
+
+
+def test_doctor_on_a_lora_fine_tune(small_config, tmp_path, base_hf):
+    """A pretrained base: init_loss is judged against the data's unigram loss, weight_std asks the base for finite
+    values and the adapters for PEFT's init, and lora_A's zero gradient while B = 0 is no failure."""
     cfg = _lora_cfg(small_config)
-    cfg.model.init = f"hf:{tmp_path / 'hf'}"
+    cfg.model.init = f"hf:{base_hf}"
     lm = build_lm(cfg, tmp_path / "doctor", log=lambda msg: None)
     try:
         doctor = Doctor(lm, None)

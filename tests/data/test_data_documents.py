@@ -74,6 +74,9 @@ def test_default_and_separator():
     (["--data.records=chat", "--data.chat_template=chatml", "--parallel.pp=2"],
      "parallel.pp=2 sends the pipeline stages hidden states, not the documents, and data.document_mask is on "
      "(records=chat); use --parallel.pp=1, or set --data.document_mask=false"),
+    (["--data.document_mask=true", "--parallel.cp=2", "--parallel.strategy=fsdp"],
+     "parallel.cp=2 shards each sequence with a causal mask only, and data.document_mask is on (records=text); use "
+     "--parallel.cp=1, or set --data.document_mask=false"),
     (["--data.format=tokens", "--data.document_mask=true"],
      "data.document_mask=true finds documents by their end-of-text id, which data.format=tokens does not know "
      "without the files' tokenizer; give --data.tokenizer=hf:DIR or set --data.document_mask=false"),

@@ -5,6 +5,7 @@ pipeline stages, every stage is estimated and the worst one is shown in full."""
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 import torch
@@ -12,7 +13,9 @@ import torch
 from kiln.cli.common import add_config_arguments, config_from
 from kiln.config import ConfigError
 from kiln.memory.devices import get_device, local_device
-from kiln.memory.estimate import COMPONENTS, estimate, fmt_bytes, peak_allocated
+from kiln.memory import adapters as lora_
+from kiln.memory.estimate import (COMPONENTS, estimate, fmt_bytes, local_parameter_shapes, peak_allocated,
+                                  trainable)
 from kiln.memory.levers import rank_jobs
 from kiln.memory.plots import breakdown_bar, timeline
 from kiln.perf.hardware import precision_notice
@@ -151,6 +154,8 @@ def _print_breakdown(plan, b, device, measured) -> None:
     """The table of components at the peak (and measured), then the totals and the measured comparison."""
     what = "parameters on this rank (before data-parallel sharding)" if plan.model_parallel else "parameters"
     print(f"{what}: {b.param_count:,} | attention backend: {b.backend} | peak at: {b.peak_phase}")
+    if b.job.lora:
+        print(lora_line(b))
     held = b.held()
     print(f"  {'component':<18}{'at peak':>12}{'full size':>12}" + (f"{'measured':>12}" if measured else ""))
     for name in COMPONENTS:
@@ -180,6 +185,17 @@ def _print_breakdown(plan, b, device, measured) -> None:
         print(f"process peak RSS: {fmt_bytes(measured.rss_peak_bytes)} (Python, libraries and data included)")
     if measured.snapshot:
         print(f"CUDA memory snapshot: {measured.snapshot} (drag into https://pytorch.org/memory_viz)")
+
+
+def lora_line(b) -> str:
+    """LoRA's adapters and the trainable share of the parameters, as `kiln train`'s start line counts them."""
+    a = b.job.lora
+    n = sum(math.prod(s) for name, s in local_parameter_shapes(b.job) if trainable(b.job, name))
+    where = ", ".join(f"{x} ({len([p for p in a.pairs if p.linear == x])} pairs)" if
+                      len([p for p in a.pairs if p.linear == x]) > 1 else x for x in a.linears)
+    return (f"lora: rank {a.rank} on {where}; base frozen ({lora_.base_bytes(b.job.mode_num)} bytes a parameter, no "
+            f"gradient or optimizer state): trainable {n:,} of {b.param_count:,} parameters "
+            f"({100 * n / b.param_count:.2f}%)")
 
 
 def _layout(plan) -> str:

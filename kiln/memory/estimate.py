@@ -22,6 +22,7 @@ import math
 import re
 from dataclasses import dataclass, field, replace
 
+from kiln.memory import adapters as lora_
 from kiln.models.config import ModelConfig
 from kiln.models.registry import family
 from kiln.parallel.layout import ParallelPlan
@@ -164,6 +165,7 @@ class Job:
     # micro-batch and grad_accum the pipeline micro-batches per step.
     plan: ParallelPlan = field(default_factory=lambda: ParallelPlan(1))
     stage: int = 0  # this rank's pipeline stage (0: holds the embeddings; pp - 1: the final norm, head, loss)
+    lora: lora_.Adapters | None = None  # LoRA: the base frozen, these adapters trained (kiln.memory.adapters)
 
     @property
     def parallel(self) -> str:
@@ -196,6 +198,10 @@ class Job:
         return self.plan.pp
 
     @property
+    def ep(self) -> int:  # expert parallel: n_experts / ep whole experts on this rank, carved out of dp
+        return getattr(self.plan, "ep", 1)
+
+    @property
     def pp_schedule(self) -> str:  # gpipe | 1f1b | interleaved_1f1b
         return self.plan.pp_schedule
 
@@ -209,10 +215,16 @@ class Job:
         return strategy(self.parallel)
 
     @property
-    def num(self) -> Numerics:
+    def mode_num(self) -> Numerics:
+        """The precision mode's bytes, which trained parameters (all of them, or LoRA's adapters) follow."""
         if self.dp_strategy.shards_parameters and mode(self.precision).fsdp_gather is not None:
             return FSDP_BF16
         return NUMERICS[self.precision]
+
+    @property
+    def num(self) -> Numerics:
+        """... and what the forward sees: under LoRA a frozen bf16 base (kiln.memory.adapters.lora_numerics)."""
+        return lora_.lora_numerics(self.mode_num) if self.lora else self.mode_num
 
     @property
     def first_stage(self) -> bool:
@@ -341,11 +353,28 @@ def local_parameter_shapes(job: "Job") -> list[tuple[str, tuple[int, ...]]]:
         if cfg.tie_embeddings and job.last_stage and not job.first_stage:
             shapes.append(("head.weight", (cfg.padded_vocab, cfg.d_model)))
     out = []
-    for name, shape in shapes:
+    for name, shape in shapes + lora_.adapter_shapes(job.lora, cfg):
         local = tp_shard_shape(name, shape, cfg, job.tp, job.vocab_parallel)
-        if local is not None:
+        if local is not None and (job.ep == 1 or _expert(name) is None or _expert(name) < cfg.n_experts // job.ep):
             out.append((name, local))
     return out
+
+
+def _expert(name: str) -> int | None:
+    """The expert a parameter belongs to (blocks.i.mlp.experts.e.*), None outside the experts."""
+    parts = name.split(".")
+    return int(parts[4]) if len(parts) > 4 and parts[2:4] == ["mlp", "experts"] else None
+
+
+def trainable(job: "Job", name: str) -> bool:
+    """Whether a parameter is trained: all of them, or under LoRA the adapters only."""
+    return job.lora is None or lora_.is_adapter(name)
+
+
+def _dp_ranks(job: "Job", name: str) -> int:
+    """Ranks a parameter's state is data-parallel over: an expert's over dp·cp / ep (its expert-parallel peers
+    hold other experts), everything else over dp·cp."""
+    return job.world // job.ep if job.ep > 1 and _expert(name) is not None else job.world
 
 
 def rank_state(job: "Job") -> dict[str, int]:
@@ -360,11 +389,14 @@ def rank_state(job: "Job") -> dict[str, int]:
            a padded shard, the gradient lives in its group's flat padded reduce-scatter buffer, the optimizer
            state is the shard's real rows (rank 0's, the largest).
     """
-    num, W = job.num, job.world
-    shapes = local_parameter_shapes(job)
+    num, W = job.mode_num, job.world
+    every = local_parameter_shapes(job)
+    shapes = [(name, shape) for name, shape in every if trainable(job, name)]
+    frozen = [(name, shape) for name, shape in every if not trainable(job, name)]  # LoRA's base
+    base = lora_.base_bytes(num)
     numels = [math.prod(shape) for _, shape in shapes]
     n = sum(numels)
-    state = {"parameters": n * num.param, "gradients": n * num.grad,
+    state = {"parameters": n * num.param + sum(math.prod(s) for _, s in frozen) * base, "gradients": n * num.grad,
              "optimizer_states": optimizer_state_bytes(numels, job.optimizer, job.sgd_momentum)
              if job.optimizer != "muon" else muon_state_bytes(shapes)}
     data = job.dp_strategy
@@ -382,9 +414,12 @@ def rank_state(job: "Job") -> dict[str, int]:
                     mine.append(numels[i])
         state["optimizer_states"] = optimizer_state_bytes(mine, job.optimizer, job.sgd_momentum)
         return state
-    padded = [math.ceil(shape[0] / W) * math.prod(shape[1:]) for _, shape in shapes]
-    local = [min(shape[0], math.ceil(shape[0] / W)) * math.prod(shape[1:]) for _, shape in shapes]
-    return {"parameters": sum(padded) * num.param, "gradients": sum(padded) * num.grad,
+    def padded(shapes):
+        return [math.ceil(shape[0] / _dp_ranks(job, name)) * math.prod(shape[1:]) for name, shape in shapes]
+    local = [min(shape[0], math.ceil(shape[0] / _dp_ranks(job, name))) * math.prod(shape[1:])
+             for name, shape in shapes]
+    return {"parameters": sum(padded(shapes)) * num.param + sum(padded(frozen)) * base,
+            "gradients": sum(padded(shapes)) * num.grad,
             "optimizer_states": optimizer_state_bytes(local, job.optimizer, job.sgd_momentum)}
 
 
@@ -595,16 +630,17 @@ def _loss_transients(cfg: ModelConfig, N: int, num: Numerics, chunk: int, vocab_
     return fwd, bwd
 
 
-def _block_grad_transient(cfg: ModelConfig, N: int, num: Numerics, tp: int = 1) -> int:
+def _block_grad_transient(cfg: ModelConfig, N: int, num: Numerics, tp: int = 1, frozen: bool = False) -> int:
     """Bytes beyond the saved tensors when a block's backward peaks, at the MLP output projection: the gradient
     of the block output (and its half copy under autocast), the gradient of the projection's input (SwiGLU: with
     the (N, 2F) gate/up gradient that follows it) and the projection's weight gradient (half, then fp32). An MoE:
-    the same for one expert's share of the routed pairs, beside the gradients of all pairs' outputs."""
+    the same for one expert's share of the routed pairs, beside the gradients of all pairs' outputs. frozen (LoRA):
+    the projection's weight has no gradient."""
     d, c, r = cfg.d_model, num.compute, num.residual
     F, rows, wide, extra = family(cfg.arch).mlp_part.projection_backward(cfg, N, num)
     # the projection's weight gradient: in the compute dtype, then an fp32 copy for an fp32 weight under autocast;
     # in the weight's dtype without autocast (FSDP2's gathered bf16 weight: bf16)
-    grad_w = F * d * ((c + 4) if num.autocast and num.casts else c if num.autocast else num.grad)
+    grad_w = 0 if frozen else F * d * ((c + 4) if num.autocast and num.casts else c if num.autocast else num.grad)
     return N * d * (r + (c if num.autocast and c != r else 0)) + (rows * wide * c + grad_w) // tp + extra
 
 
@@ -657,22 +693,29 @@ def saved_tensors(job: Job) -> tuple[dict[str, int], list[dict[str, int]], dict[
     for i in range(cfg.n_layer):
         p = job.policy(i)
         if p == "none":
-            blocks.append(dict(full_block))
+            blocks.append(_rank_block(job, first=True) if i == 0 and job.lora and job.first_stage
+                          else dict(full_block))
         elif p == "selective":
             blocks.append(_tp_share(_selective_tensors(cfg, B, T, num), job))
         elif p == "full":
             blocks.append(_tp_share({"block_input": B * T * cfg.d_model * num.residual}, job))
         else:  # inside a full segment: nothing kept
             blocks.append({})
-    embed = _tp_share(_embed_tensors(cfg, B, T, num, tgt), job) if job.first_stage else {}
-    head = _tp_share(_head_tensors(cfg, B, T, num, tgt, job.chunked_loss), job) if job.last_stage else {}
+    # a frozen embedding records nothing (LoRA); a frozen head keeps no input
+    embed = _tp_share(_embed_tensors(cfg, B, T, num, tgt), job) if job.first_stage and not job.lora else {}
+    head = _head_tensors(cfg, B, T, num, tgt, job.chunked_loss) if job.last_stage else {}
+    head = _tp_share(lora_.frozen_head(head) if job.lora and head else head, job)
     return embed, blocks, head
 
 
-def _rank_block(job: Job) -> dict[str, int]:
-    """One block's saved tensors on this rank without recomputation."""
-    return _tp_share(_block_tensors(job.model, job.micro_batch, job.seq_len // job.cp, job.num, job.target,
-                                    job.backend), job)
+def _rank_block(job: Job, first: bool = False) -> dict[str, int]:
+    """One block's saved tensors on this rank without recomputation (first: the model's block 0, which under LoRA
+    saves nothing before its first adapter)."""
+    T = job.seq_len // job.cp
+    kinds = _block_tensors(job.model, job.micro_batch, T, job.num, job.target, job.backend)
+    if job.lora:
+        kinds = lora_.lora_block(kinds, job.lora, job.model, job.micro_batch * T, job.num, job.target, first)
+    return _tp_share(kinds, job)
 
 
 # Saved kinds that stay whole on every tensor-parallel rank: the inputs of the column-parallel linears (torch's
@@ -729,11 +772,13 @@ def grad_shares(job: Job) -> dict:
     """Gradient elements one rank keeps per part of the model (block index, "embed", "pos_embed", "norm", "head"):
     everything under DDP and ZeRO-1; under FSDP2 each parameter's padded shard, ceil(dim0 / world) rows; under
     pipeline parallelism with FSDP2 everything while the step runs (unsharded_gradients)."""
-    fsdp, W = unsharded_gradients(job) is None and job.dp_strategy.shards_parameters and job.world > 1, job.world
+    fsdp = unsharded_gradients(job) is None and job.dp_strategy.shards_parameters and job.world > 1
     out: dict = {"embed": 0, "pos_embed": 0, "norm": 0, "head": 0}
     for name, shape in local_parameter_shapes(job):
+        if not trainable(job, name):
+            continue
         key = int(name.split(".")[1]) if name.startswith("blocks.") else name.split(".")[0]
-        rows = math.ceil(shape[0] / W) if fsdp else shape[0]
+        rows = math.ceil(shape[0] / _dp_ranks(job, name)) if fsdp else shape[0]
         out[key] = out.get(key, 0) + rows * math.prod(shape[1:])
     return out
 
@@ -746,7 +791,7 @@ def unsharded_gradients(job: Job) -> int | None:
     its fp32 accumulators are not all released before the step's end (not traced further)."""
     if job.pp == 1 or job.world == 1 or not job.dp_strategy.shards_parameters:
         return None
-    n = sum(math.prod(shape) for _, shape in local_parameter_shapes(job))
+    n = sum(math.prod(shape) for name, shape in local_parameter_shapes(job) if trainable(job, name))
     return n * (job.num.grad + (job.num.gathered or 0))
 
 
@@ -793,14 +838,17 @@ class CommBuffers:
         return range(i + 1) if self.keep_gathered else range(max(i - 1, 0), i + 1)
 
 
-def _comm_buffers(job: Job, block_params: dict) -> CommBuffers:
+def _comm_buffers(job: Job, block_params: dict, trained: dict | None = None) -> CommBuffers:
+    """block_params: parameter elements per part of the model (_block_parameters); trained: those that get
+    gradients (LoRA's adapters; default all), which DDP's buckets and the reduce-scatters hold."""
     W, num = job.world, job.num
+    trained = block_params if trained is None else trained
     element = num.gathered or num.param
     data = job.dp_strategy
     if not data.reduces or (W == 1 and (not data.shards_parameters or element == num.param)):
         return CommBuffers()
     if data.ddp_reducer:
-        return CommBuffers(persistent=sum(block_params.values()) * num.grad)
+        return CommBuffers(persistent=sum(trained.values()) * num.grad)
     blocks = range(job.model.n_layer)
     # The reduce-scatter input is fp32 (reduce_dtype), 4 bytes an element, beside one more fp32 copy of the block's
     # gradients: the unsharded fp32 gradients being copied in, or a bf16 gradient's fp32 cast (the bf16 one is
@@ -813,7 +861,7 @@ def _comm_buffers(job: Job, block_params: dict) -> CommBuffers:
     staging = (max(gathered.values()),) * (1 + pipelined) + (0,) * (1 - pipelined) \
         if job.target.kind == "cpu" and gathered else (0, 0)
     return CommBuffers(persistent=sum(v for k, v in block_params.items() if not isinstance(k, int)) * element,
-                       gathered=gathered, reduce_scatter={} if pipelined else {i: block_params[i] * rs for i in blocks},
+                       gathered=gathered, reduce_scatter={} if pipelined else {i: trained.get(i, 0) * rs for i in blocks},
                        keep_gathered=not job.reshard_after_forward, staging_forward=staging[0],
                        staging_backward=staging[1], pipelined=pipelined)
 
@@ -846,6 +894,7 @@ class _Step:
 
 def _model_state(job: Job, numels: list[tuple[str, int]]) -> tuple[dict[str, int], int, dict[str, int]]:
     """(model state on the device after an update, gradient bytes during the optimizer step, host bytes)."""
+    numels = [(name, n) for name, n in numels if trainable(job, name)]  # masters and offloaded state: trained ones
     num, n_params = job.num, sum(n for _, n in numels)
     host_opt = job.optimizer_offload != "none"
     per_rank = rank_state(job)
@@ -920,7 +969,7 @@ def _simulate(p: _Step, first_step: bool, accumulating: bool) -> list[tuple[str,
     if job.last_stage:
         V = cfg.padded_vocab // (job.tp if job.vocab_parallel else 1)
         snap("backward: head", temporaries=N * cfg.d_model * (num.compute + num.residual)
-             + V * cfg.d_model * ((num.compute + (4 if num.casts else 0)) if num.autocast else 0))
+             + V * cfg.d_model * ((num.compute + (4 if num.casts else 0)) if num.autocast and not job.lora else 0))
     for first, stop, policy in reversed(job.segments()):
         # Recomputing a segment brings back what its blocks would have saved (selective: minus what it kept).
         per_block_work = {"none": 0, "full": p.work_full, "selective": p.work_full - p.selective_kept}[policy]
@@ -987,7 +1036,8 @@ def estimate(job: Job) -> Breakdown:
         for k, v in part.items():
             all_saved[k] = all_saved.get(k, 0) + v
 
-    comm = _comm_buffers(job, _block_parameters(numels))
+    comm = _comm_buffers(job, _block_parameters(numels),
+                         _block_parameters([(k, n) for k, n in numels if trainable(job, k)]) if job.lora else None)
     loss_fwd, loss_bwd = (_loss_transients(cfg, N, num, job.chunked_loss, job.vocab_parallel) if job.last_stage
                           else (0, 0))
     if job.vocab_parallel:
@@ -1006,15 +1056,15 @@ def estimate(job: Job) -> Breakdown:
         job=job, state=state, step_gradients=step_gradients, embed=embed, head=head,
         blocks=[({} if i in offloaded else b) for i, b in enumerate(blocks)], held=grad_shares(job), comm=comm,
         casts=2 * block_matmul_numel(cfg) // tp if num.autocast and num.casts else 0, loss_fwd=loss_fwd,
-        loss_bwd=loss_bwd, grad_tmp=_block_grad_transient(cfg, N, num, tp),
+        loss_bwd=loss_bwd, grad_tmp=_block_grad_transient(cfg, N, num, tp, frozen=job.lora is not None),
         # Forward of one block: the residual stream, its half copy and the widest MLP tensors (SwiGLU: gate/up,
         # silu, product) are alive together; a block that keeps nothing frees them as it goes.
         fwd_tmp=N * (cfg.d_model * (num.residual + num.compute) + _forward_width(cfg) * num.compute // tp),
         work_full=sum(full_block.values()) - full_block.get("weight_casts", 0),
         selective_kept=sum(_tp_share(_selective_tensors(cfg, B, T, num), job).values()),
         tied_head=cfg.padded_vocab * cfg.d_model // (tp if job.vocab_parallel else 1)
-        if cfg.tie_embeddings and job.first_stage and job.last_stage else 0,
-        step_tmp=min(max(n for _, n in numels), ADAM8BIT_CHUNK) * 16 if job.optimizer == "adamw8bit" and not host_opt
+        if cfg.tie_embeddings and job.first_stage and job.last_stage and not job.lora else 0,
+        step_tmp=min(max(n for k, n in numels if trainable(job, k)), ADAM8BIT_CHUNK) * 16 if job.optimizer == "adamw8bit" and not host_opt
         else 0,
         offloaded=offloaded, pipeline=pipeline, unsharded_gradients=unsharded_gradients(job))
 

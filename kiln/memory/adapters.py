@@ -1,0 +1,198 @@
+"""LoRA in the estimator: what a frozen base with low-rank adapters holds in one training step (issue #38).
+
+    Adapters.of(cfg, lora)        the adapter pairs of a `[lora]` section on a model: which block linears, one pair
+                                  per Hugging Face module a fused linear is made of (Family.hf_tensors)
+    adapter_shapes(adapters, cfg) (name, shape) of every lora_A / lora_B tensor, in model order
+    lora_numerics(num)            the bytes per element of the frozen base under a precision mode
+    lora_block(kinds, ...)        one block's saved tensors with the base frozen and the adapters' own added
+    lora_embed / lora_head        ... of the embeddings and the head
+
+What changes against a full fine-tune (docs/memory.md, "LoRA"):
+- model state: the base has no gradient, no master copy and no optimizer state; under a mode that multiplies in
+  half precision (bf16, bf16-master, fp16 autocast) it is stored in bf16, 2 bytes a parameter, so autocast makes no
+  copy of it; the adapters keep the mode's trainable layout (fp32 parameters, gradients and Adam state; bf16 with
+  fp32 masters under bf16-master).
+- saved tensors: torch saves a matmul's input only for its weight's gradient (the mm derivative's
+  should_compute_output), so a frozen linear without an adapter keeps no input; the adapter's A keeps it instead
+  (the same tensor), B keeps A's r-wide output; with lora.dropout the dropped input and its mask. RMSNorm's
+  normalised x is kept only for the gain's gradient: gone. The embedding records nothing (its weight is frozen,
+  its input integers) and neither does block 0 before its first adapter (nothing there requires a gradient); the
+  head keeps no input.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, replace
+
+from kiln.models.config import ModelConfig
+from kiln.models.registry import family
+
+# The saved kind that holds each block linear's input (kiln.models.costs and the estimator's names): kept only when
+# the linear's weight, or an adapter beside it, needs a gradient. An MoE's router reads the MLP input.
+INPUT_KIND = {"attn.qkv": "attn.qkv_input", "attn.proj": "attn.proj_input", "mlp.fc": "mlp.fc_input",
+              "mlp.proj": "mlp.proj_input", "mlp.router": "mlp.fc_input", "mlp.experts.fc": "moe.expert_inputs",
+              "mlp.experts.proj": "moe.experts.proj_input"}
+# Block 0 saves nothing that does not lead to an adapter: its input (the embedding's output) requires no gradient,
+# so a tensor there is kept only downstream of the first adapted linear. Each saved kind's place in the block, by
+# the first prefix that names it: the linear whose output it follows (norm1's input never requires a gradient in
+# block 0; the inputs of INPUT_KIND are kept by the adapter's A whatever the input).
+_STAGES = {"attn.qkv": 0, "attn.proj": 1, "mlp.router": 2, "mlp.fc": 2, "mlp.experts.fc": 2, "mlp.proj": 3,
+           "mlp.experts.proj": 3}
+_PLACE = (("norm1.", math.inf), ("resid.", 1), ("norm2.", 1), ("attn.", 0), ("moe.", 2), ("mlp.", 2))
+
+@dataclass(frozen=True)
+class Pair:
+    """One adapter pair on a block linear: A (rank, n_in), B (n_out, rank); `copies` of them (an MoE: per expert)."""
+
+    linear: str  # the block's linear, "attn.qkv"
+    part: int  # which Hugging Face module of a fused linear (0 for an unfused one)
+    n_in: int
+    n_out: int
+    copies: int = 1
+    active: int = 1  # of the copies one token passes through (an MoE: the top-k)
+
+
+@dataclass(frozen=True)
+class Adapters:
+    """The adapters of a `[lora]` section on one model: rank, dropout and the pairs of one block."""
+
+    rank: int
+    dropout: float
+    pairs: tuple[Pair, ...]
+
+    @property
+    def linears(self) -> tuple[str, ...]:
+        return tuple(dict.fromkeys(p.linear for p in self.pairs))
+
+    def numel(self) -> int:
+        """Adapter elements of one block."""
+        return sum(p.copies * self.rank * (p.n_in + p.n_out) for p in self.pairs)
+
+    @staticmethod
+    def of(cfg: ModelConfig, lora) -> "Adapters | None":
+        """The adapters `lora` (a LoraConfig) puts on `cfg`'s blocks, None with rank 0. lora.targets: attn | mlp |
+        all (every block linear but an MoE router) | a comma list of Family.linears names."""
+        if not lora or not lora.rank:
+            return None
+        fam = family(cfg.arch)
+        lin = {x.name: x for x in fam.linears(cfg)}
+        targets = str(lora.targets)
+        if targets in ("attn", "mlp", "all"):
+            names = [n for n, x in lin.items() if (targets == "all" or n.startswith(targets + "."))
+                     and n != "mlp.router"]
+        else:
+            names = [t.strip() for t in targets.split(",") if t.strip()]
+            unknown = [n for n in names if n not in lin]
+            if unknown:
+                raise ValueError(f"lora.targets={targets!r}: {', '.join(unknown)} is not a linear of "
+                                 f"{cfg.arch}; use attn, mlp, all or a comma list of {', '.join(lin)}")
+        split = _hub_parts(cfg, fam)
+        pairs = []
+        for n in names:
+            x = lin[n]
+            rows = split.get(n, (x.n_out,))
+            pairs += [Pair(n, k, x.n_in, r, x.copies, x.active) for k, r in enumerate(rows)]
+        return Adapters(lora.rank, float(lora.dropout), tuple(pairs))
+
+
+def _hub_parts(cfg: ModelConfig, fam) -> dict[str, tuple[int, ...]]:
+    """Output rows of each Hugging Face module a block linear is made of ({linear: rows}), from block 0's mapping:
+    Llama's qkv is q, k and v (three pairs), GPT-2's c_attn one; a family without a mapping keeps its linears
+    whole."""
+    if fam.hf_names is None:
+        return {}
+    lin = {x.name: x for x in fam.linears(cfg)}
+    out = {}
+    for t in fam.hf_tensors(cfg):
+        parts = t.kiln.split(".")
+        if parts[0] != "blocks" or parts[1] != "0" or parts[-1] != "weight" or len(t.hf) < 2:
+            continue
+        module = ".".join(p for p in parts[2:-1] if not p.isdigit())  # mlp.experts.3.fc -> mlp.experts.fc
+        if module in lin:
+            out[module] = t.rows or tuple(lin[module].parts) or (lin[module].n_out // len(t.hf),) * len(t.hf)
+    return out
+
+
+def adapter_shapes(adapters: Adapters | None, cfg: ModelConfig) -> list[tuple[str, tuple[int, ...]]]:
+    """(name, shape) of every adapter tensor, block by block: blocks.{i}.{linear}.lora_A.{part} (rank, n_in) and
+    lora_B.{part} (n_out, rank); an MoE expert's under blocks.{i}.mlp.experts.{e}.{fc|proj}."""
+    if adapters is None:
+        return []
+    r, out = adapters.rank, []
+    for i in range(cfg.n_layer):
+        for p in adapters.pairs:
+            for e in range(p.copies):
+                module = p.linear if p.copies == 1 else p.linear.replace("experts.", f"experts.{e}.")
+                out += [(f"blocks.{i}.{module}.lora_A.{p.part}", (r, p.n_in)),
+                        (f"blocks.{i}.{module}.lora_B.{p.part}", (p.n_out, r))]
+    return out
+
+
+def is_adapter(name: str) -> bool:
+    return ".lora_A." in name or ".lora_B." in name
+
+
+def base_bytes(num) -> int:
+    """Bytes of a frozen base parameter: bf16 under a mode that multiplies in half precision, else the mode's."""
+    return 2 if num.compute == 2 else num.param
+
+
+def lora_numerics(num):
+    """The numerics the frozen base's forward sees: a bf16 base is never copied by autocast, and its embedding
+    returns bf16, so the residual stream is bf16 too (as under FSDP2's bf16 gathering)."""
+    if num.compute != 2:
+        return num
+    return replace(num, residual=2, casts=False, param=2)
+
+
+def lora_block(kinds: dict[str, int], adapters: Adapters, cfg: ModelConfig, N: int, num, target,
+               first: bool) -> dict[str, int]:
+    """One block's saved tensors with the base frozen (kinds: what the block saves under lora_numerics, nothing
+    recomputed), the adapters' own added. first: block 0, which saves nothing before its first adapter."""
+    targeted = set(adapters.linears)
+    out = {k: v for k, v in kinds.items() if not k.endswith(".normed")}  # RMSNorm's, for the frozen gain only
+    for linear, kind in INPUT_KIND.items():
+        if kind in out and linear not in targeted and not (kind == "mlp.fc_input" and targeted & {"mlp.fc",
+                                                                                                 "mlp.router"}):
+            out.pop(kind)
+    if first:
+        start = min(_STAGES[n] for n in targeted)
+        inputs = set(INPUT_KIND.values())
+        out = {k: v for k, v in out.items() if k in inputs or k == "weight_casts" or _place(k) >= start}
+    c, r = num.compute, adapters.rank
+    for p in adapters.pairs:
+        rows = N * p.active  # an expert's adapters see its routed pairs: N·K rows over all experts
+        key = f"lora.{p.linear}.{p.part}"
+        out[f"{key}.a_out"] = rows * r * c  # A's output, B's input
+        if adapters.dropout > 0:
+            x = num.residual if p.linear in ("attn.qkv", "mlp.fc") and not num.autocast else c
+            out[f"{key}.dropout"] = rows * p.n_in * (x + target.mask_bytes(x))  # dropped input and its mask
+    if num.autocast:
+        out["weight_casts"] = out.get("weight_casts", 0) + 2 * adapters.numel()  # autocast's cached copies
+    return {k: v for k, v in out.items() if v}
+
+
+def _place(kind: str) -> int:
+    """Where a saved kind sits in block 0 (_PLACE): kept when an adapter is at or before it; norm1's never."""
+    return next((at for prefix, at in _PLACE if kind.startswith(prefix)), 0)
+
+
+def frozen_head(kinds: dict[str, int]) -> dict[str, int]:
+    """The final norm and loss with a frozen head: no input kept for the head's weight gradient, no normalised x
+    for the norm's gain, and no autocast copy of a bf16 head."""
+    return {k: v for k, v in kinds.items() if k != "loss.input" and not k.endswith(".normed")}
+
+
+def adapter_flops(adapters: Adapters, tokens: int) -> float:
+    """Forward FLOPs of one block's adapters on `tokens` tokens: 2·r·(n_in + n_out) per routed row and pair."""
+    return sum(2 * tokens * p.active * adapters.rank * (p.n_in + p.n_out) for p in adapters.pairs)
+
+
+def trainable_fraction(adapters: Adapters | None, cfg: ModelConfig, base: int) -> tuple[int, float]:
+    """(adapter parameters, their share of all parameters)."""
+    n = adapters.numel() * cfg.n_layer if adapters else 0
+    return n, n / (n + base) if n + base else 0.0
+
+
+def numel(shapes) -> int:
+    return sum(math.prod(s) for _, s in shapes)

@@ -25,7 +25,7 @@ import math
 from dataclasses import dataclass, replace
 
 from kiln.models.config import ModelConfig
-from kiln.models.registry import family
+from kiln.models.lora import lora_tensors
 
 # The saved kind that holds each block linear's input (kiln.models.costs and the estimator's names): kept only when
 # the linear's weight, or an adapter beside it, needs a gradient. An MoE's router reads the MLP input.
@@ -38,7 +38,7 @@ INPUT_KIND = {"attn.qkv": "attn.qkv_input", "attn.proj": "attn.proj_input", "mlp
 # block 0; the inputs of INPUT_KIND are kept by the adapter's A whatever the input).
 _STAGES = {"attn.qkv": 0, "attn.proj": 1, "mlp.router": 2, "mlp.fc": 2, "mlp.experts.fc": 2, "mlp.proj": 3,
            "mlp.experts.proj": 3}
-_PLACE = (("norm1.", math.inf), ("resid.", 1), ("norm2.", 1), ("attn.", 0), ("moe.", 2), ("mlp.", 2))
+_PLACE = (("norm1.", -1), ("resid.", 1), ("norm2.", 1), ("attn.", 0), ("moe.", 2), ("mlp.", 2))
 
 @dataclass(frozen=True)
 class Pair:
@@ -70,61 +70,33 @@ class Adapters:
 
     @staticmethod
     def of(cfg: ModelConfig, lora) -> "Adapters | None":
-        """The adapters `lora` (a LoraConfig) puts on `cfg`'s blocks, None with rank 0. lora.targets: attn | mlp |
-        all (every block linear but an MoE router) | a comma list of Family.linears names."""
+        """The adapters `lora` (a LoraConfig) puts on `cfg`'s blocks, None with rank 0: block 0's pairs from
+        kiln.models.lora.lora_tensors, the builder's own list (its refusals: an unknown target, MoE experts)."""
         if not lora or not lora.rank:
             return None
-        fam = family(cfg.arch)
-        lin = {x.name: x for x in fam.linears(cfg)}
-        targets = str(lora.targets)
-        if targets in ("attn", "mlp", "all"):
-            names = [n for n, x in lin.items() if (targets == "all" or n.startswith(targets + "."))
-                     and n != "mlp.router"]
-        else:
-            names = [t.strip() for t in targets.split(",") if t.strip()]
-            unknown = [n for n in names if n not in lin]
-            if unknown:
-                raise ValueError(f"lora.targets={targets!r}: {', '.join(unknown)} is not a linear of "
-                                 f"{cfg.arch}; use attn, mlp, all or a comma list of {', '.join(lin)}")
-        split = _hub_parts(cfg, fam)
-        pairs = []
-        for n in names:
-            x = lin[n]
-            rows = split.get(n, (x.n_out,))
-            pairs += [Pair(n, k, x.n_in, r, x.copies, x.active) for k, r in enumerate(rows)]
+        pairs, a_in = [], {}
+        for t in lora_tensors(cfg, lora):
+            if not t.base.startswith("blocks.0."):
+                break  # every block has the same pairs
+            linear = t.base.removeprefix("blocks.0.").removesuffix(".weight")
+            if t.matrix == "lora_A":
+                a_in[t.kiln] = t.shape[1]
+            else:
+                n_in = a_in[t.kiln.replace(".lora_B.", ".lora_A.")]
+                pairs.append(Pair(linear, sum(p.linear == linear for p in pairs), n_in, t.shape[0]))
         return Adapters(lora.rank, float(lora.dropout), tuple(pairs))
 
 
-def _hub_parts(cfg: ModelConfig, fam) -> dict[str, tuple[int, ...]]:
-    """Output rows of each Hugging Face module a block linear is made of ({linear: rows}), from block 0's mapping:
-    Llama's qkv is q, k and v (three pairs), GPT-2's c_attn one; a family without a mapping keeps its linears
-    whole."""
-    if fam.hf_names is None:
-        return {}
-    lin = {x.name: x for x in fam.linears(cfg)}
-    out = {}
-    for t in fam.hf_tensors(cfg):
-        parts = t.kiln.split(".")
-        if parts[0] != "blocks" or parts[1] != "0" or parts[-1] != "weight" or len(t.hf) < 2:
-            continue
-        module = ".".join(p for p in parts[2:-1] if not p.isdigit())  # mlp.experts.3.fc -> mlp.experts.fc
-        if module in lin:
-            out[module] = t.rows or tuple(lin[module].parts) or (lin[module].n_out // len(t.hf),) * len(t.hf)
-    return out
-
-
 def adapter_shapes(adapters: Adapters | None, cfg: ModelConfig) -> list[tuple[str, tuple[int, ...]]]:
-    """(name, shape) of every adapter tensor, block by block: blocks.{i}.{linear}.lora_A.{part} (rank, n_in) and
-    lora_B.{part} (n_out, rank); an MoE expert's under blocks.{i}.mlp.experts.{e}.{fc|proj}."""
+    """(name, shape) of every adapter tensor, block by block: blocks.{i}.{linear}.lora_A.{piece} (rank, n_in) and
+    lora_B.{piece} (n_out, rank), piece numbered here (kiln.models.lora names it after its Hub module)."""
     if adapters is None:
         return []
     r, out = adapters.rank, []
     for i in range(cfg.n_layer):
         for p in adapters.pairs:
-            for e in range(p.copies):
-                module = p.linear if p.copies == 1 else p.linear.replace("experts.", f"experts.{e}.")
-                out += [(f"blocks.{i}.{module}.lora_A.{p.part}", (r, p.n_in)),
-                        (f"blocks.{i}.{module}.lora_B.{p.part}", (p.n_out, r))]
+            out += [(f"blocks.{i}.{p.linear}.lora_A.{p.part}", (r, p.n_in)),
+                    (f"blocks.{i}.{p.linear}.lora_B.{p.part}", (p.n_out, r))]
     return out
 
 
@@ -141,8 +113,8 @@ def lora_numerics(num):
     """The numerics the frozen base's forward sees: a bf16 base is never copied by autocast, and its embedding
     returns bf16, so the residual stream is bf16 too (as under FSDP2's bf16 gathering)."""
     if num.compute != 2:
-        return num
-    return replace(num, residual=2, casts=False, param=2)
+        return replace(num, frozen=True)
+    return replace(num, residual=2, casts=False, param=2, frozen=True)
 
 
 def lora_block(kinds: dict[str, int], adapters: Adapters, cfg: ModelConfig, N: int, num, target,
@@ -151,12 +123,11 @@ def lora_block(kinds: dict[str, int], adapters: Adapters, cfg: ModelConfig, N: i
     recomputed), the adapters' own added. first: block 0, which saves nothing before its first adapter."""
     targeted = set(adapters.linears)
     out = {k: v for k, v in kinds.items() if not k.endswith(".normed")}  # RMSNorm's, for the frozen gain only
-    for linear, kind in INPUT_KIND.items():
-        if kind in out and linear not in targeted and not (kind == "mlp.fc_input" and targeted & {"mlp.fc",
-                                                                                                 "mlp.router"}):
-            out.pop(kind)
+    # an input is kept by the adapter's A, unless A sees a dropped copy (lora.dropout), which it keeps instead
+    kept = {INPUT_KIND[n] for n in targeted} if adapters.dropout == 0 else set()
+    out = {k: v for k, v in out.items() if k not in set(INPUT_KIND.values()) - kept}
+    start = min(_STAGES[n] for n in targeted) if first else -1
     if first:
-        start = min(_STAGES[n] for n in targeted)
         inputs = set(INPUT_KIND.values())
         out = {k: v for k, v in out.items() if k in inputs or k == "weight_casts" or _place(k) >= start}
     c, r = num.compute, adapters.rank
@@ -164,9 +135,9 @@ def lora_block(kinds: dict[str, int], adapters: Adapters, cfg: ModelConfig, N: i
         rows = N * p.active  # an expert's adapters see its routed pairs: N·K rows over all experts
         key = f"lora.{p.linear}.{p.part}"
         out[f"{key}.a_out"] = rows * r * c  # A's output, B's input
-        if adapters.dropout > 0:
-            x = num.residual if p.linear in ("attn.qkv", "mlp.fc") and not num.autocast else c
-            out[f"{key}.dropout"] = rows * p.n_in * (x + target.mask_bytes(x))  # dropped input and its mask
+        if adapters.dropout > 0:  # one draw per pair, as PEFT's separate modules: the dropped input and its mask
+            # (no mask where the input requires no gradient: block 0's first adapted linear)
+            out[f"{key}.dropout"] = rows * p.n_in * (c + (target.mask_bytes(c) if _STAGES[p.linear] > start else 0))
     if num.autocast:
         out["weight_casts"] = out.get("weight_casts", 0) + 2 * adapters.numel()  # autocast's cached copies
     return {k: v for k, v in out.items() if v}

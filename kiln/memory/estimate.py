@@ -23,6 +23,7 @@ import re
 from dataclasses import dataclass, field, replace
 
 from kiln.memory import adapters as lora_
+from kiln.memory.experts import expert_parallel
 from kiln.models.config import ModelConfig
 from kiln.models.registry import family
 from kiln.parallel.layout import ParallelPlan
@@ -84,6 +85,7 @@ class Numerics:
     autocast: bool  # linears see half-precision copies of their input and weight, made by autocast
     casts: bool = True  # autocast copies the weights (fp32) to half precision; False when they are half already
     gathered: int = 0  # bytes per element of FSDP2's all-gathered parameters (0: the parameter's own)
+    frozen: bool = False  # LoRA's frozen base (kiln.memory.adapters.lora_numerics): weights in `param` bytes, no gradient
 
     @property
     def half_weights(self) -> bool:
@@ -431,23 +433,6 @@ def block_matmul_numel(cfg: ModelConfig) -> int:
 def buffer_bytes(cfg: ModelConfig, num: Numerics) -> int:
     """Non-parameter model state, as the positions part states it (RoPE: its cos/sin tables)."""
     return family(cfg.arch).positions_part.buffer_bytes(cfg, num)
-
-
-def expert_parallel_split(cfg: ModelConfig, ep: int, bytes_per_element: int = 2) -> dict[str, float]:
-    """How expert parallelism (not built yet; for the planner later) would divide a mixture of experts over `ep`
-    ranks: each rank keeps n_experts / ep whole experts of every block (the linears whose layout is "expert") and
-    everything else replicated; each routed (token, slot) pair travels to its expert's rank and back, two
-    all-to-alls of d_model elements per pair and block, forward and again in backward. A dense family has no
-    experts: ep divides nothing."""
-    fam = family(cfg.arch)
-    expert = sum(x.numel for x in fam.linears(cfg) if x.tp == "expert") * cfg.n_layer
-    total = sum(math.prod(shape) for _, shape in fam.parameter_shapes(cfg))
-    if expert and cfg.n_experts % ep:
-        raise ValueError(f"expert parallelism over {ep} ranks needs model.n_experts={cfg.n_experts} divisible by it")
-    pairs = cfg.n_experts_active if expert else 0
-    return {"experts_per_rank": cfg.n_experts / ep if expert else 0, "expert_parameters": expert,
-            "parameters_per_rank": total - expert + expert // ep,
-            "all_to_all_bytes_per_token": 4 * pairs * cfg.d_model * cfg.n_layer * bytes_per_element * (ep - 1) / ep}
 
 
 def optimizer_state_bytes(numels: list[int], optimizer: str, momentum: float = 0.9) -> int:
@@ -822,6 +807,7 @@ class CommBuffers:
     reduce_scatter: dict = field(default_factory=dict)  # block index -> the reduce-scatter input of its backward
     keep_gathered: bool = False  # reshard_after_forward=false: gathered blocks stay until their backward
     pipelined: bool = False  # pp: gathered blocks stay after their backward, until the step's reduction
+    all_to_all: int = 0  # ep: one all-to-all's send and receive buffers, while an MoE block's forward or backward runs
 
     def forward(self, i: int) -> range:
         """Blocks whose gathered parameters are alive while block i's forward runs."""
@@ -934,10 +920,11 @@ def _simulate(p: _Step, first_step: bool, accumulating: bool) -> list[tuple[str,
     live = {"activations": 0, "logits": 0, "weight_casts": 0, **p.pipeline}
     cache = 0
 
-    def snap(name, temporaries=0, extra_casts=0, gathered=(), staging=0):
+    def snap(name, temporaries=0, extra_casts=0, gathered=(), staging=0, a2a=False):
         comp = {**state, **live, "temporaries": temporaries}
         comp["weight_casts"] += extra_casts
-        comp["comm_buffers"] = p.comm.persistent + sum(p.comm.gathered[i] for i in gathered) + staging
+        comp["comm_buffers"] = p.comm.persistent + sum(p.comm.gathered[i] for i in gathered) + staging \
+            + (p.comm.all_to_all if a2a else 0)
         events.append((name, comp))
 
     def add(kinds, sign=1):
@@ -952,7 +939,7 @@ def _simulate(p: _Step, first_step: bool, accumulating: bool) -> list[tuple[str,
         if (recomputed or i in p.offloaded) and num.autocast:
             cache += p.casts  # not saved on the device, but in autocast's cache until forward ends
         snap(f"forward: block {i}", temporaries=p.fwd_tmp if recomputed else N * cfg.d_model * 4, extra_casts=cache,
-             gathered=p.comm.forward(i))
+             gathered=p.comm.forward(i), a2a=True)
         if p.comm.staging_forward and i + 1 < L:  # the next block's all-gather (prefetch), staged by gloo
             snap(f"forward: block {i + 1} all-gather", extra_casts=cache, gathered=p.comm.forward(i),
                  staging=p.comm.staging_forward)
@@ -980,7 +967,8 @@ def _simulate(p: _Step, first_step: bool, accumulating: bool) -> list[tuple[str,
                 # the block gathered again (a forward resharded it), through gloo's copy
                 snap(f"backward: block {i} all-gather", temporaries=work, gathered=p.comm.backward(i),
                      staging=p.comm.staging_backward)
-            snap(f"backward: block {i}", temporaries=work + p.grad_tmp, extra_casts=casts, gathered=p.comm.backward(i))
+            snap(f"backward: block {i}", temporaries=work + p.grad_tmp, extra_casts=casts, gathered=p.comm.backward(i),
+                 a2a=True)
             if p.comm.reduce_scatter:  # after the block's backward: its gradients reduce-scattered
                 snap(f"backward: block {i} reduce-scatter", temporaries=work + p.comm.reduce_scatter[i],
                      gathered=p.comm.backward(i), staging=p.comm.staging_backward)
@@ -1038,6 +1026,8 @@ def estimate(job: Job) -> Breakdown:
 
     comm = _comm_buffers(job, _block_parameters(numels),
                          _block_parameters([(k, n) for k, n in numels if trainable(job, k)]) if job.lora else None)
+    if job.ep > 1:  # the all-to-alls' buffers, balanced routing (kiln.memory.experts)
+        comm.all_to_all = int(expert_parallel(job)["exchange_bytes"])
     loss_fwd, loss_bwd = (_loss_transients(cfg, N, num, job.chunked_loss, job.vocab_parallel) if job.last_stage
                           else (0, 0))
     if job.vocab_parallel:

@@ -20,8 +20,9 @@ import math
 from dataclasses import dataclass, field, replace
 
 from kiln.memory.devices import get_device
+from kiln.memory.adapters import adapter_flops
 from kiln.memory.estimate import (Breakdown, Job, block_matmul_numel, estimate, fmt_bytes, local_parameter_shapes,
-                                  parse_bytes, recompute_plan, saved_tensors)
+                                  parse_bytes, recompute_plan, saved_tensors, trainable)
 from kiln.memory.levers import job_for, rank_jobs
 from kiln.memory.recompute import solve_budget
 from kiln.models.registry import family
@@ -78,7 +79,7 @@ def communication(job: Job, link: float, compute_s: float) -> dict[str, float]:
     f = (N - 1) / N
     n_params = _local_params(job)
     # gradients are reduced in fp32 (FSDP2: reduce_dtype fp32); FSDP2 gathers bf16 under MixedPrecisionPolicy
-    P, G = n_params * (job.num.gathered or job.num.param), n_params * 4
+    P, G = n_params * (job.num.gathered or job.num.param), _local_params(job, trained=True) * 4
     bw = link * COMM_EFFICIENCY
     backward = compute_s / job.grad_accum * 2 / 3  # the last micro-batch's backward: ~2/3 of its FLOPs
     if data.ddp_reducer:
@@ -134,9 +135,10 @@ def fit_time_model(device, observations: list[tuple[Job, float]], bandwidth_effi
     return {"matmul_efficiency": min(1.0, 1 / u) if u > 0 else 1.0, "op_overhead_s": max(o, 0.0)}
 
 
-def _local_params(job: Job) -> int:
-    """Parameters this rank's model part holds before data-parallel sharding (its stage, its tensor shard)."""
-    return sum(math.prod(shape) for _, shape in local_parameter_shapes(job))
+def _local_params(job: Job, trained: bool = False) -> int:
+    """Parameters this rank's model part holds before data-parallel sharding (its stage, its tensor shard); trained:
+    only those that get gradients (LoRA: the adapters)."""
+    return sum(math.prod(shape) for name, shape in local_parameter_shapes(job) if not trained or trainable(job, name))
 
 
 def model_parallel_comm(job: Job, tp_link: float, cp_link: float, pp_link: float, attention_s: float
@@ -221,15 +223,20 @@ def step_time(job: Job, device, link: float | None = None, tp_link: float | None
         elem_bytes += block_matmul_numel(cfg) * 6 / tp  # fp32 weights read, half copies written, every micro-batch
     elem = elem_bytes / (bw * be)
     launch = op_s * OPS_PER_BLOCK
-    fwd_block = mm + attn + elem + launch
-    bwd_block = 2 * mm + 2.5 * attn + 2 * elem + 2 * launch
+    if job.lora:  # LoRA: the frozen base's backward makes input gradients only; the adapters' matmuls, 3x forward
+        adapters = adapter_flops(job.lora, N) / (peak * me)
+        fwd_block = mm + adapters + attn + elem + launch
+        bwd_block = mm + 2 * adapters + 2.5 * attn + 2 * elem + 2 * launch
+    else:
+        fwd_block = mm + attn + elem + launch
+        bwd_block = 2 * mm + 2.5 * attn + 2 * elem + 2 * launch
     recompute = 0.0
     for first, stop, policy in job.segments():
         n = stop - first
         recompute += n * (fwd_block if policy == "full" else (attn + elem + launch) if policy == "selective" else 0)
     Vr = V / (tp if job.vocab_parallel else 1)
     head_mm = _roofline(2 * N * d * Vr, (N * d + Vr * d + N * Vr) * c, peak, bw, me, be)
-    head = 3 * head_mm + (head_mm if job.chunked_loss else 0) + N * Vr * (c + 20) / (bw * be)
+    head = (2 if job.lora else 3) * head_mm + (head_mm if job.chunked_loss else 0) + N * Vr * (c + 20) / (bw * be)
     head += op_s * (OPS_HEAD + (12 * math.ceil(N / job.chunked_loss) if job.chunked_loss else 0))
     micro = L * (fwd_block + bwd_block) + recompute + (head if job.last_stage else 0)
     compute = job.grad_accum * micro
@@ -239,7 +246,7 @@ def step_time(job: Job, device, link: float | None = None, tp_link: float | None
     bubble = micro * (job.pp - 1) / job.virtual_stages if job.pp > 1 else 0.0
     compute += bubble + mp["tp"] + mp["cp_exposed"] + mp["pp"]
 
-    n_params = _local_params(job)
+    n_params = _local_params(job, trained=True)
     # Bytes moved per parameter by the update: fused AdamW reads p, g, m, v and writes p, m, v (28); the unfused
     # PyTorch 8-bit AdamW makes ~75 elementwise passes over fp32 temporaries (decode, update, re-encode): ~600.
     # muon: the AdamW pass as a floor; its Newton-Schulz products (~0.33 s a step on the tiny model, one CPU thread)

@@ -356,16 +356,29 @@ def local_parameter_shapes(job: "Job") -> list[tuple[str, tuple[int, ...]]]:
             shapes.append(("head.weight", (cfg.padded_vocab, cfg.d_model)))
     out = []
     for name, shape in shapes + lora_.adapter_shapes(job.lora, cfg):
-        local = tp_shard_shape(name, shape, cfg, job.tp, job.vocab_parallel)
-        if local is not None and (job.ep == 1 or _expert(name) is None or _expert(name) < cfg.n_experts // job.ep):
+        if job.ep > 1 and _is_expert(name):
+            # expert parallelism (kiln.memory.experts): this rank's n_experts / ep whole experts, not split by tp
+            local = _ep_shard(name, shape, cfg, job.ep)
+        else:
+            local = tp_shard_shape(name, shape, cfg, job.tp, job.vocab_parallel)
+        if local is not None:
             out.append((name, local))
     return out
 
 
-def _expert(name: str) -> int | None:
-    """The expert a parameter belongs to (blocks.i.mlp.experts.e.*), None outside the experts."""
-    parts = name.split(".")
-    return int(parts[4]) if len(parts) > 4 and parts[2:4] == ["mlp", "experts"] else None
+def _is_expert(name: str) -> bool:
+    """A parameter of an MoE's experts: blocks.i.mlp.experts.e.* (one per expert) or blocks.i.mlp.experts.*
+    (the experts stacked on a first dimension)."""
+    return name.split(".")[2:4] == ["mlp", "experts"]
+
+
+def _ep_shard(name: str, shape: tuple[int, ...], cfg: ModelConfig, ep: int) -> tuple[int, ...] | None:
+    """The expert-parallel rank's part of an expert parameter: an expert of its own whole (the first n_experts/ep
+    are rank 0's), a stacked tensor's n_experts/ep rows of its first dimension."""
+    part = name.split(".")[4]
+    if part.isdigit():
+        return shape if int(part) < cfg.n_experts // ep else None
+    return (shape[0] // ep, *shape[1:])
 
 
 def trainable(job: "Job", name: str) -> bool:
@@ -376,7 +389,7 @@ def trainable(job: "Job", name: str) -> bool:
 def _dp_ranks(job: "Job", name: str) -> int:
     """Ranks a parameter's state is data-parallel over: an expert's over dp·cp / ep (its expert-parallel peers
     hold other experts), everything else over dp·cp."""
-    return job.world // job.ep if job.ep > 1 and _expert(name) is not None else job.world
+    return job.world // job.ep if job.ep > 1 and _is_expert(name) else job.world
 
 
 def rank_state(job: "Job") -> dict[str, int]:

@@ -18,6 +18,8 @@ activations and receive buffers times ep·min(K, E/ep)/K (`imbalance`). Dropless
 """
 from __future__ import annotations
 
+from dataclasses import replace
+
 from kiln.models.registry import family
 
 
@@ -64,3 +66,17 @@ def worst_case_note(job) -> str | None:
     return (f"expert parallel ep{job.ep}: {x['experts_per_rank']:g} experts of {job.model.n_experts} a rank; routed "
             f"activations assume balanced routing ({x['pairs']:,} (token, slot) pairs a rank); worst case "
             f"{x['worst_pairs']:,} pairs ({x['imbalance']:g}× the routed activations and receive buffers; dropless)")
+
+
+def ep_degrees(model, dp: int) -> list[int]:
+    """The expert-parallel degrees > 1 the planner tries for a resolved model on dp data-parallel ranks: those that
+    divide dp and model.n_experts (kiln.parallel.layout.check_degrees, which each candidate's plan passes, refuses
+    the rest); none for a dense model."""
+    if not _moe_blocks(model):
+        return []
+    return [e for e in range(2, dp + 1) if dp % e == 0 and model.n_experts % e == 0]
+
+
+def with_ep(plan, ep: int):
+    """The layout object with expert-parallel degree ep (kiln.parallel.layout.ParallelPlan.ep)."""
+    return plan if ep == 1 else replace(plan, ep=ep)

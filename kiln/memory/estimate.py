@@ -344,6 +344,24 @@ def local_parameter_shapes(job: "Job") -> list[tuple[str, tuple[int, ...]]]:
     stage's (job.model is the stage: its blocks; the embeddings on the first stage, the final norm and head on the
     last, a tied embedding on both as two copies whose gradients the runtime sums) split by tensor parallelism
     (tp_shard_shape). A later test compares their bytes with the sum of the local DTensor shards."""
+    key = _shapes_key(job)
+    if key not in _SHAPES:
+        if len(_SHAPES) > 64:  # the planner's search asks a few layouts' shapes many times each
+            _SHAPES.clear()
+        _SHAPES[key] = tuple(_local_parameter_shapes(job))
+    return _SHAPES[key]
+
+
+_SHAPES: dict = {}  # local_parameter_shapes by what they depend on: an MoE of 128 experts × 48 blocks lists 12,000
+_NUMELS: dict = {}
+_BLOCKS: dict = {}
+
+
+def _shapes_key(job: "Job") -> tuple:
+    return repr(job.model), job.pp, job.stage, job.tp, job.vocab_parallel, job.ep, job.lora
+
+
+def _local_parameter_shapes(job: "Job") -> list[tuple[str, tuple[int, ...]]]:
     cfg = job.model
     shapes = parameter_shapes(cfg)
     if job.pp > 1:
@@ -393,6 +411,23 @@ def _dp_ranks(job: "Job", name: str) -> int:
 
 
 def rank_state(job: "Job") -> dict[str, int]:
+    key = (_shapes_key(job), job.parallel, job.world, job.precision, job.optimizer, job.sgd_momentum)
+    return dict(_memo(_STATES, key, lambda: _rank_state(job)))
+
+
+_STATES: dict = {}
+
+
+def _memo(table: dict, key, make):
+    """table[key], made once: the planner's search asks the same layout's model state for every lever."""
+    if key not in table:
+        if len(table) > 64:
+            table.clear()
+        table[key] = make()
+    return table[key]
+
+
+def _rank_state(job: "Job") -> dict[str, int]:
     """Parameter, gradient and optimizer-state bytes one rank holds under data parallelism (job.parallel on
     job.world ranks), as kiln builds them:
 
@@ -771,6 +806,18 @@ def grad_shares(job: Job) -> dict:
     everything under DDP and ZeRO-1; under FSDP2 each parameter's padded shard, ceil(dim0 / world) rows; under
     pipeline parallelism with FSDP2 everything while the step runs (unsharded_gradients)."""
     fsdp = unsharded_gradients(job) is None and job.dp_strategy.shards_parameters and job.world > 1
+    key = (_shapes_key(job), fsdp, job.world)
+    if key not in _GRADS:
+        if len(_GRADS) > 64:
+            _GRADS.clear()
+        _GRADS[key] = _grad_shares(job, fsdp)
+    return dict(_GRADS[key])
+
+
+_GRADS: dict = {}
+
+
+def _grad_shares(job: Job, fsdp: bool) -> dict:
     out: dict = {"embed": 0, "pos_embed": 0, "norm": 0, "head": 0}
     for name, shape in local_parameter_shapes(job):
         if not trainable(job, name):
@@ -893,7 +940,8 @@ class _Step:
 
 def _model_state(job: Job, numels: list[tuple[str, int]]) -> tuple[dict[str, int], int, dict[str, int]]:
     """(model state on the device after an update, gradient bytes during the optimizer step, host bytes)."""
-    numels = [(name, n) for name, n in numels if trainable(job, name)]  # masters and offloaded state: trained ones
+    if job.lora:  # masters and offloaded state: the trained parameters only
+        numels = [(name, n) for name, n in numels if trainable(job, name)]
     num, n_params = job.num, sum(n for _, n in numels)
     host_opt = job.optimizer_offload != "none"
     per_rank = rank_state(job)
@@ -1023,7 +1071,8 @@ def estimate(job: Job) -> Breakdown:
     cfg, num, tgt = job.model, job.num, job.target
     B, T, L = job.micro_batch, job.seq_len // job.cp, cfg.n_layer
     N, tp = B * T, job.tp
-    numels = [(name, math.prod(shape)) for name, shape in local_parameter_shapes(job)]
+    numels = _memo(_NUMELS, _shapes_key(job),
+                   lambda: [(name, math.prod(shape)) for name, shape in local_parameter_shapes(job)])
     n_params = sum(n for _, n in numels)
     state, step_gradients, host = _model_state(job, numels)
 
@@ -1037,7 +1086,7 @@ def estimate(job: Job) -> Breakdown:
         for k, v in part.items():
             all_saved[k] = all_saved.get(k, 0) + v
 
-    comm = _comm_buffers(job, _block_parameters(numels),
+    comm = _comm_buffers(job, _memo(_BLOCKS, _shapes_key(job), lambda: _block_parameters(numels)),
                          _block_parameters([(k, n) for k, n in numels if trainable(job, k)]) if job.lora else None)
     if job.ep > 1:  # the all-to-alls' buffers, balanced routing (kiln.memory.experts)
         comm.all_to_all = int(expert_parallel(job)["exchange_bytes"])
@@ -1067,7 +1116,7 @@ def estimate(job: Job) -> Breakdown:
         selective_kept=sum(_tp_share(_selective_tensors(cfg, B, T, num), job).values()),
         tied_head=cfg.padded_vocab * cfg.d_model // (tp if job.vocab_parallel else 1)
         if cfg.tie_embeddings and job.first_stage and job.last_stage and not job.lora else 0,
-        step_tmp=min(max(n for k, n in numels if trainable(job, k)), ADAM8BIT_CHUNK) * 16 if job.optimizer == "adamw8bit" and not host_opt
+        step_tmp=min(max(n for k, n in numels if not job.lora or trainable(job, k)), ADAM8BIT_CHUNK) * 16 if job.optimizer == "adamw8bit" and not host_opt
         else 0,
         offloaded=offloaded, pipeline=pipeline, unsharded_gradients=unsharded_gradients(job))
 

@@ -21,6 +21,7 @@ from __future__ import annotations
 from dataclasses import replace
 
 from kiln.models.registry import family
+from kiln.parallel.layout import ParallelPlan
 
 
 def _moe_blocks(cfg) -> int:
@@ -72,7 +73,7 @@ def ep_degrees(model, dp: int) -> list[int]:
     """The expert-parallel degrees > 1 the planner tries for a resolved model on dp data-parallel ranks: those that
     divide dp and model.n_experts (kiln.parallel.layout.check_degrees, which each candidate's plan passes, refuses
     the rest); none for a dense model."""
-    if not _moe_blocks(model):
+    if not _moe_blocks(model) or "ep" not in ParallelPlan.__dataclass_fields__:  # the layout object holds ep (#41)
         return []
     return [e for e in range(2, dp + 1) if dp % e == 0 and model.n_experts % e == 0]
 

@@ -24,6 +24,7 @@ from kiln.memory.experts import all_to_all_seconds, ep_degrees, with_ep
 from kiln.memory.adapters import adapter_flops
 from kiln.memory.estimate import (Breakdown, Job, block_matmul_numel, estimate, fmt_bytes, local_parameter_shapes,
                                   parse_bytes, recompute_plan, saved_tensors, trainable)
+from kiln.memory.estimate import _memo, _shapes_key  # noqa: E402  (the estimator's caches, shared)
 from kiln.memory.levers import job_for, rank_jobs
 from kiln.memory.recompute import solve_budget
 from kiln.models.registry import family
@@ -139,7 +140,11 @@ def fit_time_model(device, observations: list[tuple[Job, float]], bandwidth_effi
 def _local_params(job: Job, trained: bool = False) -> int:
     """Parameters this rank's model part holds before data-parallel sharding (its stage, its tensor shard); trained:
     only those that get gradients (LoRA: the adapters)."""
-    return sum(math.prod(shape) for name, shape in local_parameter_shapes(job) if not trained or trainable(job, name))
+    return _memo(_PARAMS, (_shapes_key(job), trained), lambda: sum(
+        math.prod(shape) for name, shape in local_parameter_shapes(job) if not trained or trainable(job, name)))
+
+
+_PARAMS: dict = {}
 
 
 def model_parallel_comm(job: Job, tp_link: float, cp_link: float, pp_link: float, attention_s: float

@@ -21,7 +21,8 @@ from __future__ import annotations
 from dataclasses import replace
 
 from kiln.models.registry import family
-from kiln.parallel.layout import ParallelPlan
+from kiln.errors import KilnError
+from kiln.parallel.layout import ParallelPlan, check_degrees
 
 
 def _moe_blocks(cfg) -> int:
@@ -69,13 +70,21 @@ def worst_case_note(job) -> str | None:
             f"{x['worst_pairs']:,} pairs ({x['imbalance']:g}× the routed activations and receive buffers; dropless)")
 
 
-def ep_degrees(model, dp: int) -> list[int]:
-    """The expert-parallel degrees > 1 the planner tries for a resolved model on dp data-parallel ranks: those that
-    divide dp and model.n_experts (kiln.parallel.layout.check_degrees, which each candidate's plan passes, refuses
-    the rest); none for a dense model."""
+def ep_degrees(parallel, world: int, model) -> list[int]:
+    """The expert-parallel degrees > 1 the planner tries for a resolved model on `world` ranks split as `parallel`
+    (a ParallelConfig with tp, pp, cp and a strategy): every one the runtime's own check passes
+    (kiln.parallel.layout.check_degrees: ep divides dp and the experts, an MoE, no pp); none for a dense model."""
     if not _moe_blocks(model) or "ep" not in ParallelPlan.__dataclass_fields__:  # the layout object holds ep (#41)
         return []
-    return [e for e in range(2, dp + 1) if dp % e == 0 and model.n_experts % e == 0]
+    fam, dp = family(model.arch), world // (parallel.tp * parallel.pp * parallel.cp)
+    out = []
+    for e in range(2, dp + 1):
+        try:
+            check_degrees(replace(parallel, ep=e), world, model, fam)
+        except KilnError:
+            continue
+        out.append(e)
+    return out
 
 
 def with_ep(plan, ep: int):

@@ -572,7 +572,9 @@ def search(cfg, device, memory: int | None = None, global_batch_tokens: int = 0,
         per_rank = G // dp
         strategies = DATA_PARALLEL if dp * cp > 1 else (NO_DATA_PARALLEL,)
         if expert and model_parallel:
-            model_parallel_choices += [(tp, pp, cp, dp, per_rank, strategies, ep) for ep in ep_degrees(model, dp)]
+            split = replace(cfg.parallel, tp=tp, pp=pp, cp=cp, strategy="fsdp", sequence_parallel=tp > 1)
+            model_parallel_choices += [(tp, pp, cp, dp, per_rank, strategies, ep)
+                                       for ep in ep_degrees(split, gpus, model)]
         if tp * pp * cp == 1 and not quick:  # data parallel only: every lever
             choices += [
                 c for c in (

@@ -26,10 +26,11 @@ from kiln.memory.levers import MemoryConfig
 from kiln.memory.offload import parse_blocks
 from kiln.memory.planner import PlanConfig
 from kiln.models import PRESETS, ModelConfig
-from kiln.models.lora import LoraConfig
+from kiln.models.lora import LoraConfig, check_run as check_lora
 from kiln.models.values import refuse_replaced
 from kiln.numerics import FaultsConfig, NumericsConfig
 from kiln.perf.compile import compile_setting
+from kiln.precision import PRECISIONS, mode as precision_mode
 from kiln.train.checkpoint import CheckpointConfig
 from kiln.train.logging import LogConfig
 from kiln.train.loop import TrainConfig
@@ -255,6 +256,8 @@ def _cross_checks(cfg: Config) -> None:
         raise ConfigError("faults.* hook the eager model's modules, which torch.compile bypasses; set "
                           "--train.compile=false to inject faults")
     parse_blocks(cfg.memory.offload_blocks, model.n_layer)
+    fp8 = cfg.precision.mode in PRECISIONS and precision_mode(cfg.precision.mode).fp8  # auto is never fp8
+    check_lora(cfg.lora, tp=cfg.parallel.tp, pp=cfg.parallel.pp, fp8=fp8)
     data = strategy(cfg.parallel.strategy)
     refused = data.refusal(optim_offload=cfg.optim.offload, precision=cfg.precision.mode, optimizer=cfg.optim.name)
     if refused:

@@ -13,7 +13,8 @@
                                     with one adapter pair per piece: `lora_A[piece]` (r, in), `lora_B[piece]`
                                     (rows, r); y = x Wᵀ + b + scale · concat_p(B_p A_p dropout(x))
     merge_lora(model)               each LoraLinear back to a plain nn.Linear holding W + scale·B·A (export)
-    trainable_count(model)          (trainable, total) parameters, tied ones once
+    trainable_count(model)          (trainable, total) parameters of a built model, tied ones once
+    parameter_counts(cfg, lora)     the same from the config alone
 
 A piece is one Hugging Face module of a fused kiln linear (Family.hf_tensors): kiln's `attn.qkv` of Llama/Qwen3
 has three (q_proj, k_proj, v_proj: rows H·D, KV·D, KV·D), its `mlp.fc` two (gate_proj, up_proj), GPT-2's
@@ -38,6 +39,7 @@ import torch.nn.functional as F
 
 from kiln.errors import KilnError
 from kiln.models.catalog import family
+from kiln.models.config import param_count
 
 LORA_TARGETS = ("attn", "mlp", "all")
 DEFAULT_PIECE = "default"  # the one piece of a user's own nn.Linear (PEFT's adapter name)
@@ -81,6 +83,20 @@ class LoraConfig:
         if not self.on and (self.init or self.dropout):
             raise KilnError("lora.init and lora.dropout apply to adapters, and lora.rank=0 builds none",
                             key="lora.rank", value=self.rank, fix="give --lora.rank=8 (or another rank > 0)")
+
+
+def check_run(lora: LoraConfig, *, tp: int, pp: int, fp8: bool) -> None:
+    """What LoRA does not combine with, refused before anything is built (kiln.config's cross-section checks)."""
+    if not lora.on:
+        return
+    if tp > 1:
+        raise KilnError(f"lora.rank={lora.rank} with parallel.tp={tp}: the adapters are not split with their "
+                        f"linears yet; shard a LoRA run with --parallel.strategy=fsdp (or ddp) and parallel.tp=1",
+                        key="parallel.tp", value=tp, fix="use --parallel.tp=1 with --parallel.strategy=fsdp")
+    if fp8:
+        raise KilnError(f"lora.rank={lora.rank} with precision.mode=fp8: torchao's float8 linears would replace the "
+                        f"adapted ones; use --precision.mode=bf16 (the frozen base is stored in bf16)",
+                        key="precision.mode", value="fp8", fix="use --precision.mode=bf16")
 
 
 def target_names(targets: str) -> list[str]:
@@ -232,13 +248,15 @@ def lora_tensors(cfg, lora: LoraConfig) -> list[LoraTensor]:
     return out
 
 
+def parameter_counts(cfg, lora: LoraConfig) -> tuple[int, int]:
+    """(trainable, all) parameters of kiln's Transformer of `cfg` with lora's adapters, from the config alone (the
+    start line's counts; the report's and the estimator's)."""
+    adapters = sum(math.prod(t.shape) for t in lora_tensors(cfg, lora))
+    total = param_count(cfg) + adapters
+    return (adapters if lora.on else total), total
+
+
 # ---------------------------------------------------------------- applying and undoing
-
-
-def _refuse_split(module: nn.Module, name: str) -> None:
-    if type(module.weight).__name__ == "DTensor":
-        raise KilnError(f"lora: {name} is already split across ranks; apply LoRA before parallelizing",
-                        key="lora.rank", fix="build the adapters on the whole model, then shard it")
 
 
 def _adapt(model: nn.Module, name: str, pieces: dict, lora: LoraConfig, fan_in_fan_out: bool) -> None:
@@ -246,7 +264,6 @@ def _adapt(model: nn.Module, name: str, pieces: dict, lora: LoraConfig, fan_in_f
     if not isinstance(module, nn.Linear) or isinstance(module, LoraLinear):
         raise KilnError(f"lora.targets={lora.targets!r}: {name} is a {type(module).__name__}, not an nn.Linear LoRA "
                         f"can adapt", key="lora.targets", value=lora.targets, fix="name nn.Linear layers only")
-    _refuse_split(module, name)
     parent, _, leaf = name.rpartition(".")
     setattr(model.get_submodule(parent) if parent else model, leaf,
             LoraLinear(module, pieces, lora.rank, lora.alpha, lora.dropout, fan_in_fan_out))
@@ -282,6 +299,11 @@ def apply_lora(model: nn.Module, lora: LoraConfig, cfg=None) -> list[str]:
     from torch's global generator in module order: the same seed gives the same adapters on every rank."""
     if not lora.on:
         return []
+    held = next((n for n, m in model.named_modules() if isinstance(m, LoraLinear)), None)
+    if held is not None:
+        raise KilnError(f"lora.rank={lora.rank}: the model already holds LoRA adapters ({held}); pass the model "
+                        f"without them, or fold them in first with kiln.models.lora.merge_lora(model)",
+                        key="lora.rank", value=lora.rank, fix="pass a model without adapters")
     if cfg is not None:
         plan = [(t.name, {k: rows for k, _, rows in t.pieces}, t.fan_in_fan_out) for t in _targets(cfg, lora)]
     else:

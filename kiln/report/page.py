@@ -16,6 +16,7 @@ from pathlib import Path
 
 from kiln.config import ConfigError, load_config
 from kiln.data import cached_unigram_loss
+from kiln.models.lora import parameter_counts
 from kiln.report.figures import Chart, build_charts, event_rows
 from kiln.report.render import COLORS, draw, memory_chart, profile_chart
 from kiln.report.runs import Run, Summary, differing_keys, flat_config, fmt_duration, read_run, summarize, utc
@@ -65,6 +66,18 @@ def _unigram(run: Run) -> tuple[float | None, str | None]:
     value = cached_unigram_loss(cfg.data)
     return value, None if value is not None else (
         f"{run.name}: unigram baseline n/a: the token cache of its data is not on this machine")
+
+
+def _trainable(run: Run) -> str:
+    """A language-model run's trainable parameters of all of them (LoRA: its adapters), from its config.toml."""
+    if not run.is_lm:
+        return "n/a (not a language-model run)"
+    try:
+        cfg = load_config(run.path / "config.toml")
+        n, total = parameter_counts(cfg.model.resolve(), cfg.lora)
+    except (ConfigError, ValueError, OSError):
+        return "n/a (config.toml does not load with this kiln)"
+    return f"all {total:,}" if n == total else f"{n:,} of {total:,} ({100 * n / total:.2f}%)"
 
 
 def collect(run_dirs: list[str | Path], device: str = "") -> Report:
@@ -153,6 +166,7 @@ def _summary_rows(report: Report) -> list[tuple[str, list[str]]]:
                                                                    if s.final_val_ppl else "")),
         ("best val loss", lambda r, s: "n/a" if s.best_val is None else f"{s.best_val:.4f} at step {s.best_val_step:,}"),
         ("unigram baseline", lambda r, s: _f(s.unigram, ".4f") if r.is_lm else "n/a (not a language-model run)"),
+        ("trainable parameters", lambda r, s: _trainable(r)),
         (f"{unit}/s (mean, 2nd half)", lambda r, s: _f(s.mean_rate, ",.0f")),
         ("MFU (mean, 2nd half)", lambda r, s: _f(s.mean_mfu and 100 * s.mean_mfu, ".1f", "%")),
         ("HFU (mean, 2nd half)", lambda r, s: _f(s.mean_hfu and 100 * s.mean_hfu, ".1f", "%")),

@@ -88,11 +88,23 @@ class Doctor:
 
     # -- the checks -------------------------------------------------------------------------------------------
 
+    @property
+    def pretrained(self) -> str:
+        """model.init of a fine-tune (a Hugging Face checkpoint's weights), "" for a model kiln initialised."""
+        return self.lm.cfg.model.init
+
     @torch.no_grad()
     def init_loss(self) -> tuple[str, str, str]:
         loss = self._loss(self.x, self.y).item()
         V = self.model.cfg.padded_vocab
         expected = math.log(V)
+        if self.pretrained:  # a trained base (fresh LoRA adapters add 0): it should beat the data's unigram model
+            unigram = self.lm.data.unigram_loss
+            status = FAIL if not math.isfinite(loss) or loss >= expected else PASS if loss <= unigram else WARN
+            return (status, f"{loss:.3f} from {self.pretrained} vs the data's unigram loss {unigram:.3f} and ln({V}) "
+                            f"= {expected:.3f}",
+                    "a pretrained base should predict this data better than its unigram statistics: check that "
+                    "data.tokenizer is the base's own (model.init implies it) and that the weights loaded")
         rel = (loss - expected) / expected
         status = FAIL if not math.isfinite(loss) else _grade(abs(rel), (0, 0.1), (0, 0.3))
         return (status, f"{loss:.3f} vs ln({V}) = {expected:.3f} ({rel:+.1%})",
@@ -117,16 +129,20 @@ class Doctor:
     def gradient_flow(self) -> tuple[str, str, str]:
         self.model.zero_grad(set_to_none=True)
         self.state.scaler.scale_loss(self._loss(self.x, self.y)).backward()
-        dead, frozen, total = [], [], 0
+        dead, frozen, waiting, total = [], [], [], 0
         sq = torch.zeros((), device=self.device, dtype=torch.float64)
-        for name, p in self.model.named_parameters():
+        params = dict(self.model.named_parameters())
+        for name, p in params.items():
             if not p.requires_grad:
                 frozen.append(name)
                 continue
             total += 1
             g = p.grad
             if g is None or not bool(torch.isfinite(g).all()) or not bool(g.any()):
-                dead.append(name)
+                # a fresh LoRA adapter: A's gradient is Bᵀ·(...) = 0 while its B is 0 (B learns first)
+                b = params.get(name.replace(".lora_A.", ".lora_B."))
+                zero_b = ".lora_A." in name and b is not None and not bool(b.any())
+                (waiting if zero_b and g is not None and bool(torch.isfinite(g).all()) else dead).append(name)
             if g is not None:
                 sq += g.double().pow(2).sum()
         self.grad_norm_at_init = (sq.sqrt() / self.state.scaler.scale.double()).item()
@@ -137,7 +153,12 @@ class Doctor:
             status = FAIL
         else:
             value, status = f"all {total} trainable tensors get a gradient", PASS
-        if frozen:
+        if waiting:
+            value += f" ({len(waiting)} LoRA A matrices at 0 while their B is 0, as expected at the start)"
+        lora = self.lm.cfg.lora.on
+        if frozen and lora:
+            value += f"; the base's {len(frozen)} tensors are frozen (lora.rank={self.lm.cfg.lora.rank})"
+        elif frozen:
             value += f"; {len(frozen)} frozen (requires_grad=False): {', '.join(frozen[:4])}"
             status = WARN if status == PASS else status
         return (status, value, "a parameter without gradient is cut off from the loss: look for .detach(), "
@@ -226,11 +247,24 @@ class Doctor:
     @torch.no_grad()
     def weight_std(self) -> tuple[str, str, str]:
         n_layer = self.model.cfg.n_layer
-        worst, rows = None, []
+        worst, rows, loaded = None, [], 0
         for mod_name, module in self.model.named_modules():
             for p_name, p in module.named_parameters(recurse=False):
                 name = f"{mod_name}.{p_name}" if mod_name else p_name
-                if p.ndim >= 2:
+                kind = mod_name.rsplit(".", 1)[-1]
+                if kind == "lora_A":  # PEFT's kaiming-uniform(a=√5): U(±1/√in), std 1/√(3·in)
+                    expected = 1 / math.sqrt(3 * p.shape[1])
+                    ratio = p.float().std().item() / expected
+                    rows.append((name, abs(math.log(ratio)) if ratio > 0 else math.inf,
+                                 f"std {ratio:.2f}× expected {expected:.4g}"))
+                elif kind == "lora_B":  # B = 0: a fresh adapter leaves the base's output
+                    off = p.float().abs().max().item()
+                    rows.append((name, math.log1p(off / INIT_STD), f"max |B| = {off:.3g}"))
+                elif self.pretrained:  # the base's trained weights follow no init scheme: finite is what to ask
+                    loaded += 1
+                    if not bool(torch.isfinite(p).all()):
+                        rows.append((name, math.inf, f"non-finite values loaded from {self.pretrained}"))
+                elif p.ndim >= 2:
                     expected = INIT_STD / math.sqrt(2 * n_layer) if getattr(module, "residual", False) else INIT_STD
                     ratio = p.float().std().item() / expected
                     rows.append((name, abs(math.log(ratio)) if ratio > 0 else math.inf, f"std {ratio:.2f}× "
@@ -241,9 +275,12 @@ class Doctor:
                 else:  # biases start at 0
                     off = p.float().abs().max().item()
                     rows.append((name, math.log1p(off / INIT_STD), f"max |b| = {off:.3g}"))
+        base = f"{loaded} tensors of the pretrained base finite (no init scheme to match)" if loaded else ""
+        if not rows:
+            return PASS, base, "the base's weights come from model.init"
         worst = max(rows, key=lambda r: r[1])
         status = _grade(worst[1], (0, math.log(1.25)), (0, math.log(2)))
-        return (status, f"{len(rows)} tensors; worst {worst[0]}: {worst[2]}",
+        return (status, (f"{base}; " if base else "") + f"{len(rows)} tensors; worst {worst[0]}: {worst[2]}",
                 f"re-initialize: N(0, {INIT_STD}) for matrices, {INIT_STD}/sqrt(2·n_layer) for residual "
                 f"projections, 1 for norm gains, 0 for biases")
 

@@ -45,6 +45,7 @@ from kiln.data.batches import BatchLoader, eval_batches, is_dataset, to_device
 from kiln.parallel import ParallelPlan, launched_by_torchrun
 from kiln.memory.offload import parse_blocks
 from kiln.memory.estimate import recompute_plan
+from kiln.models.lora import apply_lora, trainable_line
 from kiln.models.transformer import Transformer
 from kiln.perf import device_peak_flops
 from kiln.perf.compile import compile_setting
@@ -307,6 +308,9 @@ class FitParts:
         return {"train": recorded_cpu_linear(cfg.train, device, precision, linears, world)}
 
     def model(self, cfg: Config, device) -> nn.Module:
+        # lora.rank > 0: its nn.Linear layers named by lora.targets (suffixes, as PEFT's target_modules) get
+        # adapters in place, the rest of the model is frozen
+        apply_lora(self.model_, cfg.lora)
         return self.model_
 
     def loader(self, cfg: Config, world, device) -> BatchLoader:
@@ -353,6 +357,9 @@ def _fit(run, parts: FitParts, eval_data, run_dir, resume, con, flops_per_sample
     con.print(f"model: {type(model).__name__} {format_count(state.n_params)} parameters | device {device} | "
               f"precision {precision} | {objective!r} | {tc.micro_batch_size}×{tc.grad_accum_steps} per step",
               highlight=False)
+    if cfg.lora.on:
+        con.print(f"lora: rank {cfg.lora.rank}, alpha {cfg.lora.alpha:g}, targets {cfg.lora.targets} | "
+                  f"{trainable_line(state.model)}", highlight=False)
     for line in (*parts.notes[:2], scaled, precision_notice(cfg.precision.mode, device), *parts.notes[2:]):
         if line:
             con.print(line, highlight=False)

@@ -30,6 +30,7 @@ from kiln.memory.planner import search
 from kiln.models import ModelConfig, Transformer, build_model
 from kiln.models.config import with_training_fields
 from kiln.models.generate import Sampling
+from kiln.models.lora import apply_lora, resolve_targets, trainable_line
 from kiln.models.registry import family
 from kiln.numerics.faults import DelayedLoader
 from kiln.perf import flops_per_token
@@ -196,6 +197,9 @@ def build_lm(cfg: Config, run_dir: Path | None = None, log=print, device: torch.
     """
     for note in device_levers(cfg, device or pick_device(cfg.train.device)):  # refused before the data
         log(note)
+    if cfg.lora.on and not cfg.model.init:  # lora.targets against the preset's family, before the data too
+        resolved = cfg.model.resolve()
+        resolve_targets(family(resolved.arch), resolved, cfg.lora.targets)
     parts = LMParts(Path(run_dir) if run_dir is not None else None, with_data, log)
     run = build_run(cfg, parts, device, log)
     return LMRun(run.cfg, run.state, parts.data, parts.tasks, run.record)
@@ -262,6 +266,7 @@ class LMParts:
             if unexpected or any(not k.startswith("rope_") for k in missing):
                 raise ValueError(f"{cfg.model.init}: the checkpoint does not fill kiln's model (missing "
                                  f"{missing[:3]}, unexpected {unexpected[:3]})")
+        apply_lora(model, cfg.lora, cfg.model)  # lora.rank > 0: adapters on the family's linears, the rest frozen
         return model
 
     def loader(self, cfg: Config, world, device):
@@ -334,6 +339,9 @@ def _train(lm: LMRun, cfg: Config, run_dir: Path, resume: bool, con: Console, ca
     con.print(f"model: {c.model.init or c.model.preset} ({c.model.arch}) {state.n_params / 1e6:.2f}M parameters | "
               f"device {state.device} | precision {state.precision.mode} | {tokens_per_step * world.dp_size:,} "
               f"tokens/step{ranks}", highlight=False)
+    if c.lora.on:
+        con.print(f"lora: rank {c.lora.rank}, alpha {c.lora.alpha:g}, targets {c.lora.targets} | "
+                  f"{trainable_line(state.model)}", highlight=False)
     scaled = lm.peak_lr()[1]
     if scaled:
         con.print(scaled, highlight=False)

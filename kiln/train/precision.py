@@ -55,6 +55,19 @@ class Precision:
         return torch.autocast(self.device.type, dtype=self.autocast_dtype)
 
 
+@torch.no_grad()
+def store_frozen(model: torch.nn.Module, dtype: torch.dtype) -> int:
+    """Every floating-point parameter that takes no gradient (a LoRA base) stored in `dtype` (the mode's
+    Mode.frozen: bf16 under bf16 autocast, so its matmuls read it without an autocast copy); returns how many
+    elements changed dtype. The Parameter objects stay (tied weights stay tied)."""
+    changed = 0
+    for p in dict.fromkeys(model.parameters()):
+        if not p.requires_grad and p.is_floating_point() and p.dtype != dtype:
+            p.data = p.data.to(dtype)
+            changed += p.numel()
+    return changed
+
+
 def fp8_linear(module: torch.nn.Module, fqn: str) -> bool:
     """The linears fp8 converts: those of the transformer blocks whose both dimensions are multiples of 16 (what
     fp8 matmuls need). kiln's LM head is a parameter of the loss, not an nn.Linear: it stays bf16, as is usual."""
@@ -123,13 +136,16 @@ def _by_dtype(tensors):
 class MasterWeights:
     """fp32 master copies of bf16 parameters: the optimizer updates the masters, the model sees bf16 copies.
 
-    Without them, updates smaller than bf16's 2^-8 relative spacing round away (lr·update ≪ |w|).
+    Without them, updates smaller than bf16's 2^-8 relative spacing round away (lr·update ≪ |w|). A frozen
+    parameter (a LoRA base) is never updated: it has none (4 B per parameter saved).
     """
 
     def __init__(self, model: torch.nn.Module):
         self.pairs = []
         for p in dict.fromkeys(model.parameters()):  # tied weights once
-            master = torch.nn.Parameter(p.detach().float().clone(), requires_grad=p.requires_grad)
+            if not p.requires_grad:
+                continue
+            master = torch.nn.Parameter(p.detach().float().clone())
             self.pairs.append((p, master))
         self.by_model_param = {id(p): m for p, m in self.pairs}
 

@@ -25,7 +25,7 @@ from kiln.parallel import World
 from kiln.train.checkpoint import global_tokens_seen, rng_state, saved_world, set_rng_state
 from kiln.train.optim import AdaptiveClip, OptimConfig, build_optimizer, optimizer_groups
 from kiln.train.pipeline import ModelPlan, prepare_model
-from kiln.train.precision import LossScaler, MasterWeights, Precision, PrecisionConfig
+from kiln.train.precision import LossScaler, MasterWeights, Precision, PrecisionConfig, store_frozen
 
 
 @contextlib.contextmanager
@@ -146,6 +146,7 @@ def build_state(model: nn.Module, objective, loader, *, device: torch.device, pr
     world = world or World()
     mode = Precision(precision, device)
     model = model.to(device=device, dtype=mode.param_dtype)
+    store_frozen(model, mode.row.frozen)  # a frozen base (LoRA): bf16 under bf16 autocast, no gradient, no state
     fsdp_dtype = mode.row.fsdp_gather if world.dp_strategy.shards_parameters else None
     prepared = prepare_model(model, plan, device, world, fsdp_dtype)
     groups = optimizer_groups(prepared.model, optim)

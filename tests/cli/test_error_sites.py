@@ -99,6 +99,21 @@ SITES = [
                                                "--data.source=nowhere.txt", "--train.kernels=triton"],
      ["train.kernels='triton' runs on CUDA", "TRITON_INTERPRET=1"]),
     ("kiln/models/catalog.py:family", [*M, "--model.arch=gtp2"], ["model.arch='gtp2'", "did you mean 'gpt2'"]),
+    # kiln/models/lora.py
+    ("kiln/models/lora.py:LoraConfig.validate", [*M, "--lora.rank=-1"], ["lora.rank=-1", "--lora.rank=8"]),
+    ("kiln/models/lora.py:LoraConfig.validate", [*M, "--lora.rank=4", "--lora.alpha=0"], ["lora.alpha=0.0"]),
+    ("kiln/models/lora.py:LoraConfig.validate", [*M, "--lora.rank=4", "--lora.dropout=1"], ["lora.dropout=1.0"]),
+    ("kiln/models/lora.py:LoraConfig.validate", [*M, "--lora.rank=4", "--lora.targets=,"], ["lora.targets is empty"]),
+    ("kiln/models/lora.py:LoraConfig.validate", [*M, "--lora.rank=4", "--lora.init=x"], ["lora.init='x'", "peft:DIR"]),
+    ("kiln/models/lora.py:LoraConfig.validate", [*M, "--lora.dropout=0.1"], ["lora.rank=0 builds none"]),
+    ("kiln/models/lora.py:check_run", [*P2, "--lora.rank=4", "--parallel.tp=2"], ["parallel.tp=2", "fsdp"]),
+    ("kiln/models/lora.py:check_run", [*M, "--lora.rank=4", "--precision.mode=fp8"], ["precision.mode=fp8"]),
+    ("kiln/models/lora.py:resolve_targets", ["train", "--model.preset=tiny", "--train.device=cpu",
+                                             "--data.source=nowhere.txt", "--lora.rank=4", "--lora.targets=q_proj"],
+     ["lora.targets='q_proj'", "valid: attn, mlp, all, attn.qkv"]),
+    ("kiln/models/lora.py:resolve_targets", ["train", "--model.preset=qwen3-moe-nano", "--train.device=cpu",
+                                             "--data.source=nowhere.txt", "--lora.rank=4"],
+     ["MoE experts", "--lora.targets=attn"]),
     # kiln/models/values.py
     ("kiln/models/values.py:check_values", [*M, "--model.preset=llama-125m", "--model.rope_theta=-1"],
      ["model.rope_theta=-1", "10000"]),
@@ -225,6 +240,13 @@ ALLOWED = {
     "kiln/perf/hardware.py:resolve_kernels": (
         3, "an unknown train.kernels is refused by TrainConfig.validate first; no triton package, or a GPU older "
            "than Ampere, is not this machine (tests/kernels/test_kernels_apply.py fakes the old GPU)"),
+    "kiln/models/lora.py:apply_lora": (
+        ALL, "a model that already holds adapters: kiln builds a fresh one; a library caller (kiln.fit given an "
+             "adapted model twice) reaches it (tests/models/test_lora.py)"),
+    "kiln/models/lora.py:_adapt": (
+        ALL, "a target that is no nn.Linear: kiln's families list linears only; a library caller reaches it"),
+    "kiln/models/lora.py:_user_targets": (
+        ALL, "kiln.fit's model of the user's (tests/models/test_lora.py checks the line word for word)"),
     "kiln/train/optim.py:_implementation": (
         ALL, "kiln's own models hold floating-point parameters on CPU or CUDA; a fit() model elsewhere reaches it"),
     "kiln/train/optim.py:AdaptiveClip.load_state_dict": (

@@ -158,9 +158,10 @@ def test_user_model_targets_by_suffix():
 
 
 REFUSALS = [
-    (dict(rank=-1), "lora.rank=-1 must be a whole number ≥ 0 (0: no adapters); give e.g. --lora.rank=8, or 0 for none"),
-    (dict(rank=4, alpha=0.0), "lora.alpha=0.0 must be a finite number > 0 (updates are scaled by alpha/rank); give e.g. "
-                              "--lora.alpha=16"),
+    (dict(rank=-1), "lora.rank=-1 must be a whole number ≥ 0 (0: no adapters); give e.g. --lora.rank=8, or 0 "
+                    "for none"),
+    (dict(rank=4, alpha=0.0), "lora.alpha=0.0 must be a finite number > 0 (updates are scaled by alpha/rank); give "
+                              "e.g. --lora.alpha=16"),
     (dict(rank=4, dropout=1.0), "lora.dropout=1.0 must be in [0, 1); give e.g. --lora.dropout=0.05, or 0 for none"),
     (dict(rank=4, targets=" , "), "lora.targets is empty; name what to adapt: attn, mlp, all or the linears' names; "
                                   "give --lora.targets=all"),

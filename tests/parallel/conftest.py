@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from kiln.run.lm import train
-from tests.parallel.scenarios import fit_run, lm_config, moe_config
+from tests.parallel.scenarios import fit_run, lm_config, lora_config, moe_config
 from tests.train.test_golden_curve import corpus_text
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -53,6 +53,21 @@ def moe_reference(tmp_path_factory, source, kiln_cache):
     torch.set_num_threads(1)
     try:
         train(moe_config(source, "none"), out)
+    finally:
+        torch.set_num_threads(threads)
+    return out
+
+
+@pytest.fixture(scope="session")
+def lora_reference(tmp_path_factory, source, kiln_cache):
+    """tests/parallel/worker.py's LoRA runs (scenarios.lora_config) in this one process, on one thread as each
+    torchrun rank runs."""
+    out = tmp_path_factory.mktemp("single-lora")
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        for mode in ("fp32", "bf16"):
+            train(lora_config(source, "none", mode), out / mode)
     finally:
         torch.set_num_threads(threads)
     return out

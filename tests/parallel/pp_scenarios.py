@@ -52,6 +52,12 @@ def pp_config(source: str, *, arch: str = "gpt2", n_layer: int = 2, pp: int = 1,
     return cfg
 
 
+def with_lora(cfg):
+    """cfg with rank-4 adapters on every block linear (Llama: q/k/v/o/gate/up/down), the base frozen."""
+    cfg.lora.rank, cfg.lora.alpha, cfg.optim.lr = 4, 8.0, 1e-2
+    return cfg
+
+
 def pp_run(cfg, run_dir: Path, resume: bool = False, sample: int = 0):
     """Train cfg (resuming the run directory's latest checkpoint when asked) on the masked data; returns the state.
     sample: then draw that many tokens as `kiln train` does (rank 0 writes them to run_dir/sample.txt)."""

@@ -9,7 +9,7 @@ from pathlib import Path
 import torch
 
 from kiln.run.measure import measure_rank_peaks
-from tests.parallel.pp_scenarios import NAN_AT, PEAKS, SAMPLE, peak_config, pp_config, pp_run
+from tests.parallel.pp_scenarios import NAN_AT, PEAKS, SAMPLE, peak_config, pp_config, pp_run, with_lora
 
 out, source = Path(sys.argv[1]), sys.argv[2]
 rank = int(os.environ["RANK"])
@@ -22,6 +22,8 @@ for arch, strategy, interval in (("gpt2", "ddp", 0), ("gpt2", "fsdp", 3), ("llam
                    out / f"pp2dp2_{strategy}_{arch}", sample=SAMPLE if interval else 0)
     held[arch] = sorted(state.model.state_dict())
 (out / f"held_rank{rank}.json").write_text(json.dumps(held))
+# LoRA on Llama, pp2 × dp2 fsdp: each stage's frozen blocks and adapters sharded over its copies
+pp_run(with_lora(pp_config(source, arch="llama", pp=2, dp=2, strategy="fsdp")), out / "pp2dp2_fsdp_llama_lora")
 # 4 blocks as 4 virtual stages on 2 ranks (interleaved 1F1B, 4 micro-batches), and as 4 stages (GPipe)
 pp_run(pp_config(source, n_layer=4, pp=2, dp=2, schedule="interleaved_1f1b", microbatches=4), out / "interleaved")
 pp_run(pp_config(source, n_layer=4, pp=4, schedule="gpipe"), out / "gpipe4")

@@ -44,6 +44,16 @@ def moe_config(source: str, strategy: str):
     return cfg
 
 
+def lora_config(source: str, strategy: str, mode: str = "fp32"):
+    """lm_config's GPT with rank-4 adapters on every block linear (the base frozen), 6 steps at a LoRA-sized lr;
+    mode bf16 stores the frozen base in bf16 beside fp32 adapters (FSDP2 shards both)."""
+    cfg = lm_config(source, strategy, steps=6)
+    cfg.lora.rank, cfg.lora.alpha, cfg.optim.lr = 4, 8.0, 1e-2
+    if mode != "fp32":
+        cfg.precision.mode, cfg.train.cpu_linear = mode, "torch"  # oneDNN's linears are fp32 ones
+    return cfg
+
+
 def fit_data():
     """Classes with ignored labels spread unevenly: the ranks' micro-batches hold different valid counts."""
     g = torch.Generator().manual_seed(0)

@@ -27,7 +27,7 @@ from kiln.parallel.layout import ParallelPlan
 from kiln.numerics.trace import REPORT_FILE
 from kiln.parallel.pipeline import PipelineModel
 from tests.parallel.conftest import torchrun
-from tests.parallel.pp_scenarios import NAN_AT, PEAKS, SAMPLE, latest, peak_config, pp_config, pp_run
+from tests.parallel.pp_scenarios import NAN_AT, PEAKS, SAMPLE, latest, peak_config, pp_config, pp_run, with_lora
 from tests.parallel.scenarios import rewound
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -42,6 +42,7 @@ def single(tmp_path_factory, source, kiln_cache):
     for name, kw in (("gpt2", {}), ("llama", {"arch": "llama"}), ("gpt2_4", {"n_layer": 4})):
         pp_run(pp_config(source, **kw), out / name, sample=SAMPLE if name == "gpt2" else 0)
     pp_run(pp_config(source, steps=2, nan_forward=NAN_AT), out / "nan_trace")
+    pp_run(with_lora(pp_config(source, arch="llama")), out / "llama_lora")
     return out
 
 
@@ -85,6 +86,18 @@ def test_pp2_dp2_1f1b_trains_as_one_process(pp_launched, single, strategy, arch)
     assert_same_weights(run, single / arch)
     got, want = records(run, "eval")[-1]["val_loss"], records(single / arch, "eval")[-1]["val_loss"]
     assert got == pytest.approx(want, rel=RTOL)  # evaluation through the schedule's forward-only path
+
+
+def test_lora_under_pp2_dp2_fsdp_trains_as_one_process(pp_launched, single):
+    """LoRA adapters inside the pipeline's stages (Llama's q/k/v/o/gate/up/down pieces), each stage's frozen base and
+    adapters sharded by FSDP2 over its copies: the one-process curve and weights."""
+    run = pp_launched / "pp2dp2_fsdp_llama_lora"
+    assert_same_curve(run, single / "llama_lora")
+    assert_same_weights(run, single / "llama_lora")
+    base = load_file(str(latest(single / "llama") / "model.safetensors"))  # the same model without adapters
+    weights = load_file(str(latest(run) / "model.safetensors"))
+    assert {k for k in weights if ".lora_" not in k} == set(base) and len(weights) == len(base) + 2 * 7 * 2
+    assert any(float(weights[k].abs().max()) > 0 for k in weights if ".lora_B." in k)
 
 
 def test_each_rank_holds_its_stage_only(pp_launched):

@@ -7,7 +7,7 @@ import sys
 import time
 from pathlib import Path
 
-from tests.parallel.scenarios import fit_run, lm_config, measured_state_bytes, moe_config
+from tests.parallel.scenarios import fit_run, lm_config, lora_config, measured_state_bytes, moe_config
 from kiln.parallel.watchdog import CollectiveError
 from kiln.run.lm import train
 from kiln.train import loop
@@ -41,6 +41,13 @@ if os.environ["RANK"] == "0":
 for strategy in ("ddp", "fsdp"):  # a mixture of experts (every expert replicated, or sharded by FSDP2)
     train(moe_config(source, strategy), out / f"moe_{strategy}")
 train(lm_config(source, "fsdp", steps=5), out / "resume_fsdp")  # resumed by one process with ddp
+for mode in ("fp32", "bf16"):  # LoRA: a frozen base (bf16: stored in bf16) and fp32 adapters, both sharded
+    state = train(lora_config(source, "fsdp", mode), out / f"lora_fsdp_{mode}").state
+    if os.environ["RANK"] == "0":  # what FSDP2 holds: each parameter's dtype, type, local share; the optimizer's
+        held = {n: [str(p.dtype), type(p).__name__, p.requires_grad, p.to_local().numel(), p.numel()]
+                for n, p in state.model.named_parameters()}
+        optimized = sum(p.numel() for g in state.optimizer.param_groups for p in g["params"])
+        (out / f"lora_fsdp_{mode}.json").write_text(json.dumps({"params": held, "optimized": optimized}))
 for strategy in ("fsdp", "zero1"):  # written by one process before the launch
     train(lm_config(source, strategy, steps=10), out / f"from_one_{strategy}", resume=True)
 levers = lm_config(source, "fsdp", steps=4)  # fp16 loss scaling (and its telemetry), recompute, chunked loss

@@ -4,12 +4,14 @@
     PYTHONPATH=. python benchmarks/lora_memory.py [--preset qwen3-0.6b] [--seq-len 64] [--batch 1] [--steps 3]
                                                    [--rank 16] [--precision bf16]
 
-The model is the preset at random init (its own vocabulary). Both runs train through kiln's train_step with
-kiln's AdamW (tests/memory/lora_step.py: the base in bf16 and frozen for LoRA, fp32 adapters on every linear of the
-blocks; all parameters trained for the full fine-tune); the measured peak is the live tensor bytes of the steady
-step (parameters, gradients, optimizer state and what the step allocates), the estimate is kiln.memory.estimate's
-peak_allocated for the same configuration on this CPU (kiln.memory.devices.get_device("cpu")) and the predicted
-step time is kiln.memory.planner.step_time's. Step times are the median of the steps after the first.
+The model is the preset at random init (its own vocabulary). Both runs are built as `kiln train` builds them and
+train on random tokens (kiln.run.measure.measure_step, what `kiln memory --measure` runs: for LoRA the base frozen
+and stored in the mode's frozen dtype, fp32 adapters on every linear of the blocks; all parameters trained for the
+full fine-tune); the measured peak is the live tensor bytes of the steady step (parameters, gradients, optimizer
+state and what the step allocates), the estimate is kiln.memory.estimate's peak_allocated for the same
+configuration on this CPU (kiln.memory.devices.get_device("cpu")) and the predicted step time is
+kiln.memory.planner.step_time's with the default constants (or `kiln plan --calibrate`'s, when kept). Step times are
+the median of the steps after the first.
 """
 from __future__ import annotations
 
@@ -28,7 +30,7 @@ from kiln.memory.devices import get_device  # noqa: E402
 from kiln.memory.estimate import estimate, fmt_bytes, peak_allocated  # noqa: E402
 from kiln.memory.levers import job_for  # noqa: E402
 from kiln.memory.planner import step_time  # noqa: E402
-from tests.memory.lora_step import lora_steps  # noqa: E402
+from kiln.run.measure import measure_step  # noqa: E402
 
 
 def run(preset: str, seq_len: int, batch: int, steps: int, rank: int, precision: str) -> dict:
@@ -39,7 +41,8 @@ def run(preset: str, seq_len: int, batch: int, steps: int, rank: int, precision:
     job = job_for(cfg, cpu)
     b = estimate(job)
     torch.manual_seed(0)
-    peaks, seconds = lora_steps(cfg, steps)
+    m = measure_step(cfg, torch.device("cpu"), steps=steps)
+    peaks, seconds = m.step_peaks, m.step_seconds
     return {"lora_rank": rank, "parameters": b.param_count, "estimated_peak": peak_allocated(b),
             "measured_peak": peaks[-1], "measured_first_step_peak": peaks[0], "estimated_first_step_peak":
             b.first_step_peak, "estimated_step_s": step_time(job, cpu)["total"],

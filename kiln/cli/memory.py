@@ -13,7 +13,6 @@ import torch
 from kiln.cli.common import add_config_arguments, config_from
 from kiln.config import ConfigError
 from kiln.memory.devices import get_device, local_device
-from kiln.memory import adapters as lora_
 from kiln.memory.estimate import (COMPONENTS, estimate, fmt_bytes, local_parameter_shapes, peak_allocated,
                                   trainable)
 from kiln.memory.experts import worst_case_note
@@ -197,7 +196,7 @@ def lora_line(b) -> str:
     n = sum(math.prod(s) for name, s in local_parameter_shapes(b.job) if trainable(b.job, name))
     where = ", ".join(f"{x} ({len([p for p in a.pairs if p.linear == x])} pairs)" if
                       len([p for p in a.pairs if p.linear == x]) > 1 else x for x in a.linears)
-    return (f"lora: rank {a.rank} on {where}; base frozen ({lora_.base_bytes(b.job.mode_num)} bytes a parameter, no "
+    return (f"lora: rank {a.rank} on {where}; base frozen ({b.job.num.base} bytes a parameter, no "
             f"gradient or optimizer state): trainable {n:,} of {b.param_count:,} parameters "
             f"({100 * n / b.param_count:.2f}%)")
 

@@ -3,7 +3,7 @@
     Adapters.of(cfg, lora)        the adapter pairs of a `[lora]` section on a model: which block linears, one pair
                                   per Hugging Face module a fused linear is made of (Family.hf_tensors)
     adapter_shapes(adapters, cfg) (name, shape) of every lora_A / lora_B tensor, in model order
-    lora_numerics(num)            the bytes per element of the frozen base under a precision mode
+    lora_numerics(num, base)      the bytes per element the forward sees with a frozen base of `base` bytes
     lora_block(kinds, ...)        one block's saved tensors with the base frozen and the adapters' own added
     lora_embed / lora_head        ... of the embeddings and the head
 
@@ -104,17 +104,14 @@ def is_adapter(name: str) -> bool:
     return ".lora_A." in name or ".lora_B." in name
 
 
-def base_bytes(num) -> int:
-    """Bytes of a frozen base parameter: bf16 under a mode that multiplies in half precision, else the mode's."""
-    return 2 if num.compute == 2 else num.param
-
-
-def lora_numerics(num):
-    """The numerics the frozen base's forward sees: a bf16 base is never copied by autocast, and its embedding
-    returns bf16, so the residual stream is bf16 too (as under FSDP2's bf16 gathering)."""
-    if num.compute != 2:
-        return replace(num, frozen=True)
-    return replace(num, residual=2, casts=False, param=2, frozen=True)
+def lora_numerics(num, base: int):
+    """The numerics the forward sees with the base frozen and stored in `base` bytes a parameter (kiln.precision's
+    Mode.frozen_bytes: bf16 under bf16 autocast; the parameters' dtype otherwise, fp32 under fp16 autocast, which
+    then copies it every call). Under autocast a bf16 base is never copied, and its embedding returns bf16, so the
+    residual stream is bf16 too (as under FSDP2's bf16 gathering); buffers (RoPE's tables) keep their dtype."""
+    if num.autocast and base == 2:
+        return replace(num, residual=2, casts=False, frozen=True, base=2)
+    return replace(num, frozen=True, base=base)
 
 
 def lora_block(kinds: dict[str, int], adapters: Adapters, cfg: ModelConfig, N: int, num, target,

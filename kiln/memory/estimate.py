@@ -85,12 +85,13 @@ class Numerics:
     autocast: bool  # linears see half-precision copies of their input and weight, made by autocast
     casts: bool = True  # autocast copies the weights (fp32) to half precision; False when they are half already
     gathered: int = 0  # bytes per element of FSDP2's all-gathered parameters (0: the parameter's own)
-    frozen: bool = False  # LoRA's frozen base (kiln.memory.adapters.lora_numerics): weights in `param` bytes, no gradient
+    frozen: bool = False  # LoRA's frozen base (kiln.memory.adapters.lora_numerics): no gradient, no state
+    base: int = 0  # bytes per element of a frozen base parameter (kiln.precision's Mode.frozen_bytes; 0: `param`)
 
     @property
     def half_weights(self) -> bool:
         """The norms see half-precision weights (bf16 parameters, or FSDP2 gathering them in bf16)."""
-        return self.param == 2 or self.gathered == 2
+        return self.param == 2 or self.gathered == 2 or self.base == 2
 
 
 # FSDP2 with MixedPrecisionPolicy(param_dtype=bf16), which kiln's bf16 mode uses under parallel.strategy=fsdp
@@ -226,7 +227,7 @@ class Job:
     @property
     def num(self) -> Numerics:
         """... and what the forward sees: under LoRA a frozen bf16 base (kiln.memory.adapters.lora_numerics)."""
-        return lora_.lora_numerics(self.mode_num) if self.lora else self.mode_num
+        return lora_.lora_numerics(self.mode_num, mode(self.precision).frozen_bytes) if self.lora else self.mode_num
 
     @property
     def first_stage(self) -> bool:
@@ -443,7 +444,7 @@ def _rank_state(job: "Job") -> dict[str, int]:
     every = local_parameter_shapes(job)
     shapes = [(name, shape) for name, shape in every if trainable(job, name)]
     frozen = [(name, shape) for name, shape in every if not trainable(job, name)]  # LoRA's base
-    base = lora_.base_bytes(num)
+    base = job.num.base or num.param
     numels = [math.prod(shape) for _, shape in shapes]
     n = sum(numels)
     state = {"parameters": n * num.param + sum(math.prod(s) for _, s in frozen) * base, "gradients": n * num.grad,

@@ -365,7 +365,7 @@ class RotaryPositions(Positions):
         return {}
 
     def block_saved(self, cfg, T, num):
-        if not num.autocast or num.param == 2:  # no cast of bf16 tables (LoRA's bf16 base holds them)
+        if not num.autocast:
             return {}
         return {"attn.rope_tables": 4 * T * (cfg.head_dim // 2) * num.compute}  # cos, sin cast, per q and k call
 

@@ -3,6 +3,7 @@ state against a hand count, `kiln memory` and `kiln plan` with adapters."""
 import math
 
 import pytest
+import torch
 
 from kiln.cli.main import main
 from kiln.config import load_config
@@ -10,7 +11,7 @@ from kiln.memory.devices import get_device
 from kiln.memory.estimate import estimate, local_parameter_shapes, peak_allocated, rank_state, trainable
 from kiln.memory.levers import job_for
 from kiln.memory.planner import search
-from tests.memory.lora_step import lora_steps
+from kiln.run.measure import measure_step
 
 SMALL = ["--model.n_layer=3", "--model.d_model=96", "--model.n_head=4", "--data.seq_len=48",
          "--train.micro_batch_size=4", "--train.device=cpu", "--lora.rank=8"]
@@ -19,17 +20,19 @@ SMALL = ["--model.n_layer=3", "--model.d_model=96", "--model.n_head=4", "--data.
 @pytest.mark.parametrize("overrides", [
     ["--precision.mode=fp32"],
     ["--precision.mode=bf16"],
+    ["--precision.mode=bf16-master", "--model.arch=qwen3", "--model.n_kv_head=2", "--model.head_dim=32"],
     ["--precision.mode=fp32", "--model.arch=qwen3", "--model.n_kv_head=2", "--model.head_dim=32",
      "--lora.targets=attn"],
     ["--precision.mode=bf16", "--model.arch=qwen3", "--model.n_kv_head=2", "--model.head_dim=32",
      "--lora.targets=mlp.proj", "--lora.dropout=0.1", "--train.grad_accum_steps=2"],
 ], ids=lambda o: " ".join(o))
 def test_lora_step_peak_within_5_percent_of_live_bytes_on_cpu(overrides):
-    """A LoRA step (frozen base, bf16 under bf16, fp32 adapters and their AdamW state) measured as the full
-    fine-tune's peak tests measure it: steady step and first step (no optimizer state yet)."""
+    """A LoRA run as `kiln train` builds it (frozen base, bf16 under bf16, fp32 adapters and their AdamW state;
+    bf16 adapters with fp32 masters under bf16-master) measured as the full fine-tune's peak tests measure it:
+    steady step and first step (no optimizer state yet)."""
     cfg = load_config(None, SMALL + overrides)
     b = estimate(job_for(cfg, get_device("cpu")))
-    peaks, _ = lora_steps(cfg, steps=2)
+    peaks = measure_step(cfg, torch.device("cpu"), steps=2).step_peaks
     assert peak_allocated(b) == pytest.approx(peaks[-1], rel=0.05)
     assert b.first_step_peak == pytest.approx(peaks[0], rel=0.05)
     # the full fine-tune of the same shape is not within 5%: the test can tell LoRA's accounting from it

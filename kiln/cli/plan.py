@@ -12,8 +12,10 @@ from kiln.cli.memory import _device
 from kiln.config import ConfigError, apply_overrides, checked
 from kiln.memory.estimate import GiB, fmt_bytes, parse_bytes, peak_allocated
 from kiln.memory import calibrate as calibration
-from kiln.memory.levers import job_for, precision_for
+from kiln.memory.levers import job_for, precision_for, resolved_model
 from kiln.memory.planner import fit_time_model, search, time_constants
+from kiln.models.registry import family
+from kiln.parallel.layout import check_ep_ranks, check_experts
 from kiln.parallel.strategy import strategy
 from kiln.perf.hardware import native_bf16
 from kiln.precision import mode
@@ -79,6 +81,10 @@ def run(args, overrides) -> int:
         raise ConfigError(str(e)) from None
     if args.gpus < 1 or args.gpus_per_node < 1:
         raise ConfigError(f"--gpus and --gpus-per-node must be ≥ 1, got {args.gpus} and {args.gpus_per_node}")
+    if cfg.parallel.ep > 1:  # a given ep: the line `kiln train` and `kiln memory` print for the same layout
+        model = resolved_model(cfg)
+        check_experts(cfg.parallel.ep, model, family(model.arch))
+        check_ep_ranks(cfg.parallel, args.gpus)
     plan = search(cfg, device, memory, args.global_batch_tokens, args.gpus, args.interconnect,
                   model_parallel=not args.no_model_parallel, gpus_per_node=args.gpus_per_node,
                   inter_node=args.inter_node)

@@ -90,13 +90,15 @@ def read_hf(directory: str | Path) -> tuple[ModelConfig, dict[str, torch.Tensor]
         shape = shapes[m.kiln]
         rows = shape[0] if not m.vocab else cfg.vocab_size
         parts = []
+        stacked = len(shape) == 3  # (E, out, in): every expert's weight, the parts along E·out rows
         for name, n in zip(m.hf, m.rows or (rows,)):
-            part_shape = (n, *shape[1:])
+            part_shape = (n, *shape[2 if stacked else 1:])
             if m.conv1d:  # Conv1D: (in, out) -> Linear's (out, in)
                 parts.append(_take(tensors, name, part_shape[::-1], src).t())
             else:
                 parts.append(_take(tensors, name, part_shape, src))
         t = torch.cat(parts) if len(parts) > 1 else parts[0].contiguous()
+        t = t.view(shape) if stacked else t
         out[m.kiln] = _pad_rows(t, cfg.padded_vocab) if m.vocab else t
     tensors.pop("lm_head.weight", None)  # a tied head saved anyway
     left = [k for k in tensors if not k.endswith((".attn.bias", ".attn.masked_bias", "rotary_emb.inv_freq"))]
@@ -127,6 +129,7 @@ def hf_tensors(cfg: ModelConfig, state: dict[str, torch.Tensor], vocab: int) -> 
         t = s[m.kiln] if m.kiln in s or not m.zeros else _bias(s, m.kiln.removesuffix(".bias"))
         if m.vocab:
             t = t[:vocab]
+        t = t.flatten(0, 1) if t.ndim == 3 else t  # stacked experts: (E·out, in), the parts along its rows
         parts = t.split(list(m.rows)) if m.rows else (t,)
         for name, part in zip(m.hf, parts):
             out[name] = part.t() if m.conv1d else part

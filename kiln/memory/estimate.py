@@ -317,8 +317,8 @@ def tp_shard_shape(name: str, shape: tuple[int, ...], cfg: ModelConfig, tp: int,
                    ) -> tuple[int, ...] | None:
     """The local shape of one parameter on a tensor-parallel rank, by its linear's role in the family's description
     (kiln.models.family.Linear.tp): column = output rows split (Shard(0), as torch's ColwiseParallel: the weight
-    and its bias), row = input columns split (Shard(1), RowwiseParallel; its bias is replicated), expert = whole
-    experts divided (this rank keeps the first n_experts / tp; None for the others), replicate and everything
+    and its bias), row = input columns split (Shard(1), RowwiseParallel; its bias is replicated), expert = an MoE's
+    stacked experts, whole on every tp rank as its router (expert parallelism divides them), replicate and everything
     outside the linears (norms, positions) whole; the embedding and an untied head split by vocabulary rows
     only with vocab_parallel."""
     if tp == 1:
@@ -329,9 +329,8 @@ def tp_shard_shape(name: str, shape: tuple[int, ...], cfg: ModelConfig, tp: int,
     if parts[0] != "blocks":
         return shape
     module, kind = ".".join(parts[2:-1]), parts[-1]
-    if module.startswith("mlp.experts."):
-        expert = int(module.split(".")[2])
-        return shape if expert < cfg.n_experts // tp else None
+    if module.startswith("mlp.experts."):  # stacked experts (E, out, in), whole on every tp rank (kiln.parallel.tensor)
+        return shape
     role = family(cfg.arch).tp_layout(cfg).get(module, "replicate")
     if role == "column":
         return (shape[0] // tp, *shape[1:])

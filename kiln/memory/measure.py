@@ -70,6 +70,18 @@ class _ModuleStack:
             h.remove()
 
 
+def _expert_cast(t: torch.Tensor, stack) -> bool:
+    """A half copy of a stacked expert weight (E, out, in) of the running module's (an MoE's experts, cast to the
+    compute dtype for grouped_mm: kiln.models.moe), or its per-expert transpose (E, in, out)."""
+    module = stack.modules.get(stack.top)
+    if t.dim() != 3 or module is None:
+        return False
+    for p in module.parameters():
+        if p.dim() == 3 and p.dtype != t.dtype and (p.shape == t.shape or p.shape == t.mT.shape):
+            return True
+    return False
+
+
 def measure_saved(model, x, y, precision=None, backward: bool = True) -> SavedBytes:
     """Run one forward (loss, reduction='sum') counting what is kept for backward; then backward to free it."""
     state_storages = {_storage_key(t)[0] for t in list(model.parameters()) + list(model.buffers())}
@@ -88,7 +100,7 @@ def measure_saved(model, x, y, precision=None, backward: bool = True) -> SavedBy
         where = stack.top
         weight = head_weight if where == "loss" else getattr(stack.modules.get(where), "weight", None)
         if (isinstance(weight, torch.Tensor) and t.dtype != weight.dtype and weight.dim() == t.dim()
-                and tuple(t.shape) in (tuple(weight.shape), tuple(weight.shape)[::-1])):
+                and tuple(t.shape) in (tuple(weight.shape), tuple(weight.shape)[::-1])) or _expert_cast(t, stack):
             kind = "weight_casts"  # autocast's half copy of the module's weight (or its transpose)
         elif where == "loss" and t.dtype == torch.float32 and tuple(t.shape) == (n_tokens, head_weight.shape[0]):
             kind = "logits"

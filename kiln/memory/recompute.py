@@ -9,8 +9,8 @@ torch.utils.checkpoint (the way FSDP2's fully_shard swaps a module's class), so 
 and module hooks are untouched. "full" checkpoints a segment: its first block runs every block of the segment —
 calling each as a module, so their hooks fire — under one checkpoint; the later blocks of the segment ("seg")
 return their input when the model's own loop calls them. "selective" keeps the outputs of the matmuls
-(aten.mm/addmm) and recomputes the rest of the block — norms, attention core, MLP activation — through
-torch.utils.checkpoint's selective checkpoint contexts.
+(aten.mm/addmm, an MoE's aten._grouped_mm) and recomputes the rest of the block — norms, attention core, MLP
+activation — through torch.utils.checkpoint's selective checkpoint contexts.
 """
 from __future__ import annotations
 
@@ -30,6 +30,8 @@ from kiln.errors import KilnError
 
 POLICIES = ("none", "full", "every_k", "selective", "budget")
 _KEPT_MATMULS = {torch.ops.aten.mm.default, torch.ops.aten.addmm.default}
+if hasattr(torch.ops.aten, "_grouped_mm"):  # an MoE's experts (kiln.models.moe), one product per matmul
+    _KEPT_MATMULS.add(torch.ops.aten._grouped_mm.default)
 if onednn_available():  # train.cpu_linear=onednn's products (kiln.perf.cpu_linear)
     _KEPT_MATMULS.add(torch.ops.mkldnn._linear_pointwise.default)
 

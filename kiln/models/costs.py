@@ -250,10 +250,9 @@ class MoEMLP(MLP):
 
     def parameters(self, cfg, prefix, bias, lin):
         out = [(f"{prefix}.router.weight", (lin["mlp.router"].n_out, lin["mlp.router"].n_in))]
-        for e in range(cfg.n_experts):
-            for name in ("fc", "proj"):
-                x = lin[f"mlp.experts.{name}"]
-                out.append((f"{prefix}.experts.{e}.{name}.weight", (x.n_out, x.n_in)))
+        for name in ("fc", "proj"):  # every expert's weight of one matmul, stacked (kiln.models.moe.ExpertLinear)
+            x = lin[f"mlp.experts.{name}"]
+            out.append((f"{prefix}.experts.{name}.weight", (x.copies, x.n_out, x.n_in)))
         return out
 
     def saved(self, cfg, N, num):
@@ -271,6 +270,7 @@ class MoEMLP(MLP):
         t["moe.expert_inputs"] = S * d * c
         t.update({f"moe.experts.{k.removeprefix('mlp.')}": v for k, v in _dense_saved("swiglu", S, F, c).items()})
         t["moe.order"] = S * 8  # pairs sorted by expert
+        t["moe.group_offsets"] = E * 4  # grouped_mm's int32 end row of each expert's group (kiln.models.moe)
         t["moe.slot_weights"] = S * r  # each pair's routing weight, in the residual dtype
         t["moe.expert_outputs"] = S * d * c
         t["moe.weighted"] = S * d * r  # expert output × weight (promoted to the residual dtype), scattered back

@@ -26,7 +26,8 @@ from kiln.models.costs import Linear  # noqa: F401  (re-exported: a block's matm
 
 @dataclass(frozen=True)
 class HFTensor:
-    """One kiln tensor and the Hugging Face tensors it is made of, concatenated along the first dimension."""
+    """One kiln tensor and the Hugging Face tensors it is made of, concatenated along the first dimension (of a 3-D
+    tensor, stacked experts (E, out, in), along its first two flattened: E·out rows)."""
 
     kiln: str  # "blocks.0.attn.qkv.weight"
     hf: tuple[str, ...]  # ("model.layers.0.self_attn.q_proj.weight", ...k_proj..., ...v_proj...)

@@ -4,10 +4,11 @@ block: dropless top-k routing as Hugging Face computes it (kiln.models.moe), a l
 
 Its config fields and presets, its block, and its description (kiln.models.family) with the Hugging Face
 mapping of Qwen3MoeForCausalLM in the Hub's per-expert layout (mlp.gate, mlp.experts.{e}.{gate,up,down}_proj),
-which every transformers version that knows the family loads.
+which every transformers version that knows the family loads; kiln stacks each block's experts into two 3-D
+weights (mlp.experts.fc.weight (E, 2F, C), mlp.experts.proj.weight (E, C, F): kiln.models.moe).
 
 FLOPs count the active parameters (top-k experts per token); memory counts all of them. Expert parallelism
-(not built yet) would give each of `ep` ranks n_experts / ep whole experts: Linear.tp == "expert".
+gives each of `ep` ranks n_experts / ep whole experts: Linear.tp == "expert".
 """
 from __future__ import annotations
 
@@ -75,8 +76,11 @@ def hf_names(cfg: ModelConfig) -> list[HFTensor]:
     for i in range(cfg.n_layer):
         b, h = f"blocks.{i}.mlp", f"model.layers.{i}.mlp"
         blocks += llama.attention_names(cfg, i, qk_norm=True) + [HFTensor(f"{b}.router.weight", (f"{h}.gate.weight",))]
-        for e in range(cfg.n_experts):
-            blocks += llama.swiglu_names(f"{b}.experts.{e}", f"{h}.experts.{e}", cfg.moe_d_ff)
+        F, E = cfg.moe_d_ff, cfg.n_experts  # kiln's stacked experts: each expert's [gate; up], then its down
+        blocks += [HFTensor(f"{b}.experts.fc.weight", tuple(f"{h}.experts.{e}.{w}_proj.weight" for e in range(E)
+                                                            for w in ("gate", "up")), rows=(F,) * (2 * E)),
+                   HFTensor(f"{b}.experts.proj.weight", tuple(f"{h}.experts.{e}.down_proj.weight" for e in range(E)),
+                            rows=(cfg.d_model,) * E)]
     return llama.ends(cfg, blocks)
 
 

@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from kiln.models.cache import KVCache
 from kiln.models.config import ModelConfig
 from kiln.models.costs import make_norm
-from kiln.models.moe import MoE, moe_losses
+from kiln.models.moe import ExpertLinear, MoE, moe_losses
 from kiln.models.parts import (IGNORE_INDEX, SDPA, LMLoss, RMSNorm, Rotary, SwiGLU, at_least_fp32,  # noqa: F401
                                llama3_frequencies, rope_cache)
 from kiln.models.registry import family
@@ -45,10 +45,10 @@ class Transformer(nn.Module):
     def _init_weights(self, module):
         # GPT-2: N(0, 0.02); residual output projections scaled by 1/sqrt(2·n_layer) so the residual
         # stream's variance stays O(1) with depth.
-        if isinstance(module, nn.Linear):
+        if isinstance(module, (nn.Linear, ExpertLinear)):  # ExpertLinear: every expert's weight, stacked
             std = 0.02 / math.sqrt(2 * self.cfg.n_layer) if getattr(module, "residual", False) else 0.02
             nn.init.normal_(module.weight, mean=0.0, std=std)
-            if module.bias is not None:
+            if getattr(module, "bias", None) is not None:
                 nn.init.zeros_(module.bias)
         elif isinstance(module, nn.Embedding):
             nn.init.normal_(module.weight, mean=0.0, std=0.02)
@@ -98,10 +98,19 @@ class Transformer(nn.Module):
         return total / count.clamp(min=1)
 
     def _moe_penalty(self) -> torch.Tensor:
-        aux, z = moe_losses(self.moe)
-        self.moe_aux_loss = aux.detach()
-        with torch.no_grad():
-            for m in self.moe:
-                m.load = m.routed if m.load is None else m.load + m.routed
-        penalty = self.cfg.moe_aux_coef * aux
-        return penalty + self.cfg.moe_z_coef * z if z is not None else penalty
+        count_load(self.moe)
+        return moe_penalty(self.cfg, *moe_losses(self.moe), self)
+
+
+def count_load(layers: list[MoE]) -> None:
+    """Adds each block's routed counts of the forward that just ran to its load (what moe_metrics reads)."""
+    with torch.no_grad():
+        for m in layers:
+            m.load = m.routed if m.load is None else m.load + m.routed
+
+
+def moe_penalty(cfg: ModelConfig, aux: torch.Tensor, z: torch.Tensor | None, holder) -> torch.Tensor:
+    """moe_aux_coef × the load-balancing loss (+ moe_z_coef × the z-loss), the loss kept on holder.moe_aux_loss."""
+    holder.moe_aux_loss = aux.detach()
+    penalty = cfg.moe_aux_coef * aux
+    return penalty + cfg.moe_z_coef * z if z is not None else penalty

@@ -36,6 +36,7 @@ from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
 from kiln.parallel.config import ParallelConfig
 from kiln.parallel.elastic import agent_store_in_use, round_store
+from kiln.parallel.expert import shard_experts, wrap_experts
 from kiln.parallel.layout import ParallelPlan, check_degrees
 from kiln.parallel.strategy import Strategy, strategy
 from kiln.parallel.tensor import apply_tensor_parallel
@@ -191,7 +192,7 @@ def layout_event(world: World, model: nn.Module) -> dict:
     if plan.pp > 1:  # each pipeline rank holds its stage's part: one copy's stages summed
         whole = sum(w for r, (_, w) in enumerate(per_rank) if plan.coords(r)["dp"] == plan.coords(r)["tp"] == 0)
     one = not world.torchrun and not plan.dp_strategy.reduces  # a plain world of one: {"dp": 1}, as ever
-    return {"event": "layout", "mesh": {"dp": world.size} if one else plan.mesh_shape,
+    return {"event": "layout", "mesh": {"dp": world.size} if one else plan.mesh_record,
             "strategy": world.strategy, "sequence_parallel": plan.sequence_parallel,
             "param_bytes_per_rank": [h for h, _ in per_rank], "param_bytes_unsharded": whole}
 
@@ -252,7 +253,7 @@ _MESHES: dict = {}  # (shape, device type) -> DeviceMesh: like the process group
 def _mesh(plan: ParallelPlan, device_type: str):
     """The run's DeviceMesh, made once per layout in a process (each one creates a process group per dim, and a
     later run in the same process, a test's, reuses them)."""
-    key = (tuple(plan.mesh_shape.items()), device_type)
+    key = (tuple(plan.mesh_shape.items()), plan.ep, device_type)
     if key not in _MESHES:
         _MESHES[key] = plan.device_mesh(device_type)
     return _MESHES[key]
@@ -291,6 +292,8 @@ def parallelize(model: nn.Module, cfg: ParallelConfig, world: World, device: tor
     are gathered just before it runs; bf16 autocast runs become FSDP2's MixedPrecisionPolicy (bf16 parameters in
     compute, fp32 gradient reduction). Under TP its parameters are DTensors on the 2-D (dp, tp) mesh.
     ddp with tp > 1: FSDP2's replicate (DDP's all-reduce over mesh["dp"], for DTensor parameters).
+    ep > 1 (kiln.parallel.expert): each MoE block's experts split over mesh["ep"] and wrapped first, over
+    mesh["dp_mod_ep"] (fully_shard, or replicate under ddp), then everything else over mesh["dp"] as above.
     """
     plan = world.plan
     tp = plan is not None and plan.tp > 1
@@ -302,7 +305,10 @@ def parallelize(model: nn.Module, cfg: ParallelConfig, world: World, device: tor
     if not data.reduces:
         return model
     dp_mesh = world.mesh["dp"] if world.mesh is not None else None
-    if data.ddp_reducer and not tp:
+    ep = plan is not None and plan.ep > 1
+    if ep:  # experts split over mesh["ep"], then data-parallel over mesh["dp_mod_ep"] (kiln.parallel.expert)
+        shard_experts(model, world.mesh["ep"])
+    if data.ddp_reducer and not (tp or ep):
         ids = [device.index] if device.type == "cuda" else None
         group = dp_mesh.get_group() if dp_mesh is not None and plan.dp < world.size else None
         ddp = nn.parallel.DistributedDataParallel(model, device_ids=ids, process_group=group)
@@ -312,8 +318,15 @@ def parallelize(model: nn.Module, cfg: ParallelConfig, world: World, device: tor
     if not data.shards_parameters:  # ddp with tp: every rank of a dp group keeps whole (TP-split) parameters
         from torch.distributed._composable.replicate_with_fsdp import replicate  # lazy: ddp × tp only
 
-        replicate(model, mesh=dp_mesh, **fsdp_options(cfg, param_dtype, replicated=True))
+        options = fsdp_options(cfg, param_dtype, replicated=True)
+        if ep:
+            wrap_experts(model, world.mesh, replicate, options)
+        replicate(model, mesh=dp_mesh, **options)
         return model
+    if ep:
+        from torch.distributed.fsdp import fully_shard  # lazy: fsdp only
+
+        wrap_experts(model, world.mesh, fully_shard, fsdp_options(cfg, param_dtype))
     shard_blocks(model, getattr(model, "blocks", ()), dp_mesh, fsdp_options(cfg, param_dtype))
     return model
 

@@ -28,7 +28,10 @@ class ParallelConfig:
     pp_microbatches: int = 0  # pipeline micro-batches per step; 0 = max(pp, train.grad_accum_steps)
     sequence_parallel: bool = False  # tp: norms and dropout on 1/tp of the sequence between the TP regions
     cp: int = 1  # context parallel: modelled by `kiln memory` and `kiln plan` only; training refuses cp > 1
-    ep: int = 1  # expert parallel: each of ep ranks holds n_experts/ep whole experts; tokens go to them by all-to-all. ep is carved out of the data-parallel ranks (it divides world/(tp·pp·cp)); MoE families only
+    ep: int = 1  # expert parallel (MoE families): each of ep ranks holds n_experts/ep whole experts, the tokens go
+    # to them and back by all-to-all (kiln.parallel.expert). Carved out of the data-parallel ranks: ep divides
+    # dp = world/(tp·pp·cp) and n_experts; the rest stays data-parallel over all dp ranks, each expert over dp/ep.
+    # Composes with tp (attention split over tp, experts over ep); strategy fsdp or ddp; pp = 1
 
     def validate(self):
         data = strategy(self.strategy)

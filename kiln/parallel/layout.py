@@ -8,10 +8,17 @@ it see different data (data parallel), decided once from the `parallel` section,
     plan.rank_blocks(n_layer, stage)   the blocks one pipeline rank holds (interleaved: its v chunks)
     plan.ranks_of(dim, rank)           the ranks of `rank`'s group along one mesh dim (its tp peers, its dp copies)
     plan.holds(rank, n_layer)          what one rank holds: its coordinates, pipeline stage and blocks, tp shard
+    plan.ep_rank(rank), plan.ep_ranks(rank)   its index among its expert-parallel group, and that group's ranks
 
 One plan per run, built by the run builder (kiln.run.builder) once the model is known and asked by everything
 else: World (kiln.parallel) keeps the process group and its collectives and reads its degrees from world.plan;
 the estimator's Job and the planner's Choice hold one (kiln.memory).
+
+Expert parallelism (parallel.ep) is carved out of the data-parallel ranks, as torchtitan's dp_shard_mod_ep × ep:
+the world stays pp × dp × cp × tp, ep divides dp, and the dp index of a rank is dp_mod_ep · ep + its ep index (the
+ep ranks of a group are neighbours along dp). Each ep rank holds n_experts/ep whole experts (kiln.parallel.expert);
+everything else is data-parallel over all dp ranks, each expert over the dp/ep ranks that hold it. The mesh then
+has dims pp, dp_mod_ep, ep, tp, with dp_mod_ep × ep flattened into dp (so mesh["dp"] means the same).
 
 Context parallelism (parallel.cp, the sequence split over cp ranks with ring attention) is modelled by the
 estimator and the planner only: it needs CUDA SDPA's ring attention (torch.distributed.tensor.experimental.
@@ -31,8 +38,7 @@ from kiln.parallel.strategy import Strategy, strategy
 
 PP_SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b")
 MESH_DIMS = ("pp", "dp", "tp")  # outermost to innermost
-# Expert parallelism goes here when it is built: a field `ep` (experts split over ep ranks, carved out of dp as
-# torchtitan's ParallelDims does), a dim in MESH_DIMS between dp and tp, and its check in build().
+EP_MESH_DIMS = ("pp", "dp_mod_ep", "ep", "tp")  # the mesh under ep > 1: dp split in two, flattened back into "dp"
 
 
 @dataclass(frozen=True)
@@ -46,6 +52,7 @@ class ParallelPlan:
     pp_microbatches: int = 0  # 0 = max(pp, grad_accum_steps), resolved by build() when the batch is known
     virtual_stages: int = 1  # stages per pipeline rank (interleaved_1f1b: 2)
     cp: int = 1  # context parallel: modelled by the estimator and planner only (the runtime refuses it, see build)
+    ep: int = 1  # expert parallel: experts split over ep of the dp ranks (ep divides dp)
 
     @property
     def dp(self) -> int:
@@ -60,6 +67,12 @@ class ParallelPlan:
     @property
     def mesh_shape(self) -> dict[str, int]:
         return {"pp": self.pp, "dp": self.dp, "tp": self.tp}
+
+    @property
+    def mesh_record(self) -> dict[str, int]:
+        """mesh_shape as the layout record and `kiln memory` write it: cp and ep added when they split (> 1); ep
+        is a part of dp, not a further factor of the world."""
+        return self.mesh_shape | ({"cp": self.cp} if self.cp > 1 else {}) | ({"ep": self.ep} if self.ep > 1 else {})
 
     @property
     def dp_strategy(self) -> Strategy:
@@ -85,12 +98,22 @@ class ParallelPlan:
         return [r for r in range(self.world_size // self.cp)
                 if all(c == mine[d] for d, c in self.coords(r).items() if d != dim)]
 
+    def ep_rank(self, rank: int) -> int:
+        """rank's index in its expert-parallel group: which n_experts/ep experts it holds."""
+        return self.coords(rank)["dp"] % self.ep
+
+    def ep_ranks(self, rank: int = 0) -> list[int]:
+        """The ranks of `rank`'s expert-parallel group (the ep neighbours along dp that exchange tokens), in ep
+        order."""
+        group = self.coords(rank)["dp"] // self.ep
+        return [r for r in self.ranks_of("dp", rank) if self.coords(r)["dp"] // self.ep == group]
+
     def holds(self, rank: int, n_layer: int) -> dict:
         """What `rank` holds of a model of n_layer blocks: its mesh coordinates, its pipeline stage and blocks, and
         which 1/tp shard of every split linear (tp_shard of tp)."""
         at = self.coords(rank)
         return {"coords": at, "stage": at["pp"], "blocks": self.rank_blocks(n_layer, at["pp"]),
-                "tp_shard": at["tp"], "tp": self.tp, "dp_copy": at["dp"]}
+                "tp_shard": at["tp"], "tp": self.tp, "dp_copy": at["dp"], "ep_shard": at["dp"] % self.ep}
 
     def stage_layers(self, n_layer: int) -> list[range]:
         """The blocks of each of the pp × virtual_stages stages, in model order: an even split, the first
@@ -112,10 +135,15 @@ class ParallelPlan:
 
     def device_mesh(self, device_type: str):
         """The run's DeviceMesh over every rank, dims named as MESH_DIMS (a dim of degree 1 is kept, so code can
-        always ask mesh["tp"])."""
+        always ask mesh["tp"]). Under ep > 1 its dims are EP_MESH_DIMS, with dp_mod_ep × ep flattened into "dp":
+        the same ranks in the same order, so mesh["dp"] is the same group as without ep."""
         from torch.distributed.device_mesh import init_device_mesh  # lazy: only a multi-process run builds one
 
-        return init_device_mesh(device_type, tuple(self.mesh_shape.values()), mesh_dim_names=MESH_DIMS)
+        if self.ep == 1:
+            return init_device_mesh(device_type, tuple(self.mesh_shape.values()), mesh_dim_names=MESH_DIMS)
+        shape = (self.pp, self.dp // self.ep, self.ep, self.tp)
+        mesh = init_device_mesh(device_type, shape, mesh_dim_names=EP_MESH_DIMS)
+        return ExpertMesh(mesh, mesh["dp_mod_ep", "ep"]._flatten("dp"))
 
     @classmethod
     def build(cls, cfg, world_size: int, model: ModelConfig | None = None, family=None,
@@ -125,7 +153,7 @@ class ParallelPlan:
 
         batch_sequences: sequences one data-parallel rank computes per step (micro_batch_size ×
         grad_accum_steps), which the pipeline's micro-batches must divide."""
-        check_degrees(cfg, world_size)
+        check_degrees(cfg, world_size, model, family)
         tp, pp, cp = cfg.tp, cfg.pp, getattr(cfg, "cp", 1)
         if cfg.pp_schedule not in PP_SCHEDULES:
             raise KilnError(f"parallel.pp_schedule={cfg.pp_schedule!r} is unknown; use one of {PP_SCHEDULES}",
@@ -146,16 +174,35 @@ class ParallelPlan:
                 raise KilnError(f"parallel.pp_schedule={cfg.pp_schedule} with {pp} stages needs at least {pp} "
                                 f"pipeline micro-batches (parallel.pp_microbatches={micro}); raise it or use gpipe",
                                 key="parallel.pp_microbatches", value=micro, fix="raise it or use gpipe")
-        return cls(world_size, tp, pp, cfg.strategy, cfg.sequence_parallel, cfg.pp_schedule, micro, virtual, cp)
+        return cls(world_size, tp, pp, cfg.strategy, cfg.sequence_parallel, cfg.pp_schedule, micro, virtual, cp,
+                   getattr(cfg, "ep", 1))
 
 
-def check_degrees(cfg, world_size: int) -> None:
-    """The `parallel` section's degrees and strategy against `world_size` ranks, without the model: what a launch
-    can be refused for before any rank reads data (init_world), and the first part of ParallelPlan.build."""
-    tp, pp, cp = cfg.tp, cfg.pp, getattr(cfg, "cp", 1)
-    if tp < 1 or pp < 1 or cp < 1:
-        raise KilnError(f"parallel.tp={tp}, parallel.pp={pp} and parallel.cp={cp} must be ≥ 1 (1 = not split)",
-                        key="parallel.tp", fix="give each a whole number ≥ 1")
+class ExpertMesh:
+    """The ep layout's DeviceMesh (dims EP_MESH_DIMS) with its flattened dp kept beside it, asked as the plain mesh
+    is: mesh["dp"], mesh["tp"], mesh.get_group("dp"). (torch deprecates slicing a flattened dim out of the root
+    mesh: the flattened one is to be kept, as here.)"""
+
+    def __init__(self, root, dp):
+        self.root, self.dp = root, dp
+
+    def __getitem__(self, dims):
+        return self.dp if dims == "dp" else self.root[dims]
+
+    def get_group(self, dim: str):
+        return self[dim].get_group()
+
+
+def check_degrees(cfg, world_size: int, model: ModelConfig | None = None, family=None) -> None:
+    """The `parallel` section's degrees and strategy against `world_size` ranks, and the experts of `model` (a
+    resolved ModelConfig, when known): what a launch can be refused for before any rank reads data (init_world,
+    without the model), and the first part of ParallelPlan.build (`kiln train`, `kiln memory`, `kiln plan`)."""
+    tp, pp, cp, ep = cfg.tp, cfg.pp, getattr(cfg, "cp", 1), getattr(cfg, "ep", 1)
+    if tp < 1 or pp < 1 or cp < 1 or ep < 1:
+        raise KilnError(f"parallel.tp={tp}, parallel.pp={pp}, parallel.cp={cp} and parallel.ep={ep} must be ≥ 1 "
+                        f"(1 = not split)", key="parallel.tp", fix="give each a whole number ≥ 1")
+    if model is not None:
+        check_experts(ep, model, family)
     if world_size % (tp * pp * cp):
         what = f"parallel.tp={tp} × parallel.pp={pp}" + (f" × parallel.cp={cp}" if cp > 1 else "")
         raise KilnError(f"{world_size} processes do not divide into {what} = {tp * pp * cp} ranks per model "
@@ -185,6 +232,52 @@ def check_degrees(cfg, world_size: int) -> None:
         raise KilnError(f"parallel.pp with parallel.strategy={data.name} is not built (ZeroRedundancyOptimizer's "
                         f"state would need one consolidated checkpoint per stage): use --parallel.strategy=fsdp "
                         f"or ddp", key="parallel.strategy", value=data.name)
+    _check_ep(cfg, ep, data, world_size)
+
+
+def check_experts(ep: int, model: ModelConfig, family=None) -> None:
+    """parallel.ep against the model: a mixture of experts whose n_experts it divides (each ep rank holds
+    n_experts/ep whole experts)."""
+    if ep <= 1:
+        return
+    dense = not model.n_experts or (family is not None and family.mlp != "moe")
+    if dense:
+        raise KilnError(f"parallel.ep={ep} splits the experts of a mixture of experts, but model.arch={model.arch} "
+                        f"is dense (one MLP per block): use --parallel.ep=1 or a mixture-of-experts model "
+                        f"(--model.preset=qwen3-moe-nano)", key="parallel.ep", value=ep,
+                        fix="use --parallel.ep=1 or a mixture-of-experts model (--model.preset=qwen3-moe-nano)")
+    if model.n_experts % ep:
+        raise KilnError(f"parallel.ep={ep} does not divide model.n_experts = {model.n_experts}: pick an ep that "
+                        f"divides it (each ep rank holds n_experts/ep whole experts)", key="parallel.ep", value=ep,
+                        fix="pick an ep that divides it (each ep rank holds n_experts/ep whole experts)")
+
+
+def check_ep_ranks(cfg, world_size: int) -> None:
+    """parallel.ep against the data-parallel ranks of `world_size` processes: ep is carved out of them, so it must
+    divide dp = world / (tp·pp·cp). `kiln plan` asks it of the --gpus it is given, check_degrees of the launch."""
+    ep = getattr(cfg, "ep", 1)
+    dp = world_size // (cfg.tp * cfg.pp * getattr(cfg, "cp", 1))
+    if ep > 1 and dp % ep:
+        split = " × ".join(f"{k}={v}" for k, v in (("tp", cfg.tp), ("pp", cfg.pp), ("cp", getattr(cfg, "cp", 1))))
+        raise KilnError(f"parallel.ep={ep} does not divide the {dp} data-parallel ranks ({world_size} "
+                        f"process{'es' if world_size > 1 else ''} / "
+                        f"({split})): expert parallelism is carved out of them; pick an ep that divides {dp} or "
+                        f"launch {ep}× more processes", key="parallel.ep", value=ep,
+                        fix=f"pick an ep that divides {dp} or launch {ep}× more processes")
+
+
+def _check_ep(cfg, ep: int, data: Strategy, world_size: int) -> None:
+    if ep == 1:
+        return
+    check_ep_ranks(cfg, world_size)
+    if data.zero_optimizer:
+        raise KilnError(f"parallel.ep with parallel.strategy={data.name} is not built (ZeroRedundancyOptimizer "
+                        f"would treat each rank's own experts as copies of one another): use "
+                        f"--parallel.strategy=fsdp or ddp", key="parallel.strategy", value=data.name,
+                        fix="use --parallel.strategy=fsdp or ddp")
+    if cfg.pp > 1:
+        raise KilnError(f"parallel.ep={ep} with parallel.pp={cfg.pp} is not built: use --parallel.pp=1",
+                        key="parallel.ep", value=ep, fix="use --parallel.pp=1")
 
 
 def _check_model(tp: int, stages: int, model: ModelConfig, family, schedule: str) -> None:
@@ -199,11 +292,7 @@ def _check_model(tp: int, stages: int, model: ModelConfig, family, schedule: str
     sizes = {"model.n_head": model.n_head, "model.n_kv_head": model.n_kv_head}
     if family is not None:
         for lin in family.linears(model):
-            if lin.tp == "expert":
-                raise KilnError(f"parallel.tp={tp}: model.arch={model.arch} is a mixture of experts, and expert "
-                                f"parallelism is not built; use --parallel.tp=1 (with --parallel.strategy=fsdp to "
-                                f"shard it)", key="parallel.tp", value=tp)
-            if lin.tp == "column":
+            if lin.tp == "column":  # (an MoE's router and experts are whole on every tp rank: nothing to divide)
                 sizes[f"the output width of {lin.name}"] = lin.n_out
                 for i, rows in enumerate(lin.parts):  # a fused linear: each rank takes 1/tp of every part
                     sizes[f"part {i + 1} of {lin.name} ({lin.parts})"] = rows

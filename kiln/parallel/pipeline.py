@@ -14,6 +14,14 @@ Stage s holds blocks plan.stage_layers(n_layer)[s]; the first also the embedding
 last the final norm, the head and the loss. The parts keep their full-model names (blocks.3.attn.qkv.weight on
 whichever rank holds block 3), so a checkpoint of any layout loads into any other through DCP.
 
+A mixture of experts: each stage holds whole MoE blocks. The load-balancing loss is the whole model's, E·Σ f_e·P_e
+pooled over every block's tokens of the micro-batch (kiln.models.moe), not a sum of per-stage losses: each stage adds
+its blocks' routing sums (routed counts, probability and z sums, tokens: kiln.models.moe.routing_sums) to a small
+vector that travels with the hidden states (a second stage output), and the last stage computes the loss from the
+total, as Transformer.forward adds it. Its backward reaches every stage's routing probabilities through that same
+vector's gradient, sent back by the schedule with the hidden states': no collective of its own, and exact to one
+process. The record's moe_aux_loss and load shares are over every stage (PipelineModel.moe_metrics).
+
 Tied embeddings (GPT-2: head weight = embedding weight): the first and the last stage each hold the weight; after
 the backward their gradients are summed over a group of those two ranks, so both copies take the same update.
 
@@ -43,6 +51,8 @@ import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
 from kiln.models import build_model
+from kiln.models.moe import MoE, losses_of, moe_metrics, routing_sums
+from kiln.models.transformer import moe_penalty
 from kiln.parallel import shard_blocks
 from kiln.parallel.layout import ParallelPlan
 from kiln.parallel.tensor import apply_tensor_parallel, canonical, fused_rows
@@ -78,8 +88,23 @@ class Stage(nn.Module):
             self.register_buffer("rope_cos", model.rope_cos, persistent=False)
             self.register_buffer("rope_sin", model.rope_sin, persistent=False)
         self.autocast = contextlib.nullcontext  # the run's precision (set by the step)
+        self.moe = [m for m in self.blocks.modules() if isinstance(m, MoE)]  # a plain list: not registered twice
+        self.routed: list[list[torch.Tensor]] = []  # each training forward's routed counts per block, this step
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, sums: torch.Tensor | None = None):
+        """A mixture of experts: (hidden states, routing sums) out, the sums of this micro-batch's routing over the
+        stages so far (kiln.models.moe.routing_sums; zeros in evaluation, which routes without recording)."""
+        x = self._blocks(x)
+        if not self.moe:
+            return x
+        if self.moe[0].training:  # (the stage itself is not a submodule of the PipelineModel: its blocks are)
+            self.routed.append([m.routed for m in self.moe])
+            mine = routing_sums(self.moe)
+        else:
+            mine = torch.zeros(2 * self.moe[0].n_experts + 2, device=x.device)
+        return x, mine if sums is None else sums + mine
+
+    def _blocks(self, x: torch.Tensor) -> torch.Tensor:
         with self.autocast():
             if self.first:
                 T = x.shape[1]
@@ -102,9 +127,6 @@ class PipelineModel(nn.Module):
         """fsdp: FSDP2's options (kiln.parallel.fsdp_options): fully_shard's under parallel.strategy=fsdp,
         replicate's under ddp with tp."""
         super().__init__()
-        if getattr(model, "moe", None):
-            raise ValueError("parallel.pp with a mixture of experts is not built (its load-balancing loss spans the "
-                             "stages): train it with --parallel.pp=1")
         self.plan, self.coords = plan, plan.coords(rank)
         mesh = mesh if mesh is not None else plan.device_mesh(device.type)
         if plan.tp > 1:  # torchtitan's order: tensor parallel on the whole model, then the split into stages
@@ -126,6 +148,7 @@ class PipelineModel(nn.Module):
         if self.has_last:
             self.norm, self.head, self.loss = model.norm, model.head, model.loss
         self.tied = model.head is None
+        self.moe_aux_loss: torch.Tensor | None = None  # the last stage's last micro-batch's (a mixture of experts)
         self.tie_group = _tie_group(plan, rank) if self.tied else None
         self.dp = plan.dp
         self.dp_mesh = mesh["dp"]
@@ -180,8 +203,13 @@ class PipelineModel(nn.Module):
         """The last stage's loss of one micro-batch, as the step normalises it: its sum over valid tokens divided by
         the global batch's count, times the dp degree (DDP averages the ranks' gradients), loss-scaled."""
         count, scale_loss = self._step_args
+        h, sums = h if isinstance(h, tuple) else (h, None)
         with self.stages[-1].autocast():
-            loss = self.loss(h.flatten(0, 1), self.head_weight, y.flatten()) / count
+            loss = self.loss(h.flatten(0, 1), self.head_weight, y.flatten())
+        if sums is not None:  # a mixture of experts: the penalty of every stage's routing, as Transformer.forward adds it
+            aux, z = losses_of(sums, self.cfg.n_experts, bool(self.cfg.moe_z_coef))
+            loss = loss + moe_penalty(self.cfg, aux, z, self) * (y != -100).sum()
+        loss = loss / count
         self._sums.append(loss.detach())
         return scale_loss(loss * self.dp if self.dp > 1 else loss)
 
@@ -193,7 +221,13 @@ class PipelineModel(nn.Module):
             st.autocast = autocast
         self._sums.clear()
         self._step_args = (count, scale_loss)
+        for st in self.stages:
+            st.routed.clear()
         self.schedule.step(*((x,) if self.has_first else ()), target=y if self.has_last else None)
+        for st in self.stages:  # the micro-batches' forwards are the last ones: torch's first step runs one more, on
+            for routed in st.routed[-self.plan.pp_microbatches:]:  # the inputs' shapes (uninitialized past stage 0)
+                for m, r in zip(st.moe, routed):
+                    m.load = r if m.load is None else m.load + r
         self._sync_tied()
         return self._share(self._sums[-self.plan.pp_microbatches:] if self.has_last else [], count.device)
 
@@ -228,9 +262,24 @@ class PipelineModel(nn.Module):
         dist.all_reduce(sq, group=self.pp_group)
         return sq.sqrt().to(local.dtype)
 
+    def moe_metrics(self) -> dict[str, float]:
+        """kiln.models.moe_metrics over every stage's blocks: the load-balancing loss the last stage computed from
+        every stage's routing, the largest and smallest load share over the pipeline ranks. A collective over the
+        pipeline ranks (every rank logs); {} without experts."""
+        mine = moe_metrics(self)  # this rank's blocks (their load read and reset)
+        if not mine:
+            return {}
+        aux = float(self.moe_aux_loss) if self.has_last and self.moe_aux_loss is not None else 0.0
+        values = torch.tensor([aux, mine["moe_load_max"], -mine["moe_load_min"]], dtype=torch.float64,
+                              device=self.device)
+        dist.all_reduce(values, op=dist.ReduceOp.MAX, group=self.pp_group)  # the loss is ≥ 0, set on one rank
+        aux, high, low = values.tolist()
+        return {"moe_aux_loss": aux, "moe_load_max": high, "moe_load_min": -low}
+
     # -- evaluation ------------------------------------------------------------------------------------------
 
     def _eval_loss(self, h: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        h = h[0] if isinstance(h, tuple) else h  # (a mixture of experts' routing sums: no penalty in evaluation)
         with self.stages[-1].autocast():
             total = self.loss(h.flatten(0, 1), self.head_weight, y.flatten())
         self._sums.append(total.detach())

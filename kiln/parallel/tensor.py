@@ -47,8 +47,14 @@ Hugging Face exports hold the model's own order, through `canonical` on the way 
 in (kiln.train.checkpoint), so a checkpoint resumes under any layout, and a checkpoint written without TP resumes
 with it. Each conversion gathers one fused tensor at a time (a save or a load, not a step).
 
-Not built: expert parallelism (a mixture of experts with tp > 1 is refused by ParallelPlan.build), dropout identical
-to one process (each tp rank draws its own masks on its heads; with dropout 0 TP is exact to one process).
+A mixture of experts: the router and the stacked experts ("replicate", "expert" roles) are held whole on every tp
+rank (Held: replicated DTensors; kiln.models.moe runs the experts on their local copies), and every tp rank routes
+and computes the same tokens — all of the sequence, gathered first under sequence parallelism and split again after
+(its gradient all-gathered back, so every copy's gradient is the same). Attention is split as for any family. Expert
+parallelism (parallel.ep), not tp, divides the experts.
+
+Not built: dropout identical to one process (each tp rank draws its own masks on its heads; with dropout 0 TP is
+exact to one process).
 """
 from __future__ import annotations
 
@@ -165,6 +171,12 @@ def _gather_sequence(module, args):
     return (x, *args[1:])
 
 
+def _split_output(mesh):
+    def hook(module, args, y):  # (B, T, C), the same on every tp rank -> this rank's sequence shard (B, T/tp, C)
+        return DTensor.from_local(y, mesh, [Replicate()], run_check=False).redistribute(placements=[Shard(1)]).to_local()
+    return hook
+
+
 def _split_sequence(mesh):
     def hook(module, args):  # the first block: the replicated embedding output, split along the sequence
         x = args[0]
@@ -233,10 +245,6 @@ def apply_tensor_parallel(model: nn.Module, mesh, sequence_parallel: bool = Fals
                          f"{type(model).__name__} has none: use --parallel.tp=1 (data parallelism works on any model)")
     fam = family(cfg.arch)
     roles = {lin.name: lin for lin in fam.linears(cfg)}
-    bad = sorted(n for n, lin in roles.items() if lin.tp not in ("column", "row"))
-    if bad:
-        raise ValueError(f"parallel.tp={tp}: {cfg.arch}'s {', '.join(bad)} have no tensor-parallel split (roles "
-                         f"{sorted({roles[n].tp for n in bad})}); use --parallel.tp=1")
     if not isinstance(model.loss, LMLoss):  # (ParallelPlan.build checked the padded vocabulary divides by tp)
         raise ValueError(f"parallel.tp={tp} computes the loss on vocabulary-sharded logits (1/tp of them per rank); "
                          f"the model's {type(model.loss).__name__} needs the whole head: keep the plain loss "
@@ -251,9 +259,13 @@ def apply_tensor_parallel(model: nn.Module, mesh, sequence_parallel: bool = Fals
         for name, lin in roles.items():
             if lin.tp == "column":
                 split[name] = ColwiseParallel()
-            else:
+            elif lin.tp == "row":
                 split[name] = RowwiseParallel(output_layouts=seq if sequence_parallel else Replicate())
+            else:  # an MoE's router and stacked experts: whole on every tp rank (module docstring)
+                split[name] = Held()
         regions = {name.rpartition(".")[0] for name in roles}  # attn, mlp: where the activations are split
+        whole = {r for r in regions if "." not in r and not any(lin.tp == "row" and n.startswith(r + ".")
+                                                                  for n, lin in roles.items())}  # an MoE's mlp
         for name, module in block.named_modules():
             if not name or name in roles or name in regions or not any(True for _ in module.parameters(False)):
                 continue
@@ -265,6 +277,8 @@ def apply_tensor_parallel(model: nn.Module, mesh, sequence_parallel: bool = Fals
         if sequence_parallel:
             for r in regions:
                 block.get_submodule(r).register_forward_pre_hook(_gather_sequence)
+            for r in whole:  # no row linear reduce-scatters its output: this rank's part of the sequence
+                block.get_submodule(r).register_forward_hook(_split_output(mesh))
             if i == 0:
                 block.register_forward_pre_hook(_split_sequence(mesh))
     top = {name: Held() for name, module in model.named_children()

@@ -334,8 +334,9 @@ def _train(lm: LMRun, cfg: Config, run_dir: Path, resume: bool, con: Console, ca
     tokens_per_step = c.train.micro_batch_size * c.train.grad_accum_steps * c.data.seq_len
     world = state.world
     ranks = f" | {world.strategy} × {world.size} ranks" if world.sharded else ""
-    if world.plan.model_parallel:
+    if world.plan.model_parallel or world.plan.ep > 1:
         ranks = " | mesh " + " × ".join(f"{k}{v}" for k, v in world.plan.mesh_shape.items()) + f" ({world.strategy})"
+        ranks += f", experts over ep{world.plan.ep} of the dp ranks" if world.plan.ep > 1 else ""
     con.print(f"model: {c.model.init or c.model.preset} ({c.model.arch}) {state.n_params / 1e6:.2f}M parameters | "
               f"device {state.device} | precision {state.precision.mode} | {tokens_per_step * world.dp_size:,} "
               f"tokens/step{ranks}", highlight=False)

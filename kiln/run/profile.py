@@ -27,6 +27,7 @@ from kiln.config import apply_overrides
 from kiln.memory.devices import local_device
 from kiln.memory.estimate import estimate, fmt_bytes
 from kiln.memory.levers import job_for
+from kiln.parallel.expert import all_to_all_seconds
 from kiln.perf.bottleneck import MATMUL_OPS, Breakdown, Op, Verdict, verdict
 from kiln.perf.flops import flops_per_token
 from kiln.perf.peak import model_peak_flops
@@ -44,6 +45,7 @@ class ProfileResult:
     files: dict[str, str]
     steps: int
     matmul_rates: dict[str, float] | None = None  # CPU: measured FLOP/s at the model's linear shapes, per precision
+    all_to_all_s: float | None = None  # expert parallelism: seconds per step in the experts' all-to-alls
 
     def summary(self) -> dict:
         """RUN_DIR/profile/summary.json (read by `kiln report`)."""
@@ -51,7 +53,8 @@ class ProfileResult:
         return {"step_s": b.step_s, "breakdown": dict(b.parts) | {"unaccounted": b.unaccounted_s},
                 "verdict": self.verdict.kind, "why": self.verdict.why, "advice": self.verdict.advice,
                 "device": b.device, "steps": self.steps, "device_idle_share": b.device_idle_share,
-                "comm_s": b.comm_s, "peak_flops": b.peak_flops, "bandwidth": b.bandwidth, "ridge": b.ridge,
+                "comm_s": b.comm_s, "all_to_all_s": self.all_to_all_s,
+                "peak_flops": b.peak_flops, "bandwidth": b.bandwidth, "ridge": b.ridge,
                 "model_flops_per_step": b.model_flops_per_step,
                 "matmul_rates": self.matmul_rates, "mfu": b.model_flops_per_step / b.step_s / b.peak_flops,
                 "top_ops": [{"name": o.name, "calls": o.calls, "self_s": o.self_s, "flops": o.flops, "bytes": o.bytes,
@@ -177,6 +180,8 @@ def profile_run(cfg, run_dir: Path, steps: int = 10, warmup: int = 3, log=print)
         clock = _Clock(state.device)
         undo = _install(clock, trainer)
         comm_before = state.world.comm.take() if state.world.comm is not None else None
+        expert_parallel = state.world.plan is not None and state.world.plan.ep > 1
+        all_to_all_seconds(state.model)  # the warm-up's, dropped
         if state.device.type == "cuda":
             torch.cuda.synchronize()
         start = time.perf_counter()
@@ -184,6 +189,7 @@ def profile_run(cfg, run_dir: Path, steps: int = 10, warmup: int = 3, log=print)
         clock.mark(None)
         step_s = (time.perf_counter() - start) / steps
         comm = state.world.comm.take() / steps if comm_before is not None else None
+        all_to_all = all_to_all_seconds(state.model) / steps if expert_parallel else None
         for u in undo:
             u()
         activities = [torch.profiler.ProfilerActivity.CPU]
@@ -230,7 +236,7 @@ def profile_run(cfg, run_dir: Path, steps: int = 10, warmup: int = 3, log=print)
                   device_idle_share=idle, comm_s=comm)
     v = verdict(b)
     v.advice = _advice(v, b, c, target)
-    result = ProfileResult(b, v, files, steps, rates)
+    result = ProfileResult(b, v, files, steps, rates, all_to_all)
     (out / "summary.json").write_text(json.dumps(result.summary(), indent=2) + "\n")
     return result
 
@@ -245,6 +251,10 @@ def report_lines(r: ProfileResult, top: int = 8) -> list[str]:
         lines.append(f"  device idle {100 * b.device_idle_share:.1f}% of the traced steps")
     if b.comm_s is not None:
         lines.append(f"  all-reduce in flight {1000 * b.comm_s:.2f} ms per step (overlaps the backward)")
+    if r.all_to_all_s is not None:  # inside the forward and backward parts above, not beside them
+        lines.append(f"  experts' all-to-all {1000 * r.all_to_all_s:.2f} ms per step, "
+                     f"{100 * r.all_to_all_s / b.step_s:.1f}% of the step (split sizes and tokens, both ways; "
+                     f"within forward and backward)")
     mfu = b.model_flops_per_step / b.step_s / b.peak_flops
     lines.append(f"MFU {100 * mfu:.1f}%: {b.model_flops_per_step / b.step_s / 1e9:,.1f} GFLOP/s of model FLOPs against "
                  f"{b.peak_flops / 1e9:,.1f} GFLOP/s" + (" (the rate torch reaches on the model's own linears in this "

@@ -44,6 +44,7 @@ import torch
 import xxhash
 
 from kiln.errors import KilnError
+from kiln.models.moe import per_expert_key, stack_experts
 from kiln.parallel.strategy import STRATEGIES
 from kiln.parallel.tensor import canonical, from_canonical, fused_rows
 
@@ -381,6 +382,7 @@ class Checkpointer:
             fits = " or ".join(n for n, s in STRATEGIES.items() if s.reduces and s.zero_optimizer == zero1)
             raise ValueError(f"{path} holds {'ZeRO-1' if zero1 else 'per-parameter'} optimizer state; resume it "
                              f"with --parallel.strategy={fits}")
+        refuse_per_expert(path, dcp.FileSystemReader(path / "sharded").read_metadata().state_dict_metadata)
         model_sd, optim_sd = _sharded_state_dicts(state, _flat_optimizer(path / "sharded"))
         target = {"model": model_sd} | ({"optimizer": optim_sd} if optim_sd is not None else {})
         dcp.load(target, checkpoint_id=path / "sharded")
@@ -411,6 +413,7 @@ class Checkpointer:
                              f"--parallel.strategy=ddp for a checkpoint (DCP, by parameter name), then under "
                              f"parallel.pp")
         saved = self.load(map_location="cpu", path=path, rewrite=state.world.main)
+        refuse_per_expert(path, saved["model"])
         full = StateDictOptions(full_state_dict=True)
         optim_sd = None if type(state.optimizer).__name__ == "ZeroRedundancyOptimizer" else \
             _by_name(saved["optimizer"], state)
@@ -563,7 +566,7 @@ class Checkpointer:
         if path is not None:
             self.loaded = path
         if "model" in state:
-            return state["model"]
+            return stack_experts(state["model"])
         exported = self.loaded / "model.safetensors"
         if not exported.is_file():
             raise FileNotFoundError(f"{self.loaded} was written by several ranks without checkpoint.safetensors: its "
@@ -571,7 +574,7 @@ class Checkpointer:
                                     f"and save again")
         from safetensors.torch import load_file  # lazy: as export_tensors
 
-        return load_file(str(exported), device=str(map_location))
+        return stack_experts(load_file(str(exported), device=str(map_location)))
 
     def load(self, map_location="cpu", path: Path | None = None, rewrite: bool = True) -> dict:
         """The newest checkpoint that verifies and loads; `path`: that checkpoint only (an error if it fails).
@@ -587,6 +590,16 @@ class Checkpointer:
             raise self.none_error()
         self.loaded = found
         return state
+
+
+def refuse_per_expert(path, keys) -> None:
+    """A checkpoint of kiln's per-expert MoE layout (one nn.Linear per expert, before the stacked experts of
+    kiln.models.moe) does not resume: its optimizer state is per expert. Its weights export and start a run."""
+    key = per_expert_key(keys)
+    if key is not None:
+        raise ValueError(f"{path} holds a mixture of experts in kiln's earlier per-expert layout ({key}), whose "
+                         f"optimizer state does not resume in the stacked one; export its weights (kiln export "
+                         f"RUN --hf DIR) and start a new run from them with --model.init=hf:DIR")
 
 
 def verify_but_weights(path: Path) -> CheckpointCorrupt | None:

@@ -82,10 +82,12 @@ def _masked_grads(skip: torch.Tensor, grads: list[torch.Tensor], own: bool) -> l
 
 
 def _by_device_and_dtype(params) -> dict:
+    """(device, dtype, DTensor mesh or None) -> the parameters with gradients: a foreach op takes DTensors of one
+    mesh at a time (expert parallelism's experts and the other parameters are on two)."""
     out: dict = {}
     for p in params:
         if p.grad is not None:
-            out.setdefault((p.device, p.dtype), []).append(p)
+            out.setdefault((p.device, p.dtype, getattr(p, "device_mesh", None)), []).append(p)
     return out
 
 
@@ -120,7 +122,7 @@ class MaskedAdam(torch.optim.Optimizer):
         loss = run_closure(closure)
         for group in self.param_groups:
             lr, (b1, b2), eps, wd = group["lr"], group["betas"], group["eps"], group["weight_decay"]
-            for (device, _), params in _by_device_and_dtype(group["params"]).items():
+            for (device, _, _), params in _by_device_and_dtype(group["params"]).items():
                 skip, keep = skip_flags(skipped, device)
                 gates = [torch.where(skip, 1.0, x) for x in (b1, b2, 1 - lr * wd)]
                 for chunk in [params] if self.foreach else [[p] for p in params]:
@@ -194,7 +196,7 @@ class MaskedSGD(torch.optim.Optimizer):
     def step(self, closure=None, skipped: torch.Tensor | None = None):
         loss = run_closure(closure)
         for group in self.param_groups:
-            for (device, _), params in _by_device_and_dtype(group["params"]).items():
+            for (device, _, _), params in _by_device_and_dtype(group["params"]).items():
                 skip, _ = skip_flags(skipped, device)
                 momentum_gate = torch.where(skip, 1.0, group["momentum"])
                 for chunk in [params] if self.foreach else [[p] for p in params]:

@@ -81,7 +81,8 @@ class StepMetrics:
             # ddp, zero1: seconds per step the gradient all-reduces were in flight (overlapping the backward)
             "comm_s": state.world.comm.take() / self.window_steps if state.world.comm is not None else None,
             "utilisation": self.utilisation(elapsed),
-            **moe_metrics(state.model),  # a mixture of experts: moe_aux_loss, moe_load_max, moe_load_min
+            # a mixture of experts: moe_aux_loss, moe_load_max, moe_load_min (a pipeline's over all its stages)
+            **(state.model.moe_metrics() if hasattr(state.model, "moe_metrics") else moe_metrics(state.model)),
         }
 
     def utilisation(self, elapsed: float) -> float | None:

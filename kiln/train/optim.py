@@ -227,7 +227,7 @@ def clip_gradients(params, cfg: OptimConfig, adaptive: AdaptiveClip | None = Non
     """Clip in place; returns (the global L2 norm before clipping, the threshold in force or None), both device
     tensors (no sync). norm_of(params) -> the norm, where it is more than these parameters' (pipeline stages)."""
     params = [p for p in params if p.grad is not None]
-    norm_of = norm_of or (lambda ps: torch.nn.utils.get_total_norm([p.grad for p in ps], foreach=True))
+    norm_of = norm_of or total_norm
     if cfg.clip_mode == "adaptive":
         if adaptive is None:
             raise ValueError("optim.clip_mode=adaptive needs its norm history (kiln builds it with the TrainState)")
@@ -236,15 +236,40 @@ def clip_gradients(params, cfg: OptimConfig, adaptive: AdaptiveClip | None = Non
         threshold = adaptive.threshold(full)
         # torch's clip_grads_with_norm_ takes the threshold as a Python float (a host sync): scale here instead
         coef = torch.clamp(threshold / (full.float() + 1e-6), max=1.0)
-        grads = [p.grad for p in params]
-        for dtype in {g.dtype for g in grads}:
-            group = [g for g in grads if g.dtype == dtype]
-            torch._foreach_mul_(group, coef.to(dtype))
+        for same_mesh in _by_mesh(params):
+            grads = [p.grad for p in same_mesh]
+            for dtype in {g.dtype for g in grads}:
+                group = [g for g in grads if g.dtype == dtype]
+                torch._foreach_mul_(group, coef.to(dtype))
         return norm, threshold
     norm = norm_of(params)
     if cfg.grad_clip > 0 and cfg.clip_mode == "norm":
-        torch.nn.utils.clip_grads_with_norm_(params, cfg.grad_clip, norm, foreach=True)  # = clip_grad_norm_
+        for same_mesh in _by_mesh(params):  # = clip_grad_norm_ (foreach ops take one mesh's DTensors at a time)
+            torch.nn.utils.clip_grads_with_norm_(same_mesh, cfg.grad_clip, norm, foreach=True)
         return norm, None
     if cfg.grad_clip > 0:
         torch.nn.utils.clip_grad_value_(params, cfg.grad_clip, foreach=True)
     return norm, None
+
+
+def _by_mesh(params) -> list[list]:
+    """The parameters grouped by their gradients' DTensor mesh (one group without DTensors), in first-seen order:
+    the same order on every rank, for the norms' collectives."""
+    groups: dict = {}
+    for p in params:
+        groups.setdefault(getattr(p.grad, "device_mesh", None), []).append(p)
+    return list(groups.values())
+
+
+def total_norm(params) -> torch.Tensor:
+    """The global L2 norm of the parameters' gradients. Gradients that are DTensors on several meshes (expert
+    parallelism: the experts' on (dp_mod_ep, ep), the rest on dp or (dp, tp)) are normed per mesh, each over all
+    its ranks (full_tensor), and combined: torch's get_total_norm stacks them, which DTensor refuses across meshes."""
+    groups = _by_mesh(params)
+    if len(groups) < 2:
+        return torch.nn.utils.get_total_norm([p.grad for p in params], foreach=True)
+    parts = []
+    for group in groups:
+        norm = torch.nn.utils.get_total_norm([p.grad for p in group], foreach=True)
+        parts.append(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
+    return torch.linalg.vector_norm(torch.stack(parts))

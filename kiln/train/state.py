@@ -22,7 +22,7 @@ import torch
 import torch.nn as nn
 
 from kiln.parallel import World
-from kiln.train.checkpoint import global_tokens_seen, rng_state, saved_world, set_rng_state
+from kiln.train.checkpoint import global_tokens_seen, refuse_per_expert, rng_state, saved_world, set_rng_state
 from kiln.train.optim import AdaptiveClip, OptimConfig, build_optimizer, optimizer_groups
 from kiln.train.pipeline import ModelPlan, prepare_model
 from kiln.train.precision import LossScaler, MasterWeights, Precision, PrecisionConfig, store_frozen
@@ -86,6 +86,7 @@ class TrainState:
             | self.shared_state_dict()
 
     def load_state_dict(self, state: dict) -> None:
+        refuse_per_expert("the checkpoint", state["model"])
         try:
             self.model.load_state_dict(state["model"])
         except RuntimeError as e:  # torch lists every key; the first one says enough

@@ -102,12 +102,11 @@ def test_each_family_builds_and_its_description_matches_the_module(arch):
     params = dict(model.named_parameters())
     assert [(n, tuple(p.shape)) for n, p in params.items()] == fam.parameter_shapes(cfg)
     assert sum(p.numel() for p in params.values()) == param_count(cfg)
-    # every block linear the description names exists with its shape (experts: one per expert)
+    # every block linear the description names exists with its shape (experts: stacked, one row block each)
     block = dict(model.blocks[0].named_modules())
     for lin in fam.linears(cfg):
-        mods = ([block[lin.name]] if lin.copies == 1 else
-                [block[lin.name.replace("experts.", f"experts.{e}.")] for e in range(lin.copies)])
-        assert all(tuple(m.weight.shape) == (lin.n_out, lin.n_in) for m in mods), lin
+        shape = (lin.n_out, lin.n_in) if lin.copies == 1 else (lin.copies, lin.n_out, lin.n_in)
+        assert tuple(block[lin.name].weight.shape) == shape, lin
     assert set(fam.tp_layout(cfg).values()) <= {"column", "row", "replicate", "expert"}
     # the Hugging Face map covers every parameter once
     mapped = [m.kiln for m in fam.hf_tensors(cfg) if m.kiln in params]
@@ -154,9 +153,9 @@ def _dense_moe_reference(moe: MoE, x: torch.Tensor) -> torch.Tensor:
         weights = weights / weights.sum(-1, keepdim=True)
     weights = weights.double()
     out = torch.zeros_like(h)
-    for e, expert in enumerate(moe.experts):
-        gate, up = (h @ expert.fc.weight.double().T).chunk(2, dim=-1)
-        y = (F.silu(gate) * up) @ expert.proj.weight.double().T
+    for e in range(moe.n_experts):
+        gate, up = (h @ moe.experts.fc.weight[e].double().T).chunk(2, dim=-1)
+        y = (F.silu(gate) * up) @ moe.experts.proj.weight[e].double().T
         w = (weights * (chosen == e)).sum(-1, keepdim=True)  # 0 where the token did not pick e
         out += w * y
     return out.view(x.shape)

@@ -46,6 +46,8 @@ def pp_config(source: str, *, arch: str = "gpt2", n_layer: int = 2, pp: int = 1,
     cfg = lm_config(source, strategy or ("ddp" if dp > 1 else "none"), steps=steps, nan_forward=nan_forward,
                     nan_rank=nan_rank, trace=bool(nan_forward))
     cfg.model.arch, cfg.model.n_layer = arch, n_layer
+    if arch == "qwen3_moe":  # 8 experts of width 64, 2 per token; a balancing loss strong enough to be seen
+        cfg.model.moe_aux_coef = 0.1
     cfg.train.cpu_linear = "torch"  # tp layouts' DTensor linears take F.linear; every layout and its reference too
     cfg.parallel.pp, cfg.parallel.pp_schedule, cfg.parallel.pp_microbatches = pp, schedule, microbatches
     cfg.parallel.tp, cfg.parallel.sequence_parallel, cfg.checkpoint.interval = tp, sequence_parallel, interval

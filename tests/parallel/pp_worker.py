@@ -39,6 +39,9 @@ state = pp_run(pp_config(source, pp=2, tp=2, sequence_parallel=True, interval=3)
 judged = state.numerics.guard.history[0, :6].tolist()  # the losses this rank's spike guard judged, step by step
 (out / f"judged_rank{rank}.json").write_text(json.dumps(judged))
 pp_run(pp_config(source, arch="llama", pp=2, tp=2), out / "tp2pp2_llama", resume=True)
+# a mixture of experts in tp2 × pp2: whole MoE blocks per stage, router and experts whole on each tp rank; the
+# load-balancing loss pooled over both stages' blocks
+pp_run(pp_config(source, arch="qwen3_moe", pp=2, tp=2), out / "tp2pp2_qwen3_moe")
 # every rank's whole-step peak under pp2 × dp2 fsdp (its CPU allocator, from before the model is built)
 peaks = {name: measure_rank_peaks(peak_config(name), torch.device("cpu"), steps=4) for name in PEAKS}
 (out / f"peaks_rank{rank}.json").write_text(json.dumps(peaks))

@@ -130,11 +130,15 @@ def tp_config(source: str, arch: str, strategy: str, tp: int, steps: int, sequen
               interval: int = 0):
     """lm_config's run on a tensor-parallel layout: 2 micro-batches of 2 sequences per data-parallel rank (the
     global batch of 8 on any dp degree up to 4); arch llama has grouped-query attention (4 heads, 2 key/value heads)
-    and a SwiGLU MLP, both fused weights that tensor parallelism must split by part."""
+    and a SwiGLU MLP, both fused weights that tensor parallelism must split by part; arch qwen3_moe the same attention
+with a mixture of experts."""
     cfg = lm_config(source, strategy, steps)
     if arch == "llama":
         cfg.model = ModelConfig(preset="llama-125m", n_layer=2, n_head=4, n_kv_head=2, d_model=64, d_ff=96,
                                 max_seq_len=64, vocab_size=256)
+    elif arch == "qwen3_moe":  # 4 experts of width 32, 2 per token, whole on each tp rank; a strong balancing loss
+        cfg.model = ModelConfig(preset="qwen3-moe-nano", n_layer=2, n_head=4, n_kv_head=2, head_dim=16, d_model=64,
+                                n_experts=4, moe_d_ff=32, max_seq_len=64, vocab_size=256, moe_aux_coef=0.1)
     cfg.train.micro_batch_size = 2
     cfg.train.cpu_linear = "torch"  # a tp rank's linears hold DTensors, which take F.linear: the reference too
     cfg.parallel.tp, cfg.parallel.sequence_parallel = tp, sequence_parallel
@@ -160,3 +164,20 @@ def rewound(run: Path, copy: Path, step: int = 3) -> Path:
             shutil.rmtree(later)
     (copy / "checkpoints" / "latest").write_text(f"step_{step:06d}\n")
     return copy
+
+
+def ep_config(source: str, strategy: str, ep: int = 1, tp: int = 1, steps: int = 10, interval: int = 0,
+              sequence_parallel: bool = False):
+    """moe_config's Qwen3-MoE nano for `steps` steps of the global batch of 8 in micro-batches of 2 (each of dp4's
+    ranks takes 1, each of dp2's 2, one process 4), saved every `interval` steps (0: at the end) and kept: the
+    expert-parallel runs (tests/parallel/ep_worker.py) and their one-process reference."""
+    cfg = moe_config(source, strategy)
+    cfg.train.max_steps, cfg.train.micro_batch_size = steps, 2
+    cfg.parallel.ep, cfg.parallel.tp, cfg.parallel.sequence_parallel = ep, tp, sequence_parallel
+    cfg.checkpoint.interval, cfg.checkpoint.keep_last = interval, 10
+    # AdamW's eps at 1e-6, not 1e-8: an expert's rows are batched differently at ep > 1 (its pairs from every ep
+    # rank in one product), which moves the last bits of gradients, and m/√v turns a last-bit difference of a
+    # gradient near eps into a step of up to lr. Measured over 10 steps on the 2-core Xeon with AMX (2026-11-27):
+    # eps 1e-8 put 17 of 524288 expert weights 1.8e-5 off (plain FSDP2 over dp4: 2.2e-6), the loss 2.1e-6.
+    cfg.optim.eps = 1e-6
+    return cfg

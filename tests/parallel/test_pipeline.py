@@ -21,6 +21,7 @@ from kiln.memory.devices import get_device
 from kiln.memory.estimate import estimate, peak_allocated, rank_state
 from kiln.memory.levers import rank_jobs
 from kiln.models import ModelConfig, build_model
+from kiln.models.moe import moe_losses
 from kiln.models.registry import family
 from kiln.parallel import ParallelConfig
 from kiln.parallel.layout import ParallelPlan
@@ -39,7 +40,8 @@ ATOL = 1e-5  # weights: AdamW divides by sqrt(v), so where a gradient is ~0 its 
 def single(tmp_path_factory, source, kiln_cache):
     """The one-process references (GPT-2's sampled after training), and the NaN trace of one process."""
     out = tmp_path_factory.mktemp("pp-single")
-    for name, kw in (("gpt2", {}), ("llama", {"arch": "llama"}), ("gpt2_4", {"n_layer": 4})):
+    for name, kw in (("gpt2", {}), ("llama", {"arch": "llama"}), ("gpt2_4", {"n_layer": 4}),
+                     ("qwen3_moe", {"arch": "qwen3_moe"})):
         pp_run(pp_config(source, **kw), out / name, sample=SAMPLE if name == "gpt2" else 0)
     pp_run(pp_config(source, steps=2, nan_forward=NAN_AT), out / "nan_trace")
     pp_run(with_lora(pp_config(source, arch="llama")), out / "llama_lora")
@@ -212,11 +214,12 @@ def test_pp2_dp2_fsdp_rank_peaks_match_the_estimate(pp_launched, name):
         assert peak_allocated(b) == pytest.approx(min(measured[rank][1:]), rel=0.05), rank
 
 
-@pytest.mark.parametrize("arch", ["gpt2", "llama"])
+@pytest.mark.parametrize("arch", ["gpt2", "llama", "qwen3_moe"])
 def test_tp2_pp2_trains_as_one_process(pp_launched, single, arch):
     """Tensor parallel inside each pipeline stage (dp 1): GPT-2 with sequence parallelism from step 1, Llama from one
     process's checkpoint at step 3 (its fused rows into the TP order on load). The same curve, weights and val_loss as
-    one process, and the layout event shows each rank holding half of its stage's block linears."""
+    one process, and the layout event shows each rank holding half of its stage's block linears. Qwen3-MoE: whole
+    MoE blocks per stage, its router and experts whole on each tp rank."""
     run = pp_launched / f"tp2pp2_{arch}"
     assert_same_curve(run, single / arch)
     assert_same_weights(run, single / arch)  # gathered over tp and pp, fused rows in the model's order
@@ -227,6 +230,24 @@ def test_tp2_pp2_trains_as_one_process(pp_launched, single, arch):
     (first, last), whole = stage_bytes(arch, tp=2)
     assert event["param_bytes_per_rank"] == [first, first, last, last]  # ranks 0, 1: stage 0 (tp innermost)
     assert event["param_bytes_unsharded"] == whole
+
+
+def test_a_pipeline_pools_the_load_balancing_loss_over_its_stages(pp_launched, single):
+    """The MoE's load-balancing loss is E·Σ f_e·P_e over both stages' blocks together (not a sum of per-stage losses):
+    the record's moe_aux_loss and load shares are one process's, step by step, as is the objective (the test above).
+    The check can tell them apart: the mean of the two stages' own losses is 1.7e-3 off the pooled loss (seed 0)."""
+    got, want = records(pp_launched / "tp2pp2_qwen3_moe", "train"), records(single / "qwen3_moe", "train")
+    for x, y in zip(got, want):
+        for key in ("moe_aux_loss", "moe_load_max", "moe_load_min"):
+            assert x[key] == pytest.approx(y[key], rel=RTOL), (key, x["step"])
+    cfg = pp_config("", arch="qwen3_moe").model
+    cfg.vocab_size = 256
+    model = build_model(cfg.resolve(), "cpu").train()
+    torch.manual_seed(0)
+    model(torch.randint(0, 256, (4, 32)), torch.randint(0, 256, (4, 32)))
+    pooled = float(moe_losses(model.moe)[0])
+    per_stage = float(moe_losses(model.moe[:1])[0] + moe_losses(model.moe[1:])[0]) / 2  # each stage's blocks alone
+    assert abs(pooled - per_stage) > 100 * RTOL * pooled
 
 
 @pytest.fixture(scope="module")

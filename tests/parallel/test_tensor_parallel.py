@@ -28,7 +28,7 @@ def tp_reference(tmp_path_factory, source, kiln_cache):
     out = tmp_path_factory.mktemp("tp-single")
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(lm, "TokenLoader", MaskedLoader)
-        for arch in ("llama", "gpt2"):
+        for arch in ("llama", "gpt2", "qwen3_moe"):
             train(tp_config(source, arch, "none", tp=1, steps=6), out / arch)
     return out
 
@@ -54,7 +54,7 @@ def assert_same_run(got_dir, want_dir):
         torch.testing.assert_close(wg[key], ww[key], rtol=RTOL, atol=1e-5, msg=key)
 
 
-@pytest.mark.parametrize("run,arch", [("llama_fsdp", "llama"), ("gpt2_ddp_sp", "gpt2")])
+@pytest.mark.parametrize("run,arch", [("llama_fsdp", "llama"), ("gpt2_ddp_sp", "gpt2"), ("moe_fsdp_sp", "qwen3_moe")])
 def test_tp2_dp2_trains_as_one_process(tp_launched, tp_reference, run, arch):
     assert_same_run(tp_launched / run, tp_reference / arch)
     got, want = records(tp_launched / run, "eval"), records(tp_reference / arch, "eval")

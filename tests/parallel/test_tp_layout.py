@@ -31,8 +31,6 @@ def build(world, model=None, **parallel):
     # every head and width divides by 3, the vocabulary of 256 (padded: 256) does not
     (3, llama(n_head=6, n_kv_head=3, d_model=96, d_ff=96), {"tp": 3},
      "parallel.tp=3 does not divide the padded vocabulary model.padded_vocab"),
-    (2, ModelConfig(preset="qwen3-moe-nano").resolve(), {"tp": 2},
-     "mixture of experts, and expert parallelism is not built"),
 ])
 def test_bad_layouts_are_one_line_errors(world, model, parallel, message):
     with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)")) as e:
@@ -50,6 +48,9 @@ def test_tp_needs_torchrun(monkeypatch):
 def test_a_good_layout():
     plan = build(8, tp=2, strategy="fsdp", sequence_parallel=True)
     assert plan.mesh_shape == {"pp": 1, "dp": 4, "tp": 2}
+    # a mixture of experts: attention split, router and experts whole on each tp rank; and in pipeline stages
+    moe = build(4, ModelConfig(preset="qwen3-moe-nano").resolve(), tp=2, pp=2, strategy="ddp")
+    assert moe.mesh_shape == {"pp": 2, "dp": 1, "tp": 2}
     assert [plan.coords(r)["dp"] for r in range(8)] == [0, 0, 1, 1, 2, 2, 3, 3]  # tp ranks of a copy: one dp rank
 
 

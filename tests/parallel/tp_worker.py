@@ -20,6 +20,9 @@ train(tp_config(source, "llama", "fsdp", tp=2, steps=6, interval=3), out / "llam
 # tp2 × dp2 with sequence parallelism, under DDP (FSDP2's replicate over mesh["dp"]): gpt2 (LayerNorm, learned
 # positions, tied embeddings)
 train(tp_config(source, "gpt2", "ddp", tp=2, steps=6, sequence_parallel=True), out / "gpt2_ddp_sp")
+# a mixture of experts in tp2 × dp2 with sequence parallelism, under FSDP2: attention split, router and experts whole
+# on each tp rank, the sequence gathered for them and split again
+train(tp_config(source, "qwen3_moe", "fsdp", tp=2, steps=6, sequence_parallel=True), out / "moe_fsdp_sp")
 # fsdp × 4 (no TP) for 3 steps, resumed as tp2 × dp2 to step 6: a checkpoint resharded into the TP layout
 train(tp_config(source, "llama", "fsdp", tp=1, steps=3), out / "fsdp_to_tp")
 train(tp_config(source, "llama", "fsdp", tp=2, steps=6), out / "fsdp_to_tp", resume=True)

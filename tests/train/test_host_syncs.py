@@ -236,3 +236,21 @@ def test_muon_reads_the_skip_flag_once_per_step(precision, host_thread_calls):
     calls = []
     assert _three_steps(cfg, rig, "cpu", calls) == [0.0, 1.0, 0.0]
     assert calls == ["item"] * 3 and host_thread_calls == []
+
+
+# ---------------------------------------------------------------- a mixture of experts: routing and experts
+
+
+@pytest.mark.parametrize("precision", ("fp32", "bf16", "bf16-master"))
+def test_no_host_sync_in_a_mixture_of_experts_step_cpu(precision):
+    """Qwen3-MoE's routing counts on the device and its experts in grouped_mm (kiln.models.moe): none. The loop
+    over experts, the fallback where grouped_mm does not run, reads its split sizes back: one per block, seen."""
+    cfg, rig = _rig("adamw", "fused", "none", precision, "cpu", "--model.preset=qwen3-moe-nano")
+    layers = rig.model.moe
+    assert len(layers) == 1
+    calls = []
+    assert _three_steps(cfg, rig, "cpu", calls) == [0.0, 1.0, 0.0]
+    assert calls == []
+    layers[0].grouped = False
+    _three_steps(cfg, rig, "cpu", calls)
+    assert calls == ["tolist"] * 3

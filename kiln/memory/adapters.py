@@ -1,17 +1,19 @@
 """LoRA in the estimator: what a frozen base with low-rank adapters holds in one training step (issue #38).
 
     Adapters.of(cfg, lora)        the adapter pairs of a `[lora]` section on a model: which block linears, one pair
-                                  per Hugging Face module a fused linear is made of (Family.hf_tensors)
+                                  per Hugging Face module a fused linear is made of (kiln.models.lora.lora_tensors)
     adapter_shapes(adapters, cfg) (name, shape) of every lora_A / lora_B tensor, in model order
+    is_adapter(name)              whether a parameter is one of them (the trained ones)
     lora_numerics(num, base)      the bytes per element the forward sees with a frozen base of `base` bytes
     lora_block(kinds, ...)        one block's saved tensors with the base frozen and the adapters' own added
-    lora_embed / lora_head        ... of the embeddings and the head
+    frozen_head(kinds)            ... of the final norm and the loss (the embedding saves nothing)
+    adapter_flops(adapters, N)    the adapters' forward FLOPs of one block (the planner's step time)
 
 What changes against a full fine-tune (docs/memory.md, "LoRA"):
-- model state: the base has no gradient, no master copy and no optimizer state; under a mode that multiplies in
-  half precision (bf16, bf16-master, fp16 autocast) it is stored in bf16, 2 bytes a parameter, so autocast makes no
-  copy of it; the adapters keep the mode's trainable layout (fp32 parameters, gradients and Adam state; bf16 with
-  fp32 masters under bf16-master).
+- model state: the base has no gradient, no master copy and no optimizer state; it is stored in the mode's frozen
+  dtype (kiln.precision's Mode.frozen: bf16 under bf16 autocast, so autocast makes no copy of it, and under
+  bf16-master; the parameters' dtype otherwise); the adapters keep the mode's trainable layout (fp32 parameters,
+  gradients and Adam state; bf16 with fp32 masters under bf16-master).
 - saved tensors: torch saves a matmul's input only for its weight's gradient (the mm derivative's
   should_compute_output), so a frozen linear without an adapter keeps no input; the adapter's A keeps it instead
   (the same tensor), B keeps A's r-wide output; with lora.dropout the dropped input and its mask. RMSNorm's
@@ -21,7 +23,6 @@ What changes against a full fine-tune (docs/memory.md, "LoRA"):
 """
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, replace
 
 from kiln.models.config import ModelConfig
@@ -154,13 +155,3 @@ def frozen_head(kinds: dict[str, int]) -> dict[str, int]:
 def adapter_flops(adapters: Adapters, tokens: int) -> float:
     """Forward FLOPs of one block's adapters on `tokens` tokens: 2·r·(n_in + n_out) per routed row and pair."""
     return sum(2 * tokens * p.active * adapters.rank * (p.n_in + p.n_out) for p in adapters.pairs)
-
-
-def trainable_fraction(adapters: Adapters | None, cfg: ModelConfig, base: int) -> tuple[int, float]:
-    """(adapter parameters, their share of all parameters)."""
-    n = adapters.numel() * cfg.n_layer if adapters else 0
-    return n, n / (n + base) if n + base else 0.0
-
-
-def numel(shapes) -> int:
-    return sum(math.prod(s) for _, s in shapes)

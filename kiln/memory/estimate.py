@@ -907,7 +907,8 @@ def _comm_buffers(job: Job, block_params: dict, trained: dict | None = None) -> 
     staging = (max(gathered.values()),) * (1 + pipelined) + (0,) * (1 - pipelined) \
         if job.target.kind == "cpu" and gathered else (0, 0)
     return CommBuffers(persistent=sum(v for k, v in block_params.items() if not isinstance(k, int)) * element,
-                       gathered=gathered, reduce_scatter={} if pipelined else {i: trained.get(i, 0) * rs for i in blocks},
+                       gathered=gathered,
+                       reduce_scatter={} if pipelined else {i: trained.get(i, 0) * rs for i in blocks},
                        keep_gathered=not job.reshard_after_forward, staging_forward=staging[0],
                        staging_backward=staging[1], pipelined=pipelined)
 

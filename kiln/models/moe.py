@@ -60,6 +60,7 @@ class ExpertLinear(nn.Module):
         nn.init.kaiming_uniform_(self.weight, a=math.sqrt(5))  # nn.Linear's default, per expert (fan_in = n_in)
 
 
+@torch.compiler.disable  # a probe on a thread of its own: never traced into a compiled graph
 @functools.cache
 def grouped_mm_works(device_type: str, dtype: torch.dtype) -> bool:
     """Whether torch.nn.functional.grouped_mm runs forward and backward for this device type and dtype here: tried
@@ -121,6 +122,11 @@ def experts(w_fc: torch.Tensor, w_proj: torch.Tensor, h: torch.Tensor, counts: t
         grouped = aligned and grouped_mm_works(h.device.type, dtype)
     if not grouped:
         return _experts_loop(w_fc, w_proj, h, counts)
+    return _experts_grouped(w_fc, w_proj, h, counts)
+
+
+@torch.compiler.disable  # torch 2.13's fake (tracing) grouped_mm takes bf16 only: a compiled model calls it eagerly
+def _experts_grouped(w_fc, w_proj, h, counts):
     offs = counts.cumsum(0).to(torch.int32)  # (E,) end row of each expert's group
     with torch.autocast(h.device.type, enabled=False):  # operands already in the compute dtype
         gate, up = F.grouped_mm(h, w_fc.transpose(-2, -1), offs=offs).chunk(2, dim=-1)  # (S, F) each

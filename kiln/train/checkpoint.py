@@ -592,16 +592,6 @@ class Checkpointer:
         return state
 
 
-def refuse_per_expert(path, keys) -> None:
-    """A checkpoint of kiln's per-expert MoE layout (one nn.Linear per expert, before the stacked experts of
-    kiln.models.moe) does not resume: its optimizer state is per expert. Its weights export and start a run."""
-    key = per_expert_key(keys)
-    if key is not None:
-        raise ValueError(f"{path} holds a mixture of experts in kiln's earlier per-expert layout ({key}), whose "
-                         f"optimizer state does not resume in the stacked one; export its weights (kiln export "
-                         f"RUN --hf DIR) and start a new run from them with --model.init=hf:DIR")
-
-
 def verify_but_weights(path: Path) -> CheckpointCorrupt | None:
     """verify(path), except that a damaged model.safetensors in a checkpoint one process wrote (its state.pt holds
     the weights, and every other file verifies) is returned, not raised: state.pt can write it again."""
@@ -758,3 +748,13 @@ def export_tensors(state_dict: dict, path: Path) -> None:
         seen.add(key)
         tensors[name] = t.detach().contiguous().cpu()
     save_file(tensors, str(path))
+
+
+def refuse_per_expert(path, keys) -> None:
+    """A checkpoint of kiln's per-expert MoE layout (one nn.Linear per expert, before the stacked experts of
+    kiln.models.moe) does not resume: its optimizer state is per expert. Its weights export and start a run."""
+    key = per_expert_key(keys)
+    if key is not None:
+        raise ValueError(f"{path} holds a mixture of experts in kiln's earlier per-expert layout ({key}), whose "
+                         f"optimizer state does not resume in the stacked one; export its weights (kiln export "
+                         f"RUN --hf DIR) and start a new run from them with --model.init=hf:DIR")

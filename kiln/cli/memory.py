@@ -5,6 +5,7 @@ pipeline stages, every stage is estimated and the worst one is shown in full."""
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 import torch
@@ -12,7 +13,9 @@ import torch
 from kiln.cli.common import add_config_arguments, config_from
 from kiln.config import ConfigError
 from kiln.memory.devices import get_device, local_device
-from kiln.memory.estimate import COMPONENTS, estimate, fmt_bytes, peak_allocated
+from kiln.memory.estimate import (COMPONENTS, estimate, fmt_bytes, local_parameter_shapes, peak_allocated,
+                                  trainable)
+from kiln.memory.experts import worst_case_note
 from kiln.memory.levers import rank_jobs
 from kiln.memory.plots import breakdown_bar, timeline
 from kiln.perf.hardware import precision_notice
@@ -59,7 +62,7 @@ def run(args, overrides) -> int:
     title = (f"{cfg.model.preset} ({job.model.arch}), {job.precision}, micro-batch {job.micro_batch}×{job.seq_len}"
              f", recompute {cfg.memory.recompute}, {device.name}"
              + (f", {job.parallel} × {job.world} (per rank)" if job.parallel != "none" and job.world > 1 else "")
-             + (f", {_layout(plan)}" if plan.model_parallel or plan.cp > 1 else "")
+             + (f", {_layout(plan)}" if plan.model_parallel or plan.cp > 1 or getattr(plan, "ep", 1) > 1 else "")
              + (f", stage {worst} of {plan.pp}" if plan.pp > 1 else ""))
     files = _charts(args, b, measured, title, device)
     if args.json:
@@ -151,6 +154,11 @@ def _print_breakdown(plan, b, device, measured) -> None:
     """The table of components at the peak (and measured), then the totals and the measured comparison."""
     what = "parameters on this rank (before data-parallel sharding)" if plan.model_parallel else "parameters"
     print(f"{what}: {b.param_count:,} | attention backend: {b.backend} | peak at: {b.peak_phase}")
+    if b.job.lora:
+        print(lora_line(b))
+    note = worst_case_note(b.job)
+    if note:
+        print(f"note: {note}")
     held = b.held()
     print(f"  {'component':<18}{'at peak':>12}{'full size':>12}" + (f"{'measured':>12}" if measured else ""))
     for name in COMPONENTS:
@@ -182,9 +190,22 @@ def _print_breakdown(plan, b, device, measured) -> None:
         print(f"CUDA memory snapshot: {measured.snapshot} (drag into https://pytorch.org/memory_viz)")
 
 
+def lora_line(b) -> str:
+    """LoRA's adapters and the trainable share of the parameters, as `kiln train`'s start line counts them."""
+    a = b.job.lora
+    n = sum(math.prod(s) for name, s in local_parameter_shapes(b.job) if trainable(b.job, name))
+    where = ", ".join(f"{x} ({len([p for p in a.pairs if p.linear == x])} pairs)" if
+                      len([p for p in a.pairs if p.linear == x]) > 1 else x for x in a.linears)
+    return (f"lora: rank {a.rank} on {where}; base frozen ({b.job.num.base} bytes a parameter, no "
+            f"gradient or optimizer state): trainable {n:,} of {b.param_count:,} parameters "
+            f"({100 * n / b.param_count:.2f}%)")
+
+
 def _layout(plan) -> str:
     """tp2·pp4·dp8 (sp, 1f1b): the split of the world, innermost last."""
-    dims = [f"{k}{v}" for k, v in (("pp", plan.pp), ("dp", plan.dp), ("cp", plan.cp), ("tp", plan.tp)) if v > 1]
+    ep = getattr(plan, "ep", 1)
+    dims = [f"{k}{v}" + (f"(ep{ep})" if k == "dp" and ep > 1 else "")
+            for k, v in (("pp", plan.pp), ("dp", plan.dp), ("cp", plan.cp), ("tp", plan.tp)) if v > 1]
     extra = [x for x in ("sp" if plan.sequence_parallel else "", plan.pp_schedule if plan.pp > 1 else "") if x]
     return "·".join(dims or ["1"]) + (f" ({', '.join(extra)})" if extra else "")
 

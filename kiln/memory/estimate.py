@@ -22,6 +22,8 @@ import math
 import re
 from dataclasses import dataclass, field, replace
 
+from kiln.memory import adapters as lora_
+from kiln.memory.experts import expert_parallel
 from kiln.models.config import ModelConfig
 from kiln.models.registry import family
 from kiln.parallel.layout import ParallelPlan
@@ -83,11 +85,13 @@ class Numerics:
     autocast: bool  # linears see half-precision copies of their input and weight, made by autocast
     casts: bool = True  # autocast copies the weights (fp32) to half precision; False when they are half already
     gathered: int = 0  # bytes per element of FSDP2's all-gathered parameters (0: the parameter's own)
+    frozen: bool = False  # LoRA's frozen base (kiln.memory.adapters.lora_numerics): no gradient, no state
+    base: int = 0  # bytes per element of a frozen base parameter (kiln.precision's Mode.frozen_bytes; 0: `param`)
 
     @property
     def half_weights(self) -> bool:
         """The norms see half-precision weights (bf16 parameters, or FSDP2 gathering them in bf16)."""
-        return self.param == 2 or self.gathered == 2
+        return self.param == 2 or self.gathered == 2 or self.base == 2
 
 
 # FSDP2 with MixedPrecisionPolicy(param_dtype=bf16), which kiln's bf16 mode uses under parallel.strategy=fsdp
@@ -164,6 +168,7 @@ class Job:
     # micro-batch and grad_accum the pipeline micro-batches per step.
     plan: ParallelPlan = field(default_factory=lambda: ParallelPlan(1))
     stage: int = 0  # this rank's pipeline stage (0: holds the embeddings; pp - 1: the final norm, head, loss)
+    lora: lora_.Adapters | None = None  # LoRA: the base frozen, these adapters trained (kiln.memory.adapters)
 
     @property
     def parallel(self) -> str:
@@ -196,6 +201,10 @@ class Job:
         return self.plan.pp
 
     @property
+    def ep(self) -> int:  # expert parallel: n_experts / ep whole experts on this rank, carved out of dp
+        return getattr(self.plan, "ep", 1)
+
+    @property
     def pp_schedule(self) -> str:  # gpipe | 1f1b | interleaved_1f1b
         return self.plan.pp_schedule
 
@@ -209,10 +218,16 @@ class Job:
         return strategy(self.parallel)
 
     @property
-    def num(self) -> Numerics:
+    def mode_num(self) -> Numerics:
+        """The precision mode's bytes, which trained parameters (all of them, or LoRA's adapters) follow."""
         if self.dp_strategy.shards_parameters and mode(self.precision).fsdp_gather is not None:
             return FSDP_BF16
         return NUMERICS[self.precision]
+
+    @property
+    def num(self) -> Numerics:
+        """... and what the forward sees: under LoRA a frozen bf16 base (kiln.memory.adapters.lora_numerics)."""
+        return lora_.lora_numerics(self.mode_num, mode(self.precision).frozen_bytes) if self.lora else self.mode_num
 
     @property
     def first_stage(self) -> bool:
@@ -329,6 +344,24 @@ def local_parameter_shapes(job: "Job") -> list[tuple[str, tuple[int, ...]]]:
     stage's (job.model is the stage: its blocks; the embeddings on the first stage, the final norm and head on the
     last, a tied embedding on both as two copies whose gradients the runtime sums) split by tensor parallelism
     (tp_shard_shape). A later test compares their bytes with the sum of the local DTensor shards."""
+    key = _shapes_key(job)
+    if key not in _SHAPES:
+        if len(_SHAPES) > 64:  # the planner's search asks a few layouts' shapes many times each
+            _SHAPES.clear()
+        _SHAPES[key] = tuple(_local_parameter_shapes(job))
+    return _SHAPES[key]
+
+
+_SHAPES: dict = {}  # local_parameter_shapes by what they depend on: an MoE of 128 experts × 48 blocks lists 12,000
+_NUMELS: dict = {}
+_BLOCKS: dict = {}
+
+
+def _shapes_key(job: "Job") -> tuple:
+    return repr(job.model), job.pp, job.stage, job.tp, job.vocab_parallel, job.ep, job.lora
+
+
+def _local_parameter_shapes(job: "Job") -> list[tuple[str, tuple[int, ...]]]:
     cfg = job.model
     shapes = parameter_shapes(cfg)
     if job.pp > 1:
@@ -340,14 +373,61 @@ def local_parameter_shapes(job: "Job") -> list[tuple[str, tuple[int, ...]]]:
         if cfg.tie_embeddings and job.last_stage and not job.first_stage:
             shapes.append(("head.weight", (cfg.padded_vocab, cfg.d_model)))
     out = []
-    for name, shape in shapes:
-        local = tp_shard_shape(name, shape, cfg, job.tp, job.vocab_parallel)
+    for name, shape in shapes + lora_.adapter_shapes(job.lora, cfg):
+        if job.ep > 1 and _is_expert(name):
+            # expert parallelism (kiln.memory.experts): this rank's n_experts / ep whole experts, not split by tp
+            local = _ep_shard(name, shape, cfg, job.ep)
+        else:
+            local = tp_shard_shape(name, shape, cfg, job.tp, job.vocab_parallel)
         if local is not None:
             out.append((name, local))
     return out
 
 
+def _is_expert(name: str) -> bool:
+    """A parameter of an MoE's experts: blocks.i.mlp.experts.e.* (one per expert) or blocks.i.mlp.experts.*
+    (the experts stacked on a first dimension)."""
+    return name.split(".")[2:4] == ["mlp", "experts"]
+
+
+def _ep_shard(name: str, shape: tuple[int, ...], cfg: ModelConfig, ep: int) -> tuple[int, ...] | None:
+    """The expert-parallel rank's part of an expert parameter: an expert of its own whole (the first n_experts/ep
+    are rank 0's), a stacked tensor's n_experts/ep rows of its first dimension."""
+    part = name.split(".")[4]
+    if part.isdigit():
+        return shape if int(part) < cfg.n_experts // ep else None
+    return (shape[0] // ep, *shape[1:])
+
+
+def trainable(job: "Job", name: str) -> bool:
+    """Whether a parameter is trained: all of them, or under LoRA the adapters only."""
+    return job.lora is None or lora_.is_adapter(name)
+
+
+def _dp_ranks(job: "Job", name: str) -> int:
+    """Ranks a parameter's state is data-parallel over: an expert's over dp·cp / ep (its expert-parallel peers
+    hold other experts), everything else over dp·cp."""
+    return job.world // job.ep if job.ep > 1 and _is_expert(name) else job.world
+
+
 def rank_state(job: "Job") -> dict[str, int]:
+    key = (_shapes_key(job), job.parallel, job.world, job.precision, job.optimizer, job.sgd_momentum)
+    return dict(_memo(_STATES, key, lambda: _rank_state(job)))
+
+
+_STATES: dict = {}
+
+
+def _memo(table: dict, key, make):
+    """table[key], made once: the planner's search asks the same layout's model state for every lever."""
+    if key not in table:
+        if len(table) > 64:
+            table.clear()
+        table[key] = make()
+    return table[key]
+
+
+def _rank_state(job: "Job") -> dict[str, int]:
     """Parameter, gradient and optimizer-state bytes one rank holds under data parallelism (job.parallel on
     job.world ranks), as kiln builds them:
 
@@ -359,11 +439,14 @@ def rank_state(job: "Job") -> dict[str, int]:
            a padded shard, the gradient lives in its group's flat padded reduce-scatter buffer, the optimizer
            state is the shard's real rows (rank 0's, the largest).
     """
-    num, W = job.num, job.world
-    shapes = local_parameter_shapes(job)
+    num, W = job.mode_num, job.world
+    every = local_parameter_shapes(job)
+    shapes = [(name, shape) for name, shape in every if trainable(job, name)]
+    frozen = [(name, shape) for name, shape in every if not trainable(job, name)]  # LoRA's base
+    base = job.num.base or num.param
     numels = [math.prod(shape) for _, shape in shapes]
     n = sum(numels)
-    state = {"parameters": n * num.param, "gradients": n * num.grad,
+    state = {"parameters": n * num.param + sum(math.prod(s) for _, s in frozen) * base, "gradients": n * num.grad,
              "optimizer_states": optimizer_state_bytes(numels, job.optimizer, job.sgd_momentum)
              if job.optimizer != "muon" else muon_state_bytes(shapes)}
     data = job.dp_strategy
@@ -381,9 +464,12 @@ def rank_state(job: "Job") -> dict[str, int]:
                     mine.append(numels[i])
         state["optimizer_states"] = optimizer_state_bytes(mine, job.optimizer, job.sgd_momentum)
         return state
-    padded = [math.ceil(shape[0] / W) * math.prod(shape[1:]) for _, shape in shapes]
-    local = [min(shape[0], math.ceil(shape[0] / W)) * math.prod(shape[1:]) for _, shape in shapes]
-    return {"parameters": sum(padded) * num.param, "gradients": sum(padded) * num.grad,
+    def padded(shapes):
+        return [math.ceil(shape[0] / _dp_ranks(job, name)) * math.prod(shape[1:]) for name, shape in shapes]
+    local = [min(shape[0], math.ceil(shape[0] / _dp_ranks(job, name))) * math.prod(shape[1:])
+             for name, shape in shapes]
+    return {"parameters": sum(padded(shapes)) * num.param + sum(padded(frozen)) * base,
+            "gradients": sum(padded(shapes)) * num.grad,
             "optimizer_states": optimizer_state_bytes(local, job.optimizer, job.sgd_momentum)}
 
 
@@ -395,23 +481,6 @@ def block_matmul_numel(cfg: ModelConfig) -> int:
 def buffer_bytes(cfg: ModelConfig, num: Numerics) -> int:
     """Non-parameter model state, as the positions part states it (RoPE: its cos/sin tables)."""
     return family(cfg.arch).positions_part.buffer_bytes(cfg, num)
-
-
-def expert_parallel_split(cfg: ModelConfig, ep: int, bytes_per_element: int = 2) -> dict[str, float]:
-    """How expert parallelism (not built yet; for the planner later) would divide a mixture of experts over `ep`
-    ranks: each rank keeps n_experts / ep whole experts of every block (the linears whose layout is "expert") and
-    everything else replicated; each routed (token, slot) pair travels to its expert's rank and back, two
-    all-to-alls of d_model elements per pair and block, forward and again in backward. A dense family has no
-    experts: ep divides nothing."""
-    fam = family(cfg.arch)
-    expert = sum(x.numel for x in fam.linears(cfg) if x.tp == "expert") * cfg.n_layer
-    total = sum(math.prod(shape) for _, shape in fam.parameter_shapes(cfg))
-    if expert and cfg.n_experts % ep:
-        raise ValueError(f"expert parallelism over {ep} ranks needs model.n_experts={cfg.n_experts} divisible by it")
-    pairs = cfg.n_experts_active if expert else 0
-    return {"experts_per_rank": cfg.n_experts / ep if expert else 0, "expert_parameters": expert,
-            "parameters_per_rank": total - expert + expert // ep,
-            "all_to_all_bytes_per_token": 4 * pairs * cfg.d_model * cfg.n_layer * bytes_per_element * (ep - 1) / ep}
 
 
 def optimizer_state_bytes(numels: list[int], optimizer: str, momentum: float = 0.9) -> int:
@@ -594,16 +663,17 @@ def _loss_transients(cfg: ModelConfig, N: int, num: Numerics, chunk: int, vocab_
     return fwd, bwd
 
 
-def _block_grad_transient(cfg: ModelConfig, N: int, num: Numerics, tp: int = 1) -> int:
+def _block_grad_transient(cfg: ModelConfig, N: int, num: Numerics, tp: int = 1, frozen: bool = False) -> int:
     """Bytes beyond the saved tensors when a block's backward peaks, at the MLP output projection: the gradient
     of the block output (and its half copy under autocast), the gradient of the projection's input (SwiGLU: with
     the (N, 2F) gate/up gradient that follows it) and the projection's weight gradient (half, then fp32). An MoE:
-    the same for one expert's share of the routed pairs, beside the gradients of all pairs' outputs."""
+    the same for one expert's share of the routed pairs, beside the gradients of all pairs' outputs. frozen (LoRA):
+    the projection's weight has no gradient."""
     d, c, r = cfg.d_model, num.compute, num.residual
     F, rows, wide, extra = family(cfg.arch).mlp_part.projection_backward(cfg, N, num)
     # the projection's weight gradient: in the compute dtype, then an fp32 copy for an fp32 weight under autocast;
     # in the weight's dtype without autocast (FSDP2's gathered bf16 weight: bf16)
-    grad_w = F * d * ((c + 4) if num.autocast and num.casts else c if num.autocast else num.grad)
+    grad_w = 0 if frozen else F * d * ((c + 4) if num.autocast and num.casts else c if num.autocast else num.grad)
     return N * d * (r + (c if num.autocast and c != r else 0)) + (rows * wide * c + grad_w) // tp + extra
 
 
@@ -656,22 +726,29 @@ def saved_tensors(job: Job) -> tuple[dict[str, int], list[dict[str, int]], dict[
     for i in range(cfg.n_layer):
         p = job.policy(i)
         if p == "none":
-            blocks.append(dict(full_block))
+            blocks.append(_rank_block(job, first=True) if i == 0 and job.lora and job.first_stage
+                          else dict(full_block))
         elif p == "selective":
             blocks.append(_tp_share(_selective_tensors(cfg, B, T, num), job))
         elif p == "full":
             blocks.append(_tp_share({"block_input": B * T * cfg.d_model * num.residual}, job))
         else:  # inside a full segment: nothing kept
             blocks.append({})
-    embed = _tp_share(_embed_tensors(cfg, B, T, num, tgt), job) if job.first_stage else {}
-    head = _tp_share(_head_tensors(cfg, B, T, num, tgt, job.chunked_loss), job) if job.last_stage else {}
+    # a frozen embedding records nothing (LoRA); a frozen head keeps no input
+    embed = _tp_share(_embed_tensors(cfg, B, T, num, tgt), job) if job.first_stage and not job.lora else {}
+    head = _head_tensors(cfg, B, T, num, tgt, job.chunked_loss) if job.last_stage else {}
+    head = _tp_share(lora_.frozen_head(head) if job.lora and head else head, job)
     return embed, blocks, head
 
 
-def _rank_block(job: Job) -> dict[str, int]:
-    """One block's saved tensors on this rank without recomputation."""
-    return _tp_share(_block_tensors(job.model, job.micro_batch, job.seq_len // job.cp, job.num, job.target,
-                                    job.backend), job)
+def _rank_block(job: Job, first: bool = False) -> dict[str, int]:
+    """One block's saved tensors on this rank without recomputation (first: the model's block 0, which under LoRA
+    saves nothing before its first adapter)."""
+    T = job.seq_len // job.cp
+    kinds = _block_tensors(job.model, job.micro_batch, T, job.num, job.target, job.backend)
+    if job.lora:
+        kinds = lora_.lora_block(kinds, job.lora, job.model, job.micro_batch * T, job.num, job.target, first)
+    return _tp_share(kinds, job)
 
 
 # Saved kinds that stay whole on every tensor-parallel rank: the inputs of the column-parallel linears (torch's
@@ -728,11 +805,25 @@ def grad_shares(job: Job) -> dict:
     """Gradient elements one rank keeps per part of the model (block index, "embed", "pos_embed", "norm", "head"):
     everything under DDP and ZeRO-1; under FSDP2 each parameter's padded shard, ceil(dim0 / world) rows; under
     pipeline parallelism with FSDP2 everything while the step runs (unsharded_gradients)."""
-    fsdp, W = unsharded_gradients(job) is None and job.dp_strategy.shards_parameters and job.world > 1, job.world
+    fsdp = unsharded_gradients(job) is None and job.dp_strategy.shards_parameters and job.world > 1
+    key = (_shapes_key(job), fsdp, job.world)
+    if key not in _GRADS:
+        if len(_GRADS) > 64:
+            _GRADS.clear()
+        _GRADS[key] = _grad_shares(job, fsdp)
+    return dict(_GRADS[key])
+
+
+_GRADS: dict = {}
+
+
+def _grad_shares(job: Job, fsdp: bool) -> dict:
     out: dict = {"embed": 0, "pos_embed": 0, "norm": 0, "head": 0}
     for name, shape in local_parameter_shapes(job):
+        if not trainable(job, name):
+            continue
         key = int(name.split(".")[1]) if name.startswith("blocks.") else name.split(".")[0]
-        rows = math.ceil(shape[0] / W) if fsdp else shape[0]
+        rows = math.ceil(shape[0] / _dp_ranks(job, name)) if fsdp else shape[0]
         out[key] = out.get(key, 0) + rows * math.prod(shape[1:])
     return out
 
@@ -745,7 +836,7 @@ def unsharded_gradients(job: Job) -> int | None:
     its fp32 accumulators are not all released before the step's end (not traced further)."""
     if job.pp == 1 or job.world == 1 or not job.dp_strategy.shards_parameters:
         return None
-    n = sum(math.prod(shape) for _, shape in local_parameter_shapes(job))
+    n = sum(math.prod(shape) for name, shape in local_parameter_shapes(job) if trainable(job, name))
     return n * (job.num.grad + (job.num.gathered or 0))
 
 
@@ -776,6 +867,7 @@ class CommBuffers:
     reduce_scatter: dict = field(default_factory=dict)  # block index -> the reduce-scatter input of its backward
     keep_gathered: bool = False  # reshard_after_forward=false: gathered blocks stay until their backward
     pipelined: bool = False  # pp: gathered blocks stay after their backward, until the step's reduction
+    all_to_all: int = 0  # ep: one all-to-all's send and receive buffers, while an MoE block's forward or backward runs
 
     def forward(self, i: int) -> range:
         """Blocks whose gathered parameters are alive while block i's forward runs."""
@@ -792,14 +884,17 @@ class CommBuffers:
         return range(i + 1) if self.keep_gathered else range(max(i - 1, 0), i + 1)
 
 
-def _comm_buffers(job: Job, block_params: dict) -> CommBuffers:
+def _comm_buffers(job: Job, block_params: dict, trained: dict | None = None) -> CommBuffers:
+    """block_params: parameter elements per part of the model (_block_parameters); trained: those that get
+    gradients (LoRA's adapters; default all), which DDP's buckets and the reduce-scatters hold."""
     W, num = job.world, job.num
+    trained = block_params if trained is None else trained
     element = num.gathered or num.param
     data = job.dp_strategy
     if not data.reduces or (W == 1 and (not data.shards_parameters or element == num.param)):
         return CommBuffers()
     if data.ddp_reducer:
-        return CommBuffers(persistent=sum(block_params.values()) * num.grad)
+        return CommBuffers(persistent=sum(trained.values()) * num.grad)
     blocks = range(job.model.n_layer)
     # The reduce-scatter input is fp32 (reduce_dtype), 4 bytes an element, beside one more fp32 copy of the block's
     # gradients: the unsharded fp32 gradients being copied in, or a bf16 gradient's fp32 cast (the bf16 one is
@@ -812,7 +907,8 @@ def _comm_buffers(job: Job, block_params: dict) -> CommBuffers:
     staging = (max(gathered.values()),) * (1 + pipelined) + (0,) * (1 - pipelined) \
         if job.target.kind == "cpu" and gathered else (0, 0)
     return CommBuffers(persistent=sum(v for k, v in block_params.items() if not isinstance(k, int)) * element,
-                       gathered=gathered, reduce_scatter={} if pipelined else {i: block_params[i] * rs for i in blocks},
+                       gathered=gathered,
+                       reduce_scatter={} if pipelined else {i: trained.get(i, 0) * rs for i in blocks},
                        keep_gathered=not job.reshard_after_forward, staging_forward=staging[0],
                        staging_backward=staging[1], pipelined=pipelined)
 
@@ -845,6 +941,8 @@ class _Step:
 
 def _model_state(job: Job, numels: list[tuple[str, int]]) -> tuple[dict[str, int], int, dict[str, int]]:
     """(model state on the device after an update, gradient bytes during the optimizer step, host bytes)."""
+    if job.lora:  # masters and offloaded state: the trained parameters only
+        numels = [(name, n) for name, n in numels if trainable(job, name)]
     num, n_params = job.num, sum(n for _, n in numels)
     host_opt = job.optimizer_offload != "none"
     per_rank = rank_state(job)
@@ -884,10 +982,11 @@ def _simulate(p: _Step, first_step: bool, accumulating: bool) -> list[tuple[str,
     live = {"activations": 0, "logits": 0, "weight_casts": 0, **p.pipeline}
     cache = 0
 
-    def snap(name, temporaries=0, extra_casts=0, gathered=(), staging=0):
+    def snap(name, temporaries=0, extra_casts=0, gathered=(), staging=0, a2a=False):
         comp = {**state, **live, "temporaries": temporaries}
         comp["weight_casts"] += extra_casts
-        comp["comm_buffers"] = p.comm.persistent + sum(p.comm.gathered[i] for i in gathered) + staging
+        comp["comm_buffers"] = p.comm.persistent + sum(p.comm.gathered[i] for i in gathered) + staging \
+            + (p.comm.all_to_all if a2a else 0)
         events.append((name, comp))
 
     def add(kinds, sign=1):
@@ -902,7 +1001,7 @@ def _simulate(p: _Step, first_step: bool, accumulating: bool) -> list[tuple[str,
         if (recomputed or i in p.offloaded) and num.autocast:
             cache += p.casts  # not saved on the device, but in autocast's cache until forward ends
         snap(f"forward: block {i}", temporaries=p.fwd_tmp if recomputed else N * cfg.d_model * 4, extra_casts=cache,
-             gathered=p.comm.forward(i))
+             gathered=p.comm.forward(i), a2a=True)
         if p.comm.staging_forward and i + 1 < L:  # the next block's all-gather (prefetch), staged by gloo
             snap(f"forward: block {i + 1} all-gather", extra_casts=cache, gathered=p.comm.forward(i),
                  staging=p.comm.staging_forward)
@@ -919,7 +1018,7 @@ def _simulate(p: _Step, first_step: bool, accumulating: bool) -> list[tuple[str,
     if job.last_stage:
         V = cfg.padded_vocab // (job.tp if job.vocab_parallel else 1)
         snap("backward: head", temporaries=N * cfg.d_model * (num.compute + num.residual)
-             + V * cfg.d_model * ((num.compute + (4 if num.casts else 0)) if num.autocast else 0))
+             + V * cfg.d_model * ((num.compute + (4 if num.casts else 0)) if num.autocast and not job.lora else 0))
     for first, stop, policy in reversed(job.segments()):
         # Recomputing a segment brings back what its blocks would have saved (selective: minus what it kept).
         per_block_work = {"none": 0, "full": p.work_full, "selective": p.work_full - p.selective_kept}[policy]
@@ -930,7 +1029,8 @@ def _simulate(p: _Step, first_step: bool, accumulating: bool) -> list[tuple[str,
                 # the block gathered again (a forward resharded it), through gloo's copy
                 snap(f"backward: block {i} all-gather", temporaries=work, gathered=p.comm.backward(i),
                      staging=p.comm.staging_backward)
-            snap(f"backward: block {i}", temporaries=work + p.grad_tmp, extra_casts=casts, gathered=p.comm.backward(i))
+            snap(f"backward: block {i}", temporaries=work + p.grad_tmp, extra_casts=casts, gathered=p.comm.backward(i),
+                 a2a=True)
             if p.comm.reduce_scatter:  # after the block's backward: its gradients reduce-scattered
                 snap(f"backward: block {i} reduce-scatter", temporaries=work + p.comm.reduce_scatter[i],
                      gathered=p.comm.backward(i), staging=p.comm.staging_backward)
@@ -972,7 +1072,8 @@ def estimate(job: Job) -> Breakdown:
     cfg, num, tgt = job.model, job.num, job.target
     B, T, L = job.micro_batch, job.seq_len // job.cp, cfg.n_layer
     N, tp = B * T, job.tp
-    numels = [(name, math.prod(shape)) for name, shape in local_parameter_shapes(job)]
+    numels = _memo(_NUMELS, _shapes_key(job),
+                   lambda: [(name, math.prod(shape)) for name, shape in local_parameter_shapes(job)])
     n_params = sum(n for _, n in numels)
     state, step_gradients, host = _model_state(job, numels)
 
@@ -986,7 +1087,10 @@ def estimate(job: Job) -> Breakdown:
         for k, v in part.items():
             all_saved[k] = all_saved.get(k, 0) + v
 
-    comm = _comm_buffers(job, _block_parameters(numels))
+    comm = _comm_buffers(job, _memo(_BLOCKS, _shapes_key(job), lambda: _block_parameters(numels)),
+                         _block_parameters([(k, n) for k, n in numels if trainable(job, k)]) if job.lora else None)
+    if job.ep > 1:  # the all-to-alls' buffers, balanced routing (kiln.memory.experts)
+        comm.all_to_all = int(expert_parallel(job)["exchange_bytes"])
     loss_fwd, loss_bwd = (_loss_transients(cfg, N, num, job.chunked_loss, job.vocab_parallel) if job.last_stage
                           else (0, 0))
     if job.vocab_parallel:
@@ -1005,15 +1109,15 @@ def estimate(job: Job) -> Breakdown:
         job=job, state=state, step_gradients=step_gradients, embed=embed, head=head,
         blocks=[({} if i in offloaded else b) for i, b in enumerate(blocks)], held=grad_shares(job), comm=comm,
         casts=2 * block_matmul_numel(cfg) // tp if num.autocast and num.casts else 0, loss_fwd=loss_fwd,
-        loss_bwd=loss_bwd, grad_tmp=_block_grad_transient(cfg, N, num, tp),
+        loss_bwd=loss_bwd, grad_tmp=_block_grad_transient(cfg, N, num, tp, frozen=job.lora is not None),
         # Forward of one block: the residual stream, its half copy and the widest MLP tensors (SwiGLU: gate/up,
         # silu, product) are alive together; a block that keeps nothing frees them as it goes.
         fwd_tmp=N * (cfg.d_model * (num.residual + num.compute) + _forward_width(cfg) * num.compute // tp),
         work_full=sum(full_block.values()) - full_block.get("weight_casts", 0),
         selective_kept=sum(_tp_share(_selective_tensors(cfg, B, T, num), job).values()),
         tied_head=cfg.padded_vocab * cfg.d_model // (tp if job.vocab_parallel else 1)
-        if cfg.tie_embeddings and job.first_stage and job.last_stage else 0,
-        step_tmp=min(max(n for _, n in numels), ADAM8BIT_CHUNK) * 16 if job.optimizer == "adamw8bit" and not host_opt
+        if cfg.tie_embeddings and job.first_stage and job.last_stage and not job.lora else 0,
+        step_tmp=min(max(n for k, n in numels if not job.lora or trainable(job, k)), ADAM8BIT_CHUNK) * 16 if job.optimizer == "adamw8bit" and not host_opt
         else 0,
         offloaded=offloaded, pipeline=pipeline, unsharded_gradients=unsharded_gradients(job))
 

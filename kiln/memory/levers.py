@@ -18,6 +18,7 @@ from dataclasses import dataclass, replace
 import torch
 
 from kiln.errors import KilnError
+from kiln.memory.adapters import Adapters
 from kiln.memory.estimate import Job, Target, data_parallel, parse_bytes
 from kiln.memory.offload import parse_blocks
 from kiln.models.registry import family
@@ -84,17 +85,18 @@ def precision_for(mode: str, device) -> str:
 
 
 def make_job(model, precision: str, target: Target, *, train, seq_len: int, memory: MemoryConfig, optim, parallel,
-             recompute_plan: tuple[str, ...] | None = None, world: int = 1) -> Job:
+             recompute_plan: tuple[str, ...] | None = None, world: int = 1, lora=None) -> Job:
     """The one builder of the estimator's Job: a resolved model section, a concrete precision and a Target, and
     the config sections the step's bytes depend on (train: the batch; memory: recompute, offload, chunked loss;
-    optim: the optimizer and its offload; parallel: the strategy). The recompute plan is the memory section's
+    optim: the optimizer and its offload; parallel: the strategy; lora: the adapters on a frozen base, None or rank
+    0 for a full fine-tune). The recompute plan is the memory section's
     (solved for `budget`) unless given. world: ranks of parallel.strategy sharing the state (the breakdown is one
     rank's). `job_of` passes a Config's sections."""
     job = Job(model=model, micro_batch=train.micro_batch_size, seq_len=seq_len, grad_accum=train.grad_accum_steps,
               precision=precision, target=target, offload=parse_blocks(memory.offload_blocks, model.n_layer),
               chunked_loss=memory.chunked_loss, optimizer=optim.name, sgd_momentum=optim.momentum,
               optimizer_offload=optim.offload, plan=data_parallel(parallel.strategy, world),
-              reshard_after_forward=parallel.reshard_after_forward)
+              reshard_after_forward=parallel.reshard_after_forward, lora=Adapters.of(model, lora))
     if recompute_plan is None:
         recompute_plan = plan_for(memory.recompute, memory.recompute_every, memory.recompute_budget, job)
     return replace(job, recompute=tuple(recompute_plan))
@@ -102,9 +104,10 @@ def make_job(model, precision: str, target: Target, *, train, seq_len: int, memo
 
 def job_of(cfg, model, precision: str, target: Target, recompute_plan: tuple[str, ...] | None = None,
            world: int = 1) -> Job:
-    """make_job with a Config's train, data, memory, optim and parallel sections."""
+    """make_job with a Config's train, data, memory, optim, parallel and lora sections."""
     return make_job(model, precision, target, train=cfg.train, seq_len=cfg.data.seq_len, memory=cfg.memory,
-                    optim=cfg.optim, parallel=cfg.parallel, recompute_plan=recompute_plan, world=world)
+                    optim=cfg.optim, parallel=cfg.parallel, recompute_plan=recompute_plan, world=world,
+                    lora=cfg.lora)
 
 
 def job_for(cfg, device, recompute_plan: tuple[str, ...] | None = None, world: int = 1) -> Job:
@@ -122,17 +125,17 @@ def runtime_target(torch_device) -> Target:
 
 
 def runtime_job(model_cfg, precision: str, torch_device, *, train, seq_len: int, memory: MemoryConfig, optim,
-                parallel) -> Job:
+                parallel, lora=None) -> Job:
     """The Job of the step this process is about to train (its concrete precision, its device, nothing measured),
     from the sections make_job reads: its recompute plan is what kiln's model pipeline applies."""
     return make_job(model_cfg, precision, runtime_target(torch_device), train=train, seq_len=seq_len, memory=memory,
-                    optim=optim, parallel=parallel)
+                    optim=optim, parallel=parallel, lora=lora)
 
 
 def sections(cfg) -> dict:
     """A Config's sections that make_job and runtime_job read, as their keyword arguments."""
     return {"train": cfg.train, "seq_len": cfg.data.seq_len, "memory": cfg.memory, "optim": cfg.optim,
-            "parallel": cfg.parallel}
+            "parallel": cfg.parallel, "lora": cfg.lora}
 
 
 def for_rank(job: Job, plan: ParallelPlan, stage: int = 0) -> Job:

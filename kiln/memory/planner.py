@@ -20,8 +20,11 @@ import math
 from dataclasses import dataclass, field, replace
 
 from kiln.memory.devices import get_device
+from kiln.memory.experts import all_to_all_seconds, ep_degrees, with_ep
+from kiln.memory.adapters import adapter_flops
 from kiln.memory.estimate import (Breakdown, Job, block_matmul_numel, estimate, fmt_bytes, local_parameter_shapes,
-                                  parse_bytes, recompute_plan, saved_tensors)
+                                  parse_bytes, recompute_plan, saved_tensors, trainable)
+from kiln.memory.estimate import _memo, _shapes_key  # noqa: E402  (the estimator's caches, shared)
 from kiln.memory.levers import job_for, rank_jobs
 from kiln.memory.recompute import solve_budget
 from kiln.models.registry import family
@@ -78,7 +81,7 @@ def communication(job: Job, link: float, compute_s: float) -> dict[str, float]:
     f = (N - 1) / N
     n_params = _local_params(job)
     # gradients are reduced in fp32 (FSDP2: reduce_dtype fp32); FSDP2 gathers bf16 under MixedPrecisionPolicy
-    P, G = n_params * (job.num.gathered or job.num.param), n_params * 4
+    P, G = n_params * (job.num.gathered or job.num.param), _local_params(job, trained=True) * 4
     bw = link * COMM_EFFICIENCY
     backward = compute_s / job.grad_accum * 2 / 3  # the last micro-batch's backward: ~2/3 of its FLOPs
     if data.ddp_reducer:
@@ -134,9 +137,14 @@ def fit_time_model(device, observations: list[tuple[Job, float]], bandwidth_effi
     return {"matmul_efficiency": min(1.0, 1 / u) if u > 0 else 1.0, "op_overhead_s": max(o, 0.0)}
 
 
-def _local_params(job: Job) -> int:
-    """Parameters this rank's model part holds before data-parallel sharding (its stage, its tensor shard)."""
-    return sum(math.prod(shape) for _, shape in local_parameter_shapes(job))
+def _local_params(job: Job, trained: bool = False) -> int:
+    """Parameters this rank's model part holds before data-parallel sharding (its stage, its tensor shard); trained:
+    only those that get gradients (LoRA: the adapters)."""
+    return _memo(_PARAMS, (_shapes_key(job), trained), lambda: sum(
+        math.prod(shape) for name, shape in local_parameter_shapes(job) if not trained or trainable(job, name)))
+
+
+_PARAMS: dict = {}
 
 
 def model_parallel_comm(job: Job, tp_link: float, cp_link: float, pp_link: float, attention_s: float
@@ -190,14 +198,17 @@ def _elementwise_width(cfg) -> int:
 
 
 def step_time(job: Job, device, link: float | None = None, tp_link: float | None = None,
-              cp_link: float | None = None, pp_link: float | None = None) -> dict[str, float]:
+              cp_link: float | None = None, pp_link: float | None = None, ep_link: float | None = None
+              ) -> dict[str, float]:
     """Predicted seconds of one optimizer step on this rank, by part (compute, optimizer, transfers,
     communication) and in total. link: per-GPU interconnect bytes/s for job.parallel on job.world ranks (default
     NVLink 4); tp_link, cp_link, pp_link: the links the model-parallel groups use (default NVLink 4).
 
     A tensor-parallel rank runs 1/tp of each split linear and of attention (by heads), a context-parallel rank
     1/cp of the tokens (its queries against the whole causal context); a pipeline stage runs its blocks (the
-    head on the last stage) for each of its m micro-batches and waits out the bubble (bubble_fraction)."""
+    head on the last stage) for each of its m micro-batches and waits out the bubble (bubble_fraction). An
+    expert-parallel rank (job.ep > 1) reads n_experts/ep experts' weights, runs its share of the routed pairs
+    (balanced: N·K, whatever tp) and waits for the all-to-alls over ep_link (kiln.memory.experts)."""
     cfg, num = job.model, job.num
     T, L, tp = job.seq_len, cfg.n_layer, job.tp
     N, d, hd, V = job.tokens, cfg.d_model, cfg.head_dim, cfg.padded_vocab
@@ -209,9 +220,10 @@ def step_time(job: Job, device, link: float | None = None, tp_link: float | None
     # rows that reads every expert's weights (expert parallelism would divide `copies` among the ranks); tensor
     # parallelism divides the split linears
     mm = sum(_roofline(2 * N * x.active * x.n_in * x.n_out / s,
-                       (N * x.active * x.n_in + x.copies * x.n_in * x.n_out + N * x.active * x.n_out) * c / s,
+                       (N * x.active * x.n_in + x.copies // w * x.n_in * x.n_out + N * x.active * x.n_out) * c / s,
                        peak, bw, me, be)
-             for x in family(cfg.arch).linears(cfg) for s in [tp if x.tp != "replicate" else 1])
+             for x in family(cfg.arch).linears(cfg)
+             for s, w in [(1, job.ep) if x.tp == "expert" and job.ep > 1 else (tp if x.tp != "replicate" else 1, 1)])
     fused = job.backend != "math"
     attn_flops = 4 * N * H * T * hd * (0.5 if fused else 1.0) / tp  # this rank's queries against the context
     attn_bytes = (N * (H + 2 * KV) * hd * c + N * H * hd * c + (0 if fused else 4 * N * H * T * 4)) / tp
@@ -221,15 +233,20 @@ def step_time(job: Job, device, link: float | None = None, tp_link: float | None
         elem_bytes += block_matmul_numel(cfg) * 6 / tp  # fp32 weights read, half copies written, every micro-batch
     elem = elem_bytes / (bw * be)
     launch = op_s * OPS_PER_BLOCK
-    fwd_block = mm + attn + elem + launch
-    bwd_block = 2 * mm + 2.5 * attn + 2 * elem + 2 * launch
+    if job.lora:  # LoRA: the frozen base's backward makes input gradients only; the adapters' matmuls, 3x forward
+        adapters = adapter_flops(job.lora, N) / (peak * me)
+        fwd_block = mm + adapters + attn + elem + launch
+        bwd_block = mm + 2 * adapters + 2.5 * attn + 2 * elem + 2 * launch
+    else:
+        fwd_block = mm + attn + elem + launch
+        bwd_block = 2 * mm + 2.5 * attn + 2 * elem + 2 * launch
     recompute = 0.0
     for first, stop, policy in job.segments():
         n = stop - first
         recompute += n * (fwd_block if policy == "full" else (attn + elem + launch) if policy == "selective" else 0)
     Vr = V / (tp if job.vocab_parallel else 1)
     head_mm = _roofline(2 * N * d * Vr, (N * d + Vr * d + N * Vr) * c, peak, bw, me, be)
-    head = 3 * head_mm + (head_mm if job.chunked_loss else 0) + N * Vr * (c + 20) / (bw * be)
+    head = (2 if job.lora else 3) * head_mm + (head_mm if job.chunked_loss else 0) + N * Vr * (c + 20) / (bw * be)
     head += op_s * (OPS_HEAD + (12 * math.ceil(N / job.chunked_loss) if job.chunked_loss else 0))
     micro = L * (fwd_block + bwd_block) + recompute + (head if job.last_stage else 0)
     compute = job.grad_accum * micro
@@ -238,8 +255,10 @@ def step_time(job: Job, device, link: float | None = None, tp_link: float | None
     # the pipeline: m micro-batches of this stage, plus the bubble while the others fill and drain
     bubble = micro * (job.pp - 1) / job.virtual_stages if job.pp > 1 else 0.0
     compute += bubble + mp["tp"] + mp["cp_exposed"] + mp["pp"]
+    a2a = all_to_all_seconds(job, ep_link or nvlink, COMM_EFFICIENCY)  # on the critical path
+    compute += a2a
 
-    n_params = _local_params(job)
+    n_params = _local_params(job, trained=True)
     # Bytes moved per parameter by the update: fused AdamW reads p, g, m, v and writes p, m, v (28); the unfused
     # PyTorch 8-bit AdamW makes ~75 elementwise passes over fp32 temporaries (decode, update, re-encode): ~600.
     # muon: the AdamW pass as a floor; its Newton-Schulz products (~0.33 s a step on the tiny model, one CPU thread)
@@ -267,7 +286,7 @@ def step_time(job: Job, device, link: float | None = None, tp_link: float | None
     return {"compute": compute, "recompute": job.grad_accum * recompute, "optimizer": optimizer + clip,
             "transfers": transfers, "communication": comm["seconds"], "exposed_communication": comm["exposed"],
             "bubble": bubble, "tp_communication": mp["tp"], "cp_communication": mp["cp"],
-            "pp_communication": mp["pp"], "total": total}
+            "pp_communication": mp["pp"], "total": total} | ({"ep_communication": a2a} if job.ep > 1 else {})
 
 
 # ---------------------------------------------------------------- search
@@ -310,6 +329,10 @@ class Choice:
         return self.plan.cp
 
     @property
+    def ep(self) -> int:  # expert parallel: carved out of dp (kiln.memory.experts)
+        return getattr(self.plan, "ep", 1)
+
+    @property
     def sequence_parallel(self) -> bool:
         return self.plan.sequence_parallel
 
@@ -335,13 +358,16 @@ class Choice:
                     "parallel.pp_microbatches": self.pp_microbatches}
         if self.cp > 1:
             out["parallel.cp"] = self.cp
+        if self.ep > 1:
+            out["parallel.ep"] = self.ep
         return out
 
     def layout(self, gpus: int) -> str:
         """tp8·pp4·dp32: the split of `gpus`, outermost first as on the mesh; sp, the schedule and its micro-batches
         after it."""
         dp = gpus // (self.tp * self.pp * self.cp)
-        dims = [f"{k}{v}" for k, v in (("pp", self.pp), ("dp", dp), ("cp", self.cp), ("tp", self.tp)) if v > 1]
+        dims = [f"{k}{v}" + (f"(ep{self.ep})" if k == "dp" and self.ep > 1 else "")
+                for k, v in (("pp", self.pp), ("dp", dp), ("cp", self.cp), ("tp", self.tp)) if v > 1]
         extra = (["sp"] if self.sequence_parallel else []) + (
             [f"{'i1f1b' if self.pp_schedule == 'interleaved_1f1b' else self.pp_schedule}/m{self.pp_microbatches}"]
             if self.pp > 1 else [])
@@ -359,7 +385,7 @@ class Choice:
                        optim=replace(cfg.optim, name=self.optimizer, offload=self.optim_offload),
                        parallel=replace(cfg.parallel, strategy=self.parallel, tp=self.tp, pp=self.pp, cp=self.cp,
                                         sequence_parallel=self.sequence_parallel, pp_schedule=self.pp_schedule,
-                                        pp_microbatches=self.pp_microbatches))
+                                        pp_microbatches=self.pp_microbatches, ep=self.ep))
 
     def describe(self) -> str:
         parts = [self.precision, f"mb {self.micro_batch_size}×{self.grad_accum_steps}", f"recompute {self.recompute}"]
@@ -367,6 +393,8 @@ class Choice:
             parts.insert(0, self.parallel)
         if self.tp * self.pp * self.cp > 1:
             parts.insert(0, self.layout(self.tp * self.pp * self.cp).replace("dp", ""))
+        if self.ep > 1:
+            parts.insert(0, f"ep{self.ep}")
         if self.offload_blocks != "none":
             parts.append(f"offload {self.offload_blocks}")
         if self.optimizer != "adamw":
@@ -502,14 +530,17 @@ def layouts(cfg, gpus: int, global_sequences: int, gpus_per_node: int = GPUS_PER
 
 def search(cfg, device, memory: int | None = None, global_batch_tokens: int = 0, gpus: int = 1,
            interconnect: str = "nvlink4", model_parallel: bool = True, gpus_per_node: int = GPUS_PER_NODE,
-           inter_node: str = "ib-ndr", quick: bool = False, context: bool = True) -> Plan:
+           inter_node: str = "ib-ndr", quick: bool = False, context: bool = True, expert: bool = True) -> Plan:
     """gpus > 1: every rank has `memory`; the strategies ddp, zero1 and fsdp are searched too, their step time
     including the collectives over `interconnect` inside a node and `inter_node` between nodes of
     `gpus_per_node`. model_parallel: also search tensor × pipeline × context-parallel layouts (`layouts`), each
     with sequence parallelism on, 1F1B and interleaved 1F1B with one pipeline micro-batch per micro-batch, and a
     smaller set of levers (recompute none / selective / full, chunked loss, the two fastest precisions). quick: that
     smaller set for the data-parallel-only layout too, and the fastest precision only
-    (benchmarks/parallel_table.py). context: also the (modelled-only) context-parallel layouts."""
+    (benchmarks/parallel_table.py). context: also the (modelled-only) context-parallel layouts. expert: for a
+    mixture of experts, also every expert-parallel degree ep > 1 that divides the data-parallel ranks and the
+    experts (kiln.memory.experts.ep_degrees), each layout's smaller set of levers; a layout the runtime refuses
+    (kiln.parallel.layout.check_degrees: ep with pp or ZeRO-1) is skipped."""
     for name in (interconnect, inter_node):
         if name not in INTERCONNECTS:
             raise KilnError(f"interconnect {name!r} is unknown; use one of {', '.join(INTERCONNECTS)}",
@@ -533,12 +564,17 @@ def search(cfg, device, memory: int | None = None, global_batch_tokens: int = 0,
     opt_offloads = ["none", "host"] if device.kind == "cuda" else ["none"]
     links = {"intra": INTERCONNECTS[interconnect], "inter": INTERCONNECTS[inter_node]}
     choices, model_parallel_choices, considered = [], [], 0
+    model = cfg.model.resolve()
     for tp, pp, cp in splits:
         dp = gpus // (tp * pp * cp)
         if G % dp:
             continue
         per_rank = G // dp
         strategies = DATA_PARALLEL if dp * cp > 1 else (NO_DATA_PARALLEL,)
+        if expert and model_parallel:
+            split = replace(cfg.parallel, tp=tp, pp=pp, cp=cp, strategy="fsdp", sequence_parallel=tp > 1)
+            model_parallel_choices += [(tp, pp, cp, dp, per_rank, strategies, ep)
+                                       for ep in ep_degrees(split, gpus, model)]
         if tp * pp * cp == 1 and not quick:  # data parallel only: every lever
             choices += [
                 c for c in (
@@ -552,12 +588,12 @@ def search(cfg, device, memory: int | None = None, global_batch_tokens: int = 0,
                     for chunk in (0, chunk_for(base.model.padded_vocab, mb * T)))
                 if _valid(c)]
             continue
-        model_parallel_choices.append((tp, pp, cp, dp, per_rank, strategies))
+        model_parallel_choices.append((tp, pp, cp, dp, per_rank, strategies, 1))
     everything = [c for c in (_evaluate(cfg, device, choice, memory, L, gpus, links, gpus_per_node)
                               for choice in choices) if c is not None]
-    for tp, pp, cp, dp, per_rank, strategies in model_parallel_choices:
+    for tp, pp, cp, dp, per_rank, strategies, ep in model_parallel_choices:
         found, tried = _search_layout(cfg, device, memory, L, gpus, links, gpus_per_node, tp, pp, cp, dp, per_rank,
-                                      strategies, base.model.padded_vocab, 1 if quick else 2)
+                                      strategies, base.model.padded_vocab, 1 if quick else 2, ep)
         everything += found
         considered += tried
     fitting = sorted((c for c in everything if c.fits), key=lambda c: (c.step_s, c.total_bytes))
@@ -574,7 +610,7 @@ def search(cfg, device, memory: int | None = None, global_batch_tokens: int = 0,
 
 
 def _search_layout(cfg, device, memory, L, gpus, links, gpus_per_node, tp, pp, cp, dp, per_rank, strategies, vocab,
-                   precisions: int = 2) -> tuple[list[Candidate], int]:
+                   precisions: int = 2, ep: int = 1) -> tuple[list[Candidate], int]:
     """One model-parallel layout's candidates: for each strategy, precision, micro-batch and schedule, the least
     recompute (none, then selective, then full; each without, then with the chunked loss) that fits — more
     recompute only costs time — and nothing more once a micro-batch of 1 fits with none of them. With tp > 1 the
@@ -592,8 +628,8 @@ def _search_layout(cfg, device, memory, L, gpus, links, gpus_per_node, tp, pp, c
                     fitted, refused = False, False
                     chunks = (0,) if tp > 1 else (0, chunk_for(vocab, mb * T // cp))
                     for policy, chunk in itertools.product(("none", "selective", "full"), chunks):
-                        layout = ParallelPlan(gpus, tp, pp, name, tp > 1, schedule, m if pp > 1 else 0,
-                                              2 if schedule == "interleaved_1f1b" and pp > 1 else 1, cp)
+                        layout = with_ep(ParallelPlan(gpus, tp, pp, name, tp > 1, schedule, m if pp > 1 else 0,
+                                                      2 if schedule == "interleaved_1f1b" and pp > 1 else 1, cp), ep)
                         c = Choice(precision, mb, m, policy, chunked_loss=chunk, plan=layout)
                         if not _valid(c):
                             refused = True
@@ -619,7 +655,7 @@ def _links(choice: Choice, gpus: int, links: dict, gpus_per_node: int) -> dict[s
     def over(span):
         return links["intra"] if span <= gpus_per_node else links["inter"]
     return {"link": over(choice.tp * choice.cp * dp), "tp_link": over(choice.tp), "cp_link": over(choice.tp * choice.cp),
-            "pp_link": over(gpus)}
+            "pp_link": over(gpus)} | ({"ep_link": over(choice.tp * choice.cp * choice.ep)} if choice.ep > 1 else {})
 
 
 def _evaluate(cfg, device, choice: Choice, memory: int, L: int, gpus: int = 1, links: dict | float | None = None,
@@ -639,7 +675,7 @@ def _evaluate(cfg, device, choice: Choice, memory: int, L: int, gpus: int = 1, l
         plan = recompute_plan(choice.recompute, L, choice.recompute_every)
     job = replace(job, recompute=plan)
     wired = _links(choice, gpus, links, gpus_per_node)
-    if choice.tp * choice.pp * choice.cp == 1:
+    if choice.tp * choice.pp * choice.cp * choice.ep == 1:
         b = estimate(job)
         return Candidate(choice, b, step_time(job, device, wired["link"]), b.total_bytes <= memory)
     try:

@@ -202,22 +202,6 @@ def test_moe_aux_loss_is_transformers_load_balancing_loss_and_metrics_are_routin
     assert moe_metrics(build_model(ModelConfig(vocab_size=100))) == {}  # dense: nothing to report
 
 
-def test_expert_parallelism_divides_whole_experts_and_nothing_else():
-    from kiln.memory.estimate import expert_parallel_split
-
-    cfg = ModelConfig(preset="qwen3-moe-nano", vocab_size=256).resolve()  # 8 experts
-    total = param_count(cfg)
-    per_expert = sum(x.n_in * x.n_out for x in family(cfg.arch).linears(cfg) if x.tp == "expert") * cfg.n_layer
-    one = expert_parallel_split(cfg, 1)
-    assert one["parameters_per_rank"] == total and one["all_to_all_bytes_per_token"] == 0
-    eight = expert_parallel_split(cfg, 8)
-    assert eight["experts_per_rank"] == 1 and eight["parameters_per_rank"] == total - 7 * per_expert
-    with pytest.raises(ValueError, match="divisible"):
-        expert_parallel_split(cfg, 3)
-    dense = ModelConfig(preset="llama-125m").resolve()
-    assert expert_parallel_split(dense, 4)["parameters_per_rank"] == param_count(dense)
-
-
 def test_a_checkpoint_shape_keeps_the_training_fields_the_user_set():
     from kiln.models.config import with_training_fields
 

@@ -86,7 +86,7 @@ class LayerNorm(Norm):
         d, r = cfg.d_model, num.residual
         # autocast runs layer_norm in fp32: a bf16 input (FSDP2's bf16 residual) and weight are saved as fp32 copies;
         # but CPU autocast runs a frozen bf16 LayerNorm (LoRA's base) in bf16: input and statistics saved in bf16
-        # (measured, tests/memory/test_lora.py)
+        # (measured, tests/memory/test_lora_memory.py)
         x = 4 if num.autocast and not (getattr(num, "frozen", False) and target.kind == "cpu") else r
         out = {f"{name}.input": N * d * x, f"{name}.stats": 2 * N * target.layernorm_stat_bytes(x)}
         if num.autocast and num.half_weights and x == 4:

@@ -23,7 +23,7 @@ import re
 from dataclasses import dataclass, field, replace
 
 from kiln.memory import adapters as lora_
-from kiln.memory.experts import expert_parallel
+from kiln.memory.experts import expert_comm, is_expert
 from kiln.models.config import ModelConfig
 from kiln.models.registry import family
 from kiln.parallel.layout import ParallelPlan
@@ -374,7 +374,7 @@ def _local_parameter_shapes(job: "Job") -> list[tuple[str, tuple[int, ...]]]:
             shapes.append(("head.weight", (cfg.padded_vocab, cfg.d_model)))
     out = []
     for name, shape in shapes + lora_.adapter_shapes(job.lora, cfg):
-        if job.ep > 1 and _is_expert(name):
+        if job.ep > 1 and is_expert(name):
             # expert parallelism (kiln.memory.experts): this rank's n_experts / ep whole experts, not split by tp
             local = _ep_shard(name, shape, cfg, job.ep)
         else:
@@ -382,12 +382,6 @@ def _local_parameter_shapes(job: "Job") -> list[tuple[str, tuple[int, ...]]]:
         if local is not None:
             out.append((name, local))
     return out
-
-
-def _is_expert(name: str) -> bool:
-    """A parameter of an MoE's experts: blocks.i.mlp.experts.e.* (one per expert) or blocks.i.mlp.experts.*
-    (the experts stacked on a first dimension)."""
-    return name.split(".")[2:4] == ["mlp", "experts"]
 
 
 def _ep_shard(name: str, shape: tuple[int, ...], cfg: ModelConfig, ep: int) -> tuple[int, ...] | None:
@@ -407,7 +401,7 @@ def trainable(job: "Job", name: str) -> bool:
 def _dp_ranks(job: "Job", name: str) -> int:
     """Ranks a parameter's state is data-parallel over: an expert's over dp·cp / ep (its expert-parallel peers
     hold other experts), everything else over dp·cp."""
-    return job.world // job.ep if job.ep > 1 and _is_expert(name) else job.world
+    return job.world // job.ep if job.ep > 1 and is_expert(name) else job.world
 
 
 def rank_state(job: "Job") -> dict[str, int]:
@@ -868,6 +862,17 @@ class CommBuffers:
     keep_gathered: bool = False  # reshard_after_forward=false: gathered blocks stay until their backward
     pipelined: bool = False  # pp: gathered blocks stay after their backward, until the step's reduction
     all_to_all: int = 0  # ep: one all-to-all's send and receive buffers, while an MoE block's forward or backward runs
+    # ep (kiln.memory.experts.expert_comm): each block's experts are their own FSDP2 (or replicate) group
+    experts: dict = field(default_factory=dict)  # block index -> its gathered experts' bytes
+    experts_reduce: dict = field(default_factory=dict)  # block index -> its experts' reduction transient
+    experts_backward: dict = field(default_factory=dict)  # block index -> its experts' gradients in their backward
+    experts_staging: int = 0  # gloo's copy of a block's experts' all-gather (dp / ep > 1, CPU)
+    keep_experts: bool = False  # gathered experts stay from their forward to their backward
+    final_reduce: int = 0  # the root group's reduction at the backward's end (replicate: every non-expert)
+    released_for_step: bool = False  # the persistent (root) gathers are freed before the optimizer step
+
+    def experts_forward(self, i: int) -> range:
+        return range(i + 1) if self.keep_experts else range(i, i + 1)
 
     def forward(self, i: int) -> range:
         """Blocks whose gathered parameters are alive while block i's forward runs."""
@@ -982,10 +987,11 @@ def _simulate(p: _Step, first_step: bool, accumulating: bool) -> list[tuple[str,
     live = {"activations": 0, "logits": 0, "weight_casts": 0, **p.pipeline}
     cache = 0
 
-    def snap(name, temporaries=0, extra_casts=0, gathered=(), staging=0, a2a=False):
+    def snap(name, temporaries=0, extra_casts=0, gathered=(), staging=0, a2a=False, experts=(), step=False):
         comp = {**state, **live, "temporaries": temporaries}
         comp["weight_casts"] += extra_casts
-        comp["comm_buffers"] = p.comm.persistent + sum(p.comm.gathered[i] for i in gathered) + staging \
+        comp["comm_buffers"] = (0 if step and p.comm.released_for_step else p.comm.persistent) + staging \
+            + sum(p.comm.gathered[i] for i in gathered) + sum(p.comm.experts.get(i, 0) for i in experts) \
             + (p.comm.all_to_all if a2a else 0)
         events.append((name, comp))
 
@@ -1000,8 +1006,11 @@ def _simulate(p: _Step, first_step: bool, accumulating: bool) -> list[tuple[str,
         recomputed = job.policy(i) != "none"
         if (recomputed or i in p.offloaded) and num.autocast:
             cache += p.casts  # not saved on the device, but in autocast's cache until forward ends
+        if p.comm.experts_staging:  # the block's experts' all-gather, staged by gloo
+            snap(f"forward: block {i} experts all-gather", extra_casts=cache, gathered=p.comm.forward(i),
+                 staging=p.comm.experts_staging, experts=p.comm.experts_forward(i))
         snap(f"forward: block {i}", temporaries=p.fwd_tmp if recomputed else N * cfg.d_model * 4, extra_casts=cache,
-             gathered=p.comm.forward(i), a2a=True)
+             gathered=p.comm.forward(i), a2a=True, experts=p.comm.experts_forward(i))
         if p.comm.staging_forward and i + 1 < L:  # the next block's all-gather (prefetch), staged by gloo
             snap(f"forward: block {i + 1} all-gather", extra_casts=cache, gathered=p.comm.forward(i),
                  staging=p.comm.staging_forward)
@@ -1029,8 +1038,11 @@ def _simulate(p: _Step, first_step: bool, accumulating: bool) -> list[tuple[str,
                 # the block gathered again (a forward resharded it), through gloo's copy
                 snap(f"backward: block {i} all-gather", temporaries=work, gathered=p.comm.backward(i),
                      staging=p.comm.staging_backward)
-            snap(f"backward: block {i}", temporaries=work + p.grad_tmp, extra_casts=casts, gathered=p.comm.backward(i),
-                 a2a=True)
+            snap(f"backward: block {i}", temporaries=work + p.grad_tmp + p.comm.experts_backward.get(i, 0),
+                 extra_casts=casts, gathered=p.comm.backward(i), a2a=True, experts=p.comm.experts_forward(i))
+            if i in p.comm.experts_reduce:  # the experts' group reduces as soon as their backward is done
+                snap(f"backward: block {i} experts reduce", temporaries=work + p.comm.experts_reduce[i],
+                     gathered=p.comm.backward(i), experts=p.comm.experts_forward(i - 1) if p.comm.keep_experts else ())
             if p.comm.reduce_scatter:  # after the block's backward: its gradients reduce-scattered
                 snap(f"backward: block {i} reduce-scatter", temporaries=work + p.comm.reduce_scatter[i],
                      gathered=p.comm.backward(i), staging=p.comm.staging_backward)
@@ -1043,13 +1055,15 @@ def _simulate(p: _Step, first_step: bool, accumulating: bool) -> list[tuple[str,
         state["gradients"] += (held["pos_embed"] + (0 if p.tied_head else held["embed"])) * num.grad
     # a tied embedding's dense gradient is made, then added to the head's: a second V x d for a moment
     snap("backward: embeddings", temporaries=p.tied_head * num.grad)
+    if p.comm.final_reduce:
+        snap("backward: root reduce", temporaries=p.comm.final_reduce)
     # optimizer step (after the last micro-batch): bf16-master moves gradients to fp32 masters first
     if num.master and job.optimizer_offload == "none":
         state["gradients"] = p.step_gradients
     if whole is not None:  # reduce-scattered into the shards the optimizer steps
         state["gradients"] = p.state["gradients"]
     state["optimizer_states"] = p.state["optimizer_states"]
-    snap("optimizer step", temporaries=p.step_tmp)
+    snap("optimizer step", temporaries=p.step_tmp, step=True)
     return events
 
 
@@ -1089,8 +1103,8 @@ def estimate(job: Job) -> Breakdown:
 
     comm = _comm_buffers(job, _memo(_BLOCKS, _shapes_key(job), lambda: _block_parameters(numels)),
                          _block_parameters([(k, n) for k, n in numels if trainable(job, k)]) if job.lora else None)
-    if job.ep > 1:  # the all-to-alls' buffers, balanced routing (kiln.memory.experts)
-        comm.all_to_all = int(expert_parallel(job)["exchange_bytes"])
+    if job.ep > 1:  # the experts' own data-parallel groups and the all-to-alls' buffers (kiln.memory.experts)
+        comm = expert_comm(job, comm, numels, lambda name: trainable(job, name))
     loss_fwd, loss_bwd = (_loss_transients(cfg, N, num, job.chunked_loss, job.vocab_parallel) if job.last_stage
                           else (0, 0))
     if job.vocab_parallel:

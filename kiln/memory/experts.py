@@ -50,6 +50,72 @@ def expert_parallel(job) -> dict[str, float]:
             "exchange_bytes": exchange, "all_to_all_bytes": sent}
 
 
+def is_expert(name: str) -> bool:
+    """A parameter of an MoE's experts: blocks.i.mlp.experts.e.* (one per expert) or blocks.i.mlp.experts.*
+    (the experts stacked on a first dimension)."""
+    return name.split(".")[2:4] == ["mlp", "experts"]
+
+
+def expert_comm(job, comm, numels: list[tuple[str, int]], trained) -> object:
+    """The data-parallel wrapper's buffers under ep (kiln.memory.estimate.CommBuffers, built for one group per
+    block): kiln.parallel.expert.wrap_experts makes each block's experts (its `mlp`) a group of their own over
+    dp/ep ranks, so they are gathered in their own block's forward and backward only (not prefetched with the
+    next block) and reduced as soon as their backward ends, apart from the block's other parameters.
+    numels: this rank's (name, elements); trained(name): gets a gradient.
+
+    fsdp        the block groups gather and reduce-scatter the non-expert parameters only (their gloo staging
+                too); the experts' group gathers a copy even on one rank (FSDP2 copies the shard into its
+                unsharded parameter at world size 1) and stages it through gloo only over more than one.
+    ddp         FSDP2's replicate (DDP has no ep): no persistent buckets; replicate(model) holds one copy of every
+                non-expert parameter from the forward to the backward's end (reduced there), and each block's
+                experts a copy from their forward to their backward (replicate does not reshard after forward).
+    Both free their root gathers before the optimizer step (the first step's peak, measured 2026-11-27 on 2
+    gloo ranks: +25% with DDP's buckets, +6% with the root's gathers held)."""
+    comm.all_to_all = int(expert_parallel(job)["exchange_bytes"])
+    data, num = job.dp_strategy, job.num
+    if not data.reduces:
+        return comm
+    element, rs = num.gathered or num.param, 8  # rs: kiln.memory.estimate._comm_buffers's fp32 input and copy
+    experts, others, reduced, root = {}, {}, {}, 0
+    for name, n in numels:
+        if not name.startswith("blocks."):
+            root += n
+            continue
+        i = int(name.split(".")[1])
+        part = experts if is_expert(name) else others
+        part[i] = part.get(i, 0) + n
+        if is_expert(name) and trained(name):
+            reduced[i] = reduced.get(i, 0) + n
+    # The experts' backward makes their unsharded gradients (in the gathered dtype) beside the block's other
+    # transients: the step's peak on 2 gloo ranks is in it (kiln.parallel.expert's _ScaleGrad, measured
+    # 2026-11-27, ep2 fsdp fp32: 5.8% under without them). _ScaleGrad's scaled copy of each is not counted: with
+    # the largest one's counted too the estimate is +2.4% on 2 ranks but +4.8% (+5.7% in the first step) on 4
+    # (dp/ep = 2), without it -2.0% and -1.5% (-2.8%): torch frees more of the unscaled ones than assumed.
+    comm.experts_backward = {i: n * element for i, n in reduced.items()}
+    comm.experts = {i: n * element for i, n in experts.items()}
+    comm.experts_reduce = {i: n * rs for i, n in reduced.items()}
+    if job.world // job.ep > 1 and element < 4:
+        # over gloo (dp/ep > 1) a half-precision gradient stays beside the fp32 input and gloo's copy of it:
+        # 10 bytes an element (measured on 4 ranks, ep2 fsdp bf16: the peak is in the experts' reduction, 5.8%
+        # under with 8)
+        comm.experts_reduce = {i: n * (rs + element) for i, n in reduced.items()}
+    comm.released_for_step = True
+    if data.ddp_reducer:
+        comm.persistent = (root + sum(others.values())) * element
+        comm.keep_experts = True
+        # the root group's fp32 reduction input; the unsharded gradients are freed as they are copied in
+        comm.final_reduce = sum(n for name, n in numels if not is_expert(name) and trained(name)) * 4
+        return comm
+    comm.gathered = {i: others.get(i, 0) * element for i in comm.gathered}
+    comm.keep_experts = not job.reshard_after_forward
+    comm.reduce_scatter = {i: sum(n for name, n in numels if name.startswith(f"blocks.{i}.") and not is_expert(name)
+                                  and trained(name)) * rs for i in comm.reduce_scatter}
+    if comm.staging_forward:
+        comm.staging_forward = max(comm.gathered.values())
+        comm.experts_staging = max(comm.experts.values(), default=0) if job.world // job.ep > 1 else 0
+    return comm
+
+
 def all_to_all_seconds(job, link: float, efficiency: float) -> float:
     """Seconds of one step's all-to-alls on this rank (every micro-batch), on the critical path: a block's experts
     wait for their tokens, and the combine for the experts."""

@@ -8,8 +8,11 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from benchmarks.ep_rank_peaks import SCENARIOS, SHAPE
+from kiln.config import load_config
 from kiln.parallel.expert import all_to_all_seconds, exchange
 from kiln.run.lm import train
+from kiln.run.measure import measure_rank_peaks
 from tests.parallel.scenarios import ep_config
 from tests.train.test_host_syncs import HostSyncCounter
 
@@ -45,3 +48,13 @@ if rank == 0:
 # with tp2 and sequence parallelism under FSDP2 (copied into place by the test before the launch)
 train(ep_config(source, "ddp", ep=2, tp=2), out / "ep2_tp2")
 train(ep_config(source, "fsdp", ep=2, tp=2, sequence_parallel=True), out / "one_to_ep2_tp2", resume=True)
+
+# Each rank's step peaks (the CPU allocator from before the model is built) for benchmarks/ep_rank_peaks.py's ep2
+# scenarios over dp4 (dp/ep = 2: the experts FSDP2-sharded over 2 ranks): test_expert_parallel.py holds rank 0's
+# against the estimate
+peaks = {name: measure_rank_peaks(load_config(None, SHAPE + extra), torch.device("cpu"), steps=3)
+         for name, extra in SCENARIOS.items() if "ep2" in name}
+everyone = [None] * 4
+dist.all_gather_object(everyone, peaks)
+if rank == 0:
+    (out / "ep_peaks.json").write_text(json.dumps(everyone))

@@ -68,8 +68,12 @@ def test_all_to_all_buffers_and_the_worst_case():
     assert expert_parallel(job(1))["exchange_bytes"] == 0
     fwd = {name: c for name, c in four.timeline}["forward: block 1"]
     fwd_one = {name: c for name, c in one.timeline}["forward: block 1"]
-    # beside DDP's buckets (a copy of this rank's gradients: fewer experts, fewer bytes)
-    assert fwd["comm_buffers"] - four.model_state["comm_buffers"] == 2 * N * K * d * 4
+    # ep runs FSDP2's replicate, not DDP (kiln.memory.experts.expert_comm): a copy of every non-expert parameter,
+    # and each block's experts from their forward to their backward (blocks 0 and 1 here), beside the exchange
+    P, L, E = param_count(NANO), NANO.n_layer, NANO.n_experts
+    assert four.model_state["comm_buffers"] == 4 * (P - L * E * expert_numel())
+    experts = 2 * (E // 4) * expert_numel() * 4
+    assert fwd["comm_buffers"] - four.model_state["comm_buffers"] == experts + 2 * N * K * d * 4
     assert fwd_one["comm_buffers"] == one.model_state["comm_buffers"]
     assert fwd["activations"] == fwd_one["activations"]  # routed activations as one process's (balanced)
     assert "worst case 1,024 pairs (4× the routed activations" in worst_case_note(job(4))

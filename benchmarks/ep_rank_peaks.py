@@ -1,8 +1,9 @@
-"""One rank's whole-step peak under expert parallelism on 2 CPU gloo ranks, against the estimate (issue #41;
-docs/memory.md, "Expert parallelism"). Not a test: the ep runtime (kiln.parallel.expert) was landing when this was
-written, and its first step and FSDP2 wrapping of the experts do not match the estimate yet (see the doc).
+"""One rank's whole-step peak under expert parallelism on N CPU gloo ranks, against the estimate (issue #41;
+docs/memory.md, "Expert parallelism"; docs/benchmarks.md has the numbers). tests/parallel/test_expert_parallel.py
+holds the ep2 scenarios within 5% on 4 ranks inside its launch (tests/parallel/ep_worker.py imports SHAPE and
+SCENARIOS from here).
 
-    PYTHONPATH=. python -m torch.distributed.run --standalone --nproc_per_node=2 benchmarks/ep_rank_peaks.py OUT
+    PYTHONPATH=. python -m torch.distributed.run --standalone --nproc_per_node=N benchmarks/ep_rank_peaks.py OUT
     PYTHONPATH=. python benchmarks/ep_rank_peaks.py --compare OUT
 
 The first command measures each scenario's step peaks on every rank (kiln.run.measure.measure_rank_peaks: the CPU

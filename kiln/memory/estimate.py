@@ -852,6 +852,7 @@ class CommBuffers:
                 step's last backward (set_requires_gradient_sync, set_reshard_after_backward: False): every
                 block's gradients accumulate unsharded, and a block stays gathered from its first backward to the
                 step's end (a later forward reshards it again after running it); no reduce-scatter per block.
+    ep > 1      each block's experts are a group of their own (kiln.memory.experts.expert_comm says what each holds).
     """
 
     persistent: int = 0  # held all step

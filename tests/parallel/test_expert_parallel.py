@@ -2,7 +2,8 @@
 dp4 (FSDP2) and ep2 with tp2 (dp2, DDP as FSDP2's replicate; with sequence parallelism under FSDP2 in the resume)
 against 1 process, Qwen3-MoE nano (8 experts, 2 per
 token, the load-balancing loss on), the same global batch and seed, fp32, 10 steps; checkpoints resharded between
-the layouts and one process; the all-to-all's split sizes against a hand count; the host syncs of a step.
+the layouts and one process; the all-to-all's split sizes against a hand count; the host syncs of a step; each
+rank's step peaks (benchmarks/ep_rank_peaks.py's ep2 scenarios) against the memory estimate.
 
 Tolerances: losses 1e-5 relative; weights 1e-5 absolute, as tests/parallel/test_dist.py's MoE parity: the
 4-process runs add the same fp32 numbers in another order (an expert's weight gradient sums its pairs from the ep

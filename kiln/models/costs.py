@@ -3,7 +3,7 @@ and its transients. The estimator (kiln.memory.estimate), the planner (kiln.memo
 (kiln.perf.flops) ask these objects; they never compare a part's name.
 
     NORMS["layernorm"] | NORMS["rmsnorm"]            a norm: build, parameters, saved tensors
-    MLPS["gelu"] | MLPS["swiglu"] | MLPS["moe"]      an MLP: linears, parameters, saved tensors, backward peak
+    MLPS["gelu"] | ["relu2"] | ["swiglu"] | ["moe"]  an MLP: module, linears, parameters, saved tensors, backward peak
     POSITIONS["learned"] | POSITIONS["rope"]         positions: parameters, buffers, saved tensors
     part(table, kind, where)                         a kind by name; an unknown one is an error naming the known
     make_norm(kind, dim, eps, bias)                  the norm module of that kind
@@ -123,6 +123,12 @@ def make_norm(kind: str, dim: int, eps: float, bias: bool = False) -> nn.Module:
 
 class MLP:
     name = ""
+    dense = True  # one MLP per block: model.mlp may swap it for another dense kind (an MoE's experts it may not)
+    hf_activation = ""  # GPT-2's config.json activation_function for it ("" = none GPT-2 has)
+
+    def build(self, cfg: ModelConfig, bias: bool) -> nn.Module:
+        """The block's MLP module."""
+        raise NotImplementedError(f"MLP {self.name!r} states no module")
 
     def complete(self, cfg: ModelConfig) -> None:
         """Fill the fields this MLP derives when a preset leaves them at 0 (in place)."""
@@ -188,6 +194,10 @@ def _dense_saved(kind: str, N: int, F: int, c: int) -> dict[str, int]:
 
 class GeluMLP(MLP):
     name = "gelu"  # fc, tanh GELU, proj
+    hf_activation = "gelu_new"
+
+    def build(self, cfg, bias):
+        return parts.GeluMLP(cfg.d_model, cfg.d_ff, bias)
 
     def linears(self, cfg):
         d = cfg.d_model
@@ -206,8 +216,25 @@ class GeluMLP(MLP):
         return 2 * cfg.d_ff
 
 
+class Relu2MLP(GeluMLP):
+    """modded-nanogpt's fc, relu(x)², proj: GELU's matmuls and saved bytes (relu saves its output, square its
+    input, the same tensor; proj the square: measured, tests/memory/test_recipe_memory.py)."""
+
+    name = "relu2"
+    hf_activation = "relu2"  # transformers' ACT2FN["relu2"]: ReLUSquaredActivation
+
+    def build(self, cfg, bias):
+        return parts.Relu2MLP(cfg.d_model, cfg.d_ff, bias)
+
+    def elementwise_width(self, cfg):
+        return 4 * cfg.d_ff  # relu reads and writes F, square reads and writes F
+
+
 class SwiGLUMLP(MLP):
     name = "swiglu"  # fused gate/up, silu(gate)·up, proj
+
+    def build(self, cfg, bias):
+        return parts.SwiGLUMLP(cfg.d_model, cfg.d_ff)
 
     def linears(self, cfg):
         d = cfg.d_model
@@ -229,6 +256,7 @@ class SwiGLUMLP(MLP):
 
 class MoEMLP(MLP):
     name = "moe"  # kiln.models.moe.MoE: a router and n_experts SwiGLUs, each token to its top-k
+    dense = False  # (qwen3_moe's block builds its MoE itself)
 
     def complete(self, cfg):
         if cfg.moe_d_ff == 0:
@@ -371,5 +399,5 @@ class RotaryPositions(Positions):
 
 
 NORMS: dict[str, Norm] = {p.name: p for p in (LayerNorm(), RMSNorm())}
-MLPS: dict[str, MLP] = {p.name: p for p in (GeluMLP(), SwiGLUMLP(), MoEMLP())}
+MLPS: dict[str, MLP] = {p.name: p for p in (GeluMLP(), Relu2MLP(), SwiGLUMLP(), MoEMLP())}
 POSITIONS: dict[str, Positions] = {p.name: p for p in (LearnedPositions(), RotaryPositions())}

@@ -98,8 +98,15 @@ class LMLoss(nn.Module):
 
     linear = staticmethod(F.linear)  # the head's product (kiln.perf.cpu_linear sets oneDNN's on a CPU)
 
+    def __init__(self, softcap: float = 0.0):
+        super().__init__()
+        self.softcap = softcap  # model.logit_softcap: logits -> softcap·tanh(logits / softcap); 0 = off
+
+    def cap(self, logits):
+        return logits if not self.softcap else self.softcap * torch.tanh(logits / self.softcap)
+
     def forward(self, h, weight, targets):  # h (N, C), weight (V, C), targets (N,)
-        logits = at_least_fp32(self.linear(h, weight))  # (N, V): loss and softmax statistics in fp32
+        logits = self.cap(at_least_fp32(self.linear(h, weight)))  # (N, V): loss and softmax statistics in fp32
         return F.cross_entropy(logits, targets, ignore_index=IGNORE_INDEX, reduction="sum")
 
 
@@ -162,6 +169,19 @@ class GeluMLP(nn.Module):
 
     def forward(self, x):
         return self.proj(self.act(self.fc(x)))
+
+
+class Relu2MLP(GeluMLP):
+    """fc, relu(x)², proj: modded-nanogpt's MLP (its GPT-2 speedrun's), GELU's matmuls."""
+
+    def __init__(self, d_model: int, d_ff: int, bias: bool):
+        super().__init__(d_model, d_ff, bias)
+        self.act = ReLUSquared()
+
+
+class ReLUSquared(nn.Module):
+    def forward(self, x):
+        return F.relu(x).square()
 
 
 class SwiGLUMLP(nn.Module):

@@ -119,8 +119,8 @@ def refuse_unmapped_parts(cfg: ModelConfig) -> None:
     """A recipe part (model.mlp, model.qk_norm, model.logit_softcap) the family's Hub model has no form for."""
     refusal = family(cfg.arch).hf_refusal(cfg)
     if refusal:
-        raise KilnError(f"kiln export --hf: {refusal}; export without --hf (a kiln checkpoint) or train without it",
-                        key="export.hf", fix="export without --hf, or train without that part")
+        fix = "export without --hf (the kiln checkpoint), or train without that part"
+        raise KilnError(f"kiln export --hf: {refusal}; {fix}", key="export.hf", fix=fix)
 
 
 def _bias(state: dict, module: str) -> torch.Tensor:

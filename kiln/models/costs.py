@@ -10,8 +10,8 @@ and its transients. The estimator (kiln.memory.estimate), the planner (kiln.memo
 
 Adding a part kind is one class here (and its nn.Module in kiln/models/parts.py), listed in its table. Every cost
 (parameters, linears, saved tensors, widths, backward peak) has no default: a kind that forgets one raises
-NotImplementedError when it is first asked, never costed as another kind. The few defaults are the common case,
-stated on the base class: no config fields of its own, no auxiliary loss, its output in the compute dtype.
+NotImplementedError when it is first asked, never costed as another kind. The few defaults (no config fields of
+its own, no auxiliary loss, its output in the compute dtype) are stated on the base class.
 
 The estimator's arguments are read, never imported (kiln.memory is above kiln.models): `num` holds the bytes
 per element of the step's dtypes (compute, residual, param, grad) and its autocast flags (autocast, casts,
@@ -123,11 +123,10 @@ def make_norm(kind: str, dim: int, eps: float, bias: bool = False) -> nn.Module:
 
 class MLP:
     name = ""
-    dense = True  # one MLP per block: model.mlp may swap it for another dense kind (an MoE's experts it may not)
-    hf_activation = ""  # GPT-2's config.json activation_function for it ("" = none GPT-2 has)
+    dense = True  # one MLP per block: model.mlp may swap it for another dense kind (not an MoE's experts)
+    hf_activation = ""  # GPT-2's config.json activation_function ("" = GPT-2 has none)
 
-    def build(self, cfg: ModelConfig, bias: bool) -> nn.Module:
-        """The block's MLP module."""
+    def build(self, cfg: ModelConfig, bias: bool) -> nn.Module:  # the block's MLP module
         raise NotImplementedError(f"MLP {self.name!r} states no module")
 
     def complete(self, cfg: ModelConfig) -> None:
@@ -217,9 +216,7 @@ class GeluMLP(MLP):
 
 
 class Relu2MLP(GeluMLP):
-    """modded-nanogpt's fc, relu(x)², proj: GELU's matmuls and saved bytes (relu saves its output, square its
-    input, the same tensor; proj the square: measured, tests/memory/test_recipe_memory.py)."""
-
+    # modded-nanogpt's fc, relu(x)², proj: GELU's matmuls and saved bytes (tests/memory/test_recipe_memory.py)
     name = "relu2"
     hf_activation = "relu2"  # transformers' ACT2FN["relu2"]: ReLUSquaredActivation
 
@@ -256,7 +253,7 @@ class SwiGLUMLP(MLP):
 
 class MoEMLP(MLP):
     name = "moe"  # kiln.models.moe.MoE: a router and n_experts SwiGLUs, each token to its top-k
-    dense = False  # (qwen3_moe's block builds its MoE itself)
+    dense = False  # (qwen3_moe's block builds it)
 
     def complete(self, cfg):
         if cfg.moe_d_ff == 0:

@@ -90,6 +90,11 @@ class SDPA(nn.Module):
         return flex_attention(q, k, v, block_mask=mask, enable_gqa=gqa)
 
 
+def soft_cap(logits: torch.Tensor, cap: float) -> torch.Tensor:
+    """model.logit_softcap: cap·tanh(logits / cap), which keeps every logit inside (-cap, cap); cap 0: as they are."""
+    return logits if not cap else cap * torch.tanh(logits / cap)
+
+
 class LMLoss(nn.Module):
     """Output head + cross-entropy: returns the SUM of token losses over valid targets, in fp32.
 
@@ -100,13 +105,10 @@ class LMLoss(nn.Module):
 
     def __init__(self, softcap: float = 0.0):
         super().__init__()
-        self.softcap = softcap  # model.logit_softcap: logits -> softcap·tanh(logits / softcap); 0 = off
-
-    def cap(self, logits):
-        return logits if not self.softcap else self.softcap * torch.tanh(logits / self.softcap)
+        self.softcap = softcap  # model.logit_softcap (0 = off)
 
     def forward(self, h, weight, targets):  # h (N, C), weight (V, C), targets (N,)
-        logits = self.cap(at_least_fp32(self.linear(h, weight)))  # (N, V): loss and softmax statistics in fp32
+        logits = soft_cap(at_least_fp32(self.linear(h, weight)), self.softcap)  # (N, V): loss and softmax statistics in fp32
         return F.cross_entropy(logits, targets, ignore_index=IGNORE_INDEX, reduction="sum")
 
 

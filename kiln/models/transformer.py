@@ -18,7 +18,7 @@ from kiln.models.costs import make_norm
 from kiln.models.documents import check_doc, document_mask, positions as document_positions
 from kiln.models.moe import ExpertLinear, MoE, moe_losses
 from kiln.models.parts import (IGNORE_INDEX, SDPA, LMLoss, RMSNorm, Rotary, SwiGLU, at_least_fp32,  # noqa: F401
-                               Window, llama3_frequencies, rope_cache)
+                               Window, llama3_frequencies, rope_cache, soft_cap)
 from kiln.models.registry import family
 
 
@@ -108,7 +108,7 @@ class Transformer(nn.Module):
         (kiln.models.documents); the targets that cross a boundary are IGNORE_INDEX already (the data's work)."""
         h = self.hidden(idx, cache, doc)
         if targets is None:
-            return self.loss.cap(F.linear(h, self.head_weight))
+            return soft_cap(F.linear(h, self.head_weight), self.cfg.logit_softcap)
         total = self.loss(h.flatten(0, 1), self.head_weight, targets.flatten())
         count = (targets != IGNORE_INDEX).sum()
         if self.moe and self.training:

@@ -6,10 +6,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kiln.config import ConfigError, load_config
+from kiln.config import load_config
 from kiln.errors import KilnError
 from kiln.interop.hf import hf_config, write_hf
 from kiln.models import ModelConfig, build_model, param_count
+from kiln.models.generate import _last_logits
 from kiln.perf.flops import flops_per_token
 from kiln.train.pipeline import ModelPlan, prepare_model
 
@@ -97,6 +98,8 @@ def test_logit_softcap_is_cap_tanh_of_the_logits_before_the_loss_in_float64():
     assert model(ids).abs().max() <= cap
     ce = -want.log_softmax(-1).gather(-1, targets.unsqueeze(-1)).mean()
     torch.testing.assert_close(model(ids, targets), ce, rtol=0, atol=1e-12)
+    # sampling reads the capped logits too (temperature and top-p act on what the model trained with)
+    torch.testing.assert_close(_last_logits(model, ids, None, None), want[:, -1].float(), rtol=0, atol=1e-6)
 
 
 @pytest.mark.parametrize("kw", [dict(), dict(mlp="relu2"), dict(qk_norm=True), dict(logit_softcap=15.0),

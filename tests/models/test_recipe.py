@@ -4,7 +4,6 @@ import math
 
 import pytest
 import torch
-import torch.nn.functional as F
 
 from kiln.config import load_config
 from kiln.errors import KilnError
@@ -159,5 +158,5 @@ def test_the_chunked_loss_refuses_a_capped_model():
     model = build_model(gpt2(logit_softcap=15.0))
     with pytest.raises(ValueError) as e:
         prepare_model(model, ModelPlan(loss="chunked", loss_chunk=8), torch.device("cpu"))
-    assert str(e.value) == (f"the chunked loss has no logit soft-cap: model.logit_softcap=15 needs the plain loss "
-                            f"(drop --memory.chunked_loss / the fused loss)")
+    assert str(e.value) == ("the chunked loss has no logit soft-cap: model.logit_softcap=15 needs the plain loss "
+                            "(drop --memory.chunked_loss / the fused loss)")

@@ -20,6 +20,7 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
+from kiln.errors import KilnError
 from kiln.models import ModelConfig, family
 from kiln.models.registry import by_hf_model_type
 
@@ -110,7 +111,16 @@ def read_hf(directory: str | Path) -> tuple[ModelConfig, dict[str, torch.Tensor]
 
 def hf_config(cfg: ModelConfig, vocab: int, eos: int | None = None) -> dict:
     """The config.json of kiln's model for transformers (vocabulary without kiln's padding)."""
+    refuse_unmapped_parts(cfg)
     return family(cfg.arch).hf_config_out(cfg, vocab, eos)
+
+
+def refuse_unmapped_parts(cfg: ModelConfig) -> None:
+    """A recipe part (model.mlp, model.qk_norm, model.logit_softcap) the family's Hub model has no form for."""
+    refusal = family(cfg.arch).hf_refusal(cfg)
+    if refusal:
+        fix = "export without --hf (the kiln checkpoint), or train without that part"
+        raise KilnError(f"kiln export --hf: {refusal}; {fix}", key="export.hf", fix=fix)
 
 
 def _bias(state: dict, module: str) -> torch.Tensor:
@@ -139,6 +149,7 @@ def hf_tensors(cfg: ModelConfig, state: dict[str, torch.Tensor], vocab: int) -> 
 def write_hf(cfg: ModelConfig, state: dict[str, torch.Tensor], vocab: int, out_dir: str | Path,
              max_shard_bytes: int = 5 * 2**30, eos: int | None = None) -> list[Path]:
     """config.json, generation_config.json and model.safetensors (or shards and their index) in out_dir."""
+    refuse_unmapped_parts(cfg)  # before anything is written
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     tensors = hf_tensors(cfg, state, vocab)

@@ -31,7 +31,9 @@ SWAPS: dict[type, Callable[[nn.Module], nn.Module | None]] = {
     Rotary: lambda m: ops.RoPE(),
     SDPA: lambda m: ops.FlashAttention(dropout=m.dropout, causal=True),
     # LMLoss returns the SUM over valid targets: the trainer divides by the global batch's valid count.
-    LMLoss: lambda m: ops.FusedLinearCrossEntropyLoss(ignore_index=IGNORE_INDEX, reduction="sum"),
+    # A soft-capped head (model.logit_softcap) stays: the fused kernel has no cap.
+    LMLoss: lambda m: None if m.softcap else ops.FusedLinearCrossEntropyLoss(ignore_index=IGNORE_INDEX,
+                                                                              reduction="sum"),
 }
 
 

@@ -24,6 +24,7 @@ from dataclasses import dataclass, field, replace
 
 from kiln.memory import adapters as lora_
 from kiln.memory.experts import expert_comm, is_expert
+from kiln.models import softcap
 from kiln.models.config import ModelConfig
 from kiln.models.registry import family
 from kiln.parallel.layout import ParallelPlan
@@ -507,15 +508,16 @@ def _norm_tensors(cfg, N, num, target, name) -> dict[str, int]:
     return fam.norm_part.saved(cfg, N, num, target, name, bool(cfg.bias) and fam.biases)
 
 
-def _attention_core(cfg, B, T, num, target, backend, rotary: bool) -> dict[str, int]:
+def _attention_core(cfg, B, T, num, target, backend, rotary: bool, normed_qk: bool = False) -> dict[str, int]:
     H, KV, hd, c = cfg.n_head, cfg.n_kv_head, cfg.head_dim, num.compute
     N = B * T
     out = {}
     if backend in ("flash", "efficient"):
         # q, k, v are views of the qkv output; with RoPE, q and k are new tensors and only v's view keeps
-        # the qkv storage alive (all of it: q, k and v columns).
+        # the qkv storage alive (all of it: q, k and v columns). QK-norm's outputs are new tensors too, in the
+        # qkv layout (B, T, H, hd) transposed: the kernel's output is then a view for the projection.
         out["attn.qkv"] = N * (H + 2 * KV) * hd * c
-        if rotary:
+        if rotary or normed_qk:
             out["attn.q_rot"] = N * H * hd * c
             out["attn.k_rot"] = N * KV * hd * c
         out["attn.out"] = N * H * hd * c
@@ -542,16 +544,16 @@ def _block_tensors(cfg: ModelConfig, B: int, T: int, num: Numerics, target: Targ
     """Every tensor one block saves for backward without recomputation: {kind: bytes}, from the parts its family
     names, each stated by the part (kiln.models.costs: norm, positions, mlp; qk_norm here)."""
     fam = family(cfg.arch)
-    mlp, positions = fam.mlp_part, fam.positions_part
+    mlp, positions = fam.mlp_of(cfg), fam.positions_part
     N, d, c = B * T, cfg.d_model, num.compute
     rotary = positions.rotary
     t = {}
     t.update(_norm_tensors(cfg, N, num, target, "norm1"))
     t["attn.qkv_input"] = N * d * c  # fp32: the norm output; autocast: its half copy; bf16-master: the output
     t.update(positions.block_saved(cfg, T, num))
-    if fam.qk_norm:
+    if fam.qk_norm_of(cfg):
         t.update(_qk_norm_tensors(cfg, N, num, backend))
-    t.update(_attention_core(cfg, B, T, num, target, backend, rotary=rotary))
+    t.update(_attention_core(cfg, B, T, num, target, backend, rotary=rotary, normed_qk=fam.qk_norm_of(cfg)))
     if cfg.dropout > 0:  # on the attention and MLP outputs: an MoE's sums its experts in the residual dtype
         t["resid.dropout_masks"] = N * d * (target.mask_bytes(c) + target.mask_bytes(mlp.output_bytes(num)))
     t.update(_norm_tensors(cfg, N, num, target, "norm2"))
@@ -585,7 +587,7 @@ def _qk_norm_tensors(cfg: ModelConfig, N: int, num: Numerics, backend: str) -> d
 
 def _moe_loss_tensors(cfg: ModelConfig) -> dict[str, int]:
     """What the MLP's auxiliary losses over all blocks save (an MoE's load-balancing loss)."""
-    return family(cfg.arch).mlp_part.loss_saved(cfg)
+    return family(cfg.arch).mlp_of(cfg).loss_saved(cfg)
 
 
 def _selective_tensors(cfg: ModelConfig, B: int, T: int, num: Numerics) -> dict[str, int]:
@@ -622,6 +624,7 @@ def _head_tensors(cfg: ModelConfig, B: int, T: int, num: Numerics, target: Targe
     else:
         t["logits"] = N * V * 4
         t["loss.total_weight"] = 4
+        t.update(softcap.saved(cfg, N))  # model.logit_softcap (the plain loss only: the others refuse it)
         if num.autocast and num.casts:
             w += 2 * V * d
     if w:
@@ -654,7 +657,7 @@ def _loss_transients(cfg: ModelConfig, N: int, num: Numerics, chunk: int, vocab_
         return fwd, bwd
     fwd = N * V * c + (N * V * 4 if c == 2 else 0)  # matmul output and its fp32 copy (log-probs are saved)
     bwd = 2 * N * V * 4  # grad of log-probs and grad of logits, beside the saved log-probs
-    return fwd, bwd
+    return softcap.transients(cfg, N, fwd, bwd)
 
 
 def _block_grad_transient(cfg: ModelConfig, N: int, num: Numerics, tp: int = 1, frozen: bool = False) -> int:
@@ -664,7 +667,7 @@ def _block_grad_transient(cfg: ModelConfig, N: int, num: Numerics, tp: int = 1, 
     the same for one expert's share of the routed pairs, beside the gradients of all pairs' outputs. frozen (LoRA):
     the projection's weight has no gradient."""
     d, c, r = cfg.d_model, num.compute, num.residual
-    F, rows, wide, extra = family(cfg.arch).mlp_part.projection_backward(cfg, N, num)
+    F, rows, wide, extra = family(cfg.arch).mlp_of(cfg).projection_backward(cfg, N, num)
     # the projection's weight gradient: in the compute dtype, then an fp32 copy for an fp32 weight under autocast;
     # in the weight's dtype without autocast (FSDP2's gathered bf16 weight: bf16)
     grad_w = 0 if frozen else F * d * ((c + 4) if num.autocast and num.casts else c if num.autocast else num.grad)
@@ -674,7 +677,7 @@ def _block_grad_transient(cfg: ModelConfig, N: int, num: Numerics, tp: int = 1, 
 def _forward_width(cfg: ModelConfig) -> int:
     """Elements per token of the widest MLP tensors alive together in a block's forward (SwiGLU: gate/up, silu,
     product; an MoE: those of every routed pair)."""
-    return family(cfg.arch).mlp_part.forward_width(cfg)
+    return family(cfg.arch).mlp_of(cfg).forward_width(cfg)
 
 
 # ---------------------------------------------------------------- the step
@@ -783,7 +786,7 @@ def _split(kinds: dict[str, int]) -> dict[str, int]:
     """Saved kinds -> breakdown components."""
     out = {"activations": 0, "logits": 0, "weight_casts": 0}
     for k, v in kinds.items():
-        out["logits" if k == "logits" else "weight_casts" if k == "weight_casts" else "activations"] += v
+        out["logits" if k.split(".")[0] == "logits" else "weight_casts" if k == "weight_casts" else "activations"] += v
     return out
 
 

@@ -194,7 +194,7 @@ def bubble_fraction(pp: int, microbatches: int, virtual_stages: int = 1) -> floa
 def _elementwise_width(cfg) -> int:
     """Elements per token the MLP's elementwise ops read and write (GELU 2F, SwiGLU 3F, an MoE 3F per routed
     pair plus its routing and weighting)."""
-    return family(cfg.arch).mlp_part.elementwise_width(cfg)
+    return family(cfg.arch).mlp_of(cfg).elementwise_width(cfg)
 
 
 def step_time(job: Job, device, link: float | None = None, tp_link: float | None = None,

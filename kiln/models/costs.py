@@ -3,15 +3,15 @@ and its transients. The estimator (kiln.memory.estimate), the planner (kiln.memo
 (kiln.perf.flops) ask these objects; they never compare a part's name.
 
     NORMS["layernorm"] | NORMS["rmsnorm"]            a norm: build, parameters, saved tensors
-    MLPS["gelu"] | MLPS["swiglu"] | MLPS["moe"]      an MLP: linears, parameters, saved tensors, backward peak
+    MLPS["gelu"] | ["relu2"] | ["swiglu"] | ["moe"]  an MLP: module, linears, parameters, saved tensors, backward peak
     POSITIONS["learned"] | POSITIONS["rope"]         positions: parameters, buffers, saved tensors
     part(table, kind, where)                         a kind by name; an unknown one is an error naming the known
     make_norm(kind, dim, eps, bias)                  the norm module of that kind
 
 Adding a part kind is one class here (and its nn.Module in kiln/models/parts.py), listed in its table. Every cost
 (parameters, linears, saved tensors, widths, backward peak) has no default: a kind that forgets one raises
-NotImplementedError when it is first asked, never costed as another kind. The few defaults are the common case,
-stated on the base class: no config fields of its own, no auxiliary loss, its output in the compute dtype.
+NotImplementedError when it is first asked, never costed as another kind. The few defaults (no config fields of
+its own, no auxiliary loss, its output in the compute dtype) are stated on the base class.
 
 The estimator's arguments are read, never imported (kiln.memory is above kiln.models): `num` holds the bytes
 per element of the step's dtypes (compute, residual, param, grad) and its autocast flags (autocast, casts,
@@ -123,6 +123,11 @@ def make_norm(kind: str, dim: int, eps: float, bias: bool = False) -> nn.Module:
 
 class MLP:
     name = ""
+    dense = True  # one MLP per block: model.mlp may swap it for another dense kind (not an MoE's experts)
+    hf_activation = ""  # GPT-2's config.json activation_function ("" = GPT-2 has none)
+
+    def build(self, cfg: ModelConfig, bias: bool) -> nn.Module:  # the block's MLP module
+        raise NotImplementedError(f"MLP {self.name!r} states no module")
 
     def complete(self, cfg: ModelConfig) -> None:
         """Fill the fields this MLP derives when a preset leaves them at 0 (in place)."""
@@ -188,6 +193,10 @@ def _dense_saved(kind: str, N: int, F: int, c: int) -> dict[str, int]:
 
 class GeluMLP(MLP):
     name = "gelu"  # fc, tanh GELU, proj
+    hf_activation = "gelu_new"
+
+    def build(self, cfg, bias):
+        return parts.GeluMLP(cfg.d_model, cfg.d_ff, bias)
 
     def linears(self, cfg):
         d = cfg.d_model
@@ -206,8 +215,23 @@ class GeluMLP(MLP):
         return 2 * cfg.d_ff
 
 
+class Relu2MLP(GeluMLP):
+    # modded-nanogpt's fc, relu(x)², proj: GELU's matmuls and saved bytes (tests/memory/test_recipe_memory.py)
+    name = "relu2"
+    hf_activation = "relu2"  # transformers' ACT2FN["relu2"]: ReLUSquaredActivation
+
+    def build(self, cfg, bias):
+        return parts.Relu2MLP(cfg.d_model, cfg.d_ff, bias)
+
+    def elementwise_width(self, cfg):
+        return 4 * cfg.d_ff  # relu reads and writes F, square reads and writes F
+
+
 class SwiGLUMLP(MLP):
     name = "swiglu"  # fused gate/up, silu(gate)·up, proj
+
+    def build(self, cfg, bias):
+        return parts.SwiGLUMLP(cfg.d_model, cfg.d_ff)
 
     def linears(self, cfg):
         d = cfg.d_model
@@ -229,6 +253,7 @@ class SwiGLUMLP(MLP):
 
 class MoEMLP(MLP):
     name = "moe"  # kiln.models.moe.MoE: a router and n_experts SwiGLUs, each token to its top-k
+    dense = False  # (qwen3_moe's block builds it)
 
     def complete(self, cfg):
         if cfg.moe_d_ff == 0:
@@ -371,5 +396,5 @@ class RotaryPositions(Positions):
 
 
 NORMS: dict[str, Norm] = {p.name: p for p in (LayerNorm(), RMSNorm())}
-MLPS: dict[str, MLP] = {p.name: p for p in (GeluMLP(), SwiGLUMLP(), MoEMLP())}
+MLPS: dict[str, MLP] = {p.name: p for p in (GeluMLP(), Relu2MLP(), SwiGLUMLP(), MoEMLP())}
 POSITIONS: dict[str, Positions] = {p.name: p for p in (LearnedPositions(), RotaryPositions())}

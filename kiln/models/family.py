@@ -16,9 +16,11 @@ part (tests/models/test_families.py greps).
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Callable
 
+from kiln.errors import KilnError
 from kiln.models import costs
 from kiln.models.config import ModelConfig
 from kiln.models.costs import Linear  # noqa: F401  (re-exported: a block's matmuls are described here)
@@ -56,6 +58,7 @@ class Family:
     hf_config_in: Callable | None = None  # (config.json dict, source) -> ModelConfig
     hf_config_out: Callable | None = None  # (cfg, vocab, eos) -> config.json dict
     hf_names: Callable | None = None  # (cfg) -> [HFTensor] for the whole model
+    hf_activation: bool = False  # config.json names the MLP's activation (GPT-2's activation_function)
     extra_check: Callable | None = None  # (cfg) -> None, raising ValueError for what this family cannot build
 
     def __post_init__(self):
@@ -75,10 +78,45 @@ class Family:
     def positions_part(self) -> costs.Positions:
         return costs.part(costs.POSITIONS, self.positions, "positions")
 
+    # A run's parts: the family's, unless the config's recipe keys (model.mlp, model.qk_norm) override them.
+    # Everything that costs or builds a block asks these, never the family's fields alone.
+
+    def mlp_of(self, cfg: ModelConfig) -> costs.MLP:
+        return costs.part(costs.MLPS, cfg.mlp or self.mlp, "model.mlp")
+
+    def qk_norm_of(self, cfg: ModelConfig) -> bool:
+        return self.qk_norm if cfg.qk_norm is None else bool(cfg.qk_norm)
+
+    def hf_refusal(self, cfg: ModelConfig) -> str:
+        """Why this run's parts have no Hugging Face form ("" when they have one): kiln export --hf refuses it."""
+        mlp = self.mlp_of(cfg)
+        if mlp.name != self.mlp and not (self.hf_activation and mlp.hf_activation):
+            return f"model.mlp={mlp.name!r}: {self.hf_model_type}'s Hugging Face config has no such MLP"
+        if self.qk_norm_of(cfg) != self.qk_norm:
+            return (f"model.qk_norm={self.qk_norm_of(cfg)}: {self.hf_model_type}'s Hugging Face model "
+                    f"{'has' if self.qk_norm else 'has no'} QK-norm")
+        if cfg.logit_softcap:
+            return (f"model.logit_softcap={cfg.logit_softcap:g}: {self.hf_model_type}'s Hugging Face model has no "
+                    f"logit soft-capping")
+        return ""
+
     # ------------------------------------------------------------ config
+
+    def check_parts(self, cfg: ModelConfig) -> None:
+        """The recipe keys: an MLP kind this family can swap in, a soft cap ≥ 0."""
+        if cfg.mlp and (cfg.mlp not in costs.MLPS or not (costs.MLPS[cfg.mlp].dense and self.mlp_part.dense)):
+            dense = ", ".join(k for k, p in costs.MLPS.items() if p.dense)
+            fix = f"give one of {dense}, or \"\" for the family's own ({self.name}: {self.mlp})"
+            raise KilnError(f"model.mlp={cfg.mlp!r} is not an MLP kiln can swap in (an MoE keeps its SwiGLU "
+                            f"experts); {fix}", key="model.mlp", value=cfg.mlp, fix=fix)
+        if not (math.isfinite(cfg.logit_softcap) and cfg.logit_softcap >= 0):
+            fix = "give a cap > 0 (modded-nanogpt: 15; Gemma 2: 30), or 0 for none"
+            raise KilnError(f"model.logit_softcap={cfg.logit_softcap:g} must be ≥ 0; {fix}",
+                            key="model.logit_softcap", value=cfg.logit_softcap, fix=fix)
 
     def complete(self, cfg: ModelConfig) -> None:
         """Fill the derived fields a preset leaves at 0 (in place)."""
+        self.check_parts(cfg)
         if cfg.n_kv_head == 0:
             cfg.n_kv_head = cfg.n_head
         if cfg.head_dim == 0 and cfg.n_head > 0:
@@ -88,9 +126,10 @@ class Family:
             cfg.head_dim = cfg.d_model // cfg.n_head
         if cfg.d_ff == 0:
             cfg.d_ff = self.d_ff(cfg.d_model)
-        self.mlp_part.complete(cfg)
+        self.mlp_of(cfg).complete(cfg)
 
     def check(self, cfg: ModelConfig) -> None:
+        self.check_parts(cfg)
         if not self.gqa and cfg.n_kv_head != cfg.n_head:
             raise ValueError(f"model.n_kv_head applies to grouped-query families; {self.name} attention uses "
                              f"n_head key/value heads (set model.n_kv_head=0)")
@@ -98,7 +137,7 @@ class Family:
         if cfg.rope_scaling and (len(cfg.rope_scaling) != 4 or not self.rope_scaling):
             raise ValueError(f"model.rope_scaling={cfg.rope_scaling!r}: Llama 3's scaling takes (factor, "
                              f"low_freq_factor, high_freq_factor, original_max_len), arch='llama' only")
-        self.mlp_part.check(cfg, self.name)
+        self.mlp_of(cfg).check(cfg, self.name)
         if self.extra_check is not None:
             self.extra_check(cfg)
 
@@ -109,7 +148,7 @@ class Family:
         d, hd, H, KV = cfg.d_model, cfg.head_dim, cfg.n_head, cfg.n_kv_head
         out = [Linear("attn.qkv", d, (H + 2 * KV) * hd, "column", parts=(H * hd, KV * hd, KV * hd)),
                Linear("attn.proj", H * hd, d, "row")]
-        return out + self.mlp_part.linears(cfg)
+        return out + self.mlp_of(cfg).linears(cfg)
 
     def parameter_shapes(self, cfg: ModelConfig) -> list[tuple[str, tuple[int, ...]]]:
         """(name, shape) of every parameter tensor of Transformer(cfg), tied weights once, in model order."""
@@ -127,10 +166,10 @@ class Family:
         for i in range(cfg.n_layer):
             b = f"blocks.{i}"
             out += norm(f"{b}.norm1") + linear(f"{b}.attn.qkv", lin["attn.qkv"])
-            if self.qk_norm:
-                out += norm(f"{b}.attn.q_norm", cfg.head_dim) + norm(f"{b}.attn.k_norm", cfg.head_dim)
+            if self.qk_norm_of(cfg):  # an RMSNorm whatever the family's norm (kiln.models.parts.Attention)
+                out += [(f"{b}.attn.{n}.weight", (cfg.head_dim,)) for n in ("q_norm", "k_norm")]
             out += linear(f"{b}.attn.proj", lin["attn.proj"]) + norm(f"{b}.norm2")
-            out += self.mlp_part.parameters(cfg, f"{b}.mlp", bias, lin)
+            out += self.mlp_of(cfg).parameters(cfg, f"{b}.mlp", bias, lin)
         out += norm("norm")
         if not cfg.tie_embeddings:
             out.append(("head.weight", (V, d)))

@@ -20,6 +20,7 @@ import torch
 import torch.nn.functional as F
 
 from kiln.models.cache import KVCache
+from kiln.models.parts import soft_cap
 
 # Why a row stopped.
 LENGTH = "length"  # max_new_tokens reached
@@ -84,6 +85,7 @@ def next_tokens(logits: torch.Tensor, s: Sampling, generator: torch.Generator | 
 def _last_logits(model, idx: torch.Tensor, cache: KVCache | None, vocab_limit: int | None) -> torch.Tensor:
     """fp32 logits (B, V) of the last position; tokens at or above vocab_limit (vocabulary padding) at -inf."""
     logits = F.linear(model.hidden(idx, cache)[:, -1], model.head_weight).float()
+    logits = soft_cap(logits, getattr(getattr(model, "cfg", None), "logit_softcap", 0.0))  # as the model trained
     if vocab_limit is not None:
         logits[:, vocab_limit:] = -float("inf")
     return logits

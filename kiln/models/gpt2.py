@@ -5,10 +5,11 @@ mapping of GPT2LMHeadModel (Conv1D stores matrices as (in, out); kiln's Linear a
 """
 from __future__ import annotations
 
+from kiln.models.catalog import family
 from kiln.models.config import ModelConfig
 from kiln.models.costs import make_norm
 from kiln.models.family import Family, HFTensor
-from kiln.models.parts import Attention, GeluMLP, PreNormBlock
+from kiln.models.parts import Attention, PreNormBlock
 
 DEFAULTS = dict(vocab_size=50257, max_seq_len=1024, bias=True, tie_embeddings=True, norm_eps=1e-5)
 # What `model.arch=gpt2` gives another family's preset: its size, these fields.
@@ -35,10 +36,12 @@ PRESETS = {
 
 class GPT2Block(PreNormBlock):
     def __init__(self, cfg: ModelConfig):
+        fam = family(cfg.arch)  # its parts, with the run's recipe keys (model.mlp, model.qk_norm)
         bias = bool(cfg.bias)
-        super().__init__(make_norm("layernorm", cfg.d_model, cfg.norm_eps, bias), Attention(cfg, False, bias),
+        super().__init__(make_norm("layernorm", cfg.d_model, cfg.norm_eps, bias),
+                         Attention(cfg, False, bias, qk_norm=fam.qk_norm_of(cfg)),
                          make_norm("layernorm", cfg.d_model, cfg.norm_eps, bias),
-                         GeluMLP(cfg.d_model, cfg.d_ff, bias), cfg.dropout)
+                         fam.mlp_of(cfg).build(cfg, bias), cfg.dropout)
 
 
 def _check(cfg: ModelConfig) -> None:
@@ -48,22 +51,23 @@ def _check(cfg: ModelConfig) -> None:
 
 
 def from_hf(hf: dict, source: str) -> ModelConfig:
-    if hf.get("activation_function", "gelu_new") not in ("gelu_new", "gelu_pytorch_tanh"):
-        raise ValueError(f"{source}: activation_function={hf['activation_function']!r}; kiln's GPT-2 uses the "
-                         f"tanh GELU (gelu_new)")
+    act = hf.get("activation_function", "gelu_new")
+    if act not in ("gelu_new", "gelu_pytorch_tanh", "relu2"):
+        raise ValueError(f"{source}: activation_function={act!r}; kiln's GPT-2 uses the tanh GELU (gelu_new) or "
+                         f"the squared ReLU (relu2, model.mlp=relu2)")
     d = hf["n_embd"]
     return ModelConfig(preset="gpt2-124m", arch="gpt2", n_layer=hf["n_layer"], n_head=hf["n_head"],
                        n_kv_head=hf["n_head"], d_model=d, d_ff=hf.get("n_inner") or 4 * d,
                        vocab_size=hf["vocab_size"], max_seq_len=hf["n_positions"], bias=True,
                        tie_embeddings=hf.get("tie_word_embeddings", True),
-                       norm_eps=hf.get("layer_norm_epsilon", 1e-5))
+                       norm_eps=hf.get("layer_norm_epsilon", 1e-5), mlp="relu2" if act == "relu2" else "")
 
 
 def to_hf(cfg: ModelConfig, vocab: int, eos: int | None) -> dict:
     return {"architectures": ["GPT2LMHeadModel"], "model_type": "gpt2", "n_layer": cfg.n_layer,
             "n_head": cfg.n_head, "n_embd": cfg.d_model, "n_inner": cfg.d_ff, "n_positions": cfg.max_seq_len,
             "n_ctx": cfg.max_seq_len, "vocab_size": vocab, "layer_norm_epsilon": cfg.norm_eps,
-            "activation_function": "gelu_new", "tie_word_embeddings": bool(cfg.tie_embeddings),
+            "activation_function": FAMILY.mlp_of(cfg).hf_activation, "tie_word_embeddings": bool(cfg.tie_embeddings),
             "resid_pdrop": 0.0, "embd_pdrop": 0.0, "attn_pdrop": 0.0, "torch_dtype": "float32",
             "bos_token_id": eos, "eos_token_id": eos}
 
@@ -90,4 +94,5 @@ FAMILY = Family(
     name="gpt2", summary="LayerNorm, GELU MLP, learned positions, tied embeddings, optional biases",
     block=GPT2Block, norm="layernorm", mlp="gelu", positions="learned", biases=True, gqa=False,
     defaults=SWITCH, d_ff=lambda d: 4 * d, presets=PRESETS,
-    hf_model_type="gpt2", hf_config_in=from_hf, hf_config_out=to_hf, hf_names=hf_names, extra_check=_check)
+    hf_model_type="gpt2", hf_config_in=from_hf, hf_config_out=to_hf, hf_names=hf_names, extra_check=_check,
+    hf_activation=True)

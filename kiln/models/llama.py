@@ -7,10 +7,11 @@ from __future__ import annotations
 
 import math
 
+from kiln.models.catalog import family
 from kiln.models.config import ModelConfig
 from kiln.models.costs import make_norm
 from kiln.models.family import Family, HFTensor
-from kiln.models.parts import Attention, PreNormBlock, SwiGLUMLP
+from kiln.models.parts import Attention, PreNormBlock
 
 DEFAULTS = dict(vocab_size=32000, max_seq_len=2048, bias=False, tie_embeddings=False, norm_eps=1e-6,
                 rope_theta=10000.0)
@@ -43,8 +44,10 @@ PRESETS = {
 
 class LlamaBlock(PreNormBlock):
     def __init__(self, cfg: ModelConfig):
-        super().__init__(make_norm("rmsnorm", cfg.d_model, cfg.norm_eps), Attention(cfg, rotary=True),
-                         make_norm("rmsnorm", cfg.d_model, cfg.norm_eps), SwiGLUMLP(cfg.d_model, cfg.d_ff),
+        fam = family(cfg.arch)  # its parts, with the run's recipe keys (model.mlp, model.qk_norm)
+        super().__init__(make_norm("rmsnorm", cfg.d_model, cfg.norm_eps),
+                         Attention(cfg, rotary=True, qk_norm=fam.qk_norm_of(cfg)),
+                         make_norm("rmsnorm", cfg.d_model, cfg.norm_eps), fam.mlp_of(cfg).build(cfg, False),
                          cfg.dropout)
 
 

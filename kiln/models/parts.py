@@ -90,6 +90,11 @@ class SDPA(nn.Module):
         return flex_attention(q, k, v, block_mask=mask, enable_gqa=gqa)
 
 
+def soft_cap(logits: torch.Tensor, cap: float) -> torch.Tensor:
+    """model.logit_softcap: cap·tanh(logits / cap), which keeps every logit inside (-cap, cap); cap 0: as they are."""
+    return logits if not cap else cap * torch.tanh(logits / cap)
+
+
 class LMLoss(nn.Module):
     """Output head + cross-entropy: returns the SUM of token losses over valid targets, in fp32.
 
@@ -98,8 +103,12 @@ class LMLoss(nn.Module):
 
     linear = staticmethod(F.linear)  # the head's product (kiln.perf.cpu_linear sets oneDNN's on a CPU)
 
+    def __init__(self, softcap: float = 0.0):
+        super().__init__()
+        self.softcap = softcap  # model.logit_softcap (0 = off)
+
     def forward(self, h, weight, targets):  # h (N, C), weight (V, C), targets (N,)
-        logits = at_least_fp32(self.linear(h, weight))  # (N, V): loss and softmax statistics in fp32
+        logits = soft_cap(at_least_fp32(self.linear(h, weight)), self.softcap)  # (N, V): loss and softmax statistics in fp32
         return F.cross_entropy(logits, targets, ignore_index=IGNORE_INDEX, reduction="sum")
 
 
@@ -162,6 +171,19 @@ class GeluMLP(nn.Module):
 
     def forward(self, x):
         return self.proj(self.act(self.fc(x)))
+
+
+class Relu2MLP(GeluMLP):
+    """fc, relu(x)², proj: modded-nanogpt's MLP (its GPT-2 speedrun's), GELU's matmuls."""
+
+    def __init__(self, d_model: int, d_ff: int, bias: bool):
+        super().__init__(d_model, d_ff, bias)
+        self.act = ReLUSquared()
+
+
+class ReLUSquared(nn.Module):
+    def forward(self, x):
+        return F.relu(x).square()
 
 
 class SwiGLUMLP(nn.Module):

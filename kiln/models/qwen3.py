@@ -7,10 +7,11 @@ mapping of Qwen3ForCausalLM (Llama's names plus self_attn.q_norm and k_norm).
 from __future__ import annotations
 
 from kiln.models import llama
+from kiln.models.catalog import family
 from kiln.models.config import ModelConfig
 from kiln.models.costs import make_norm
 from kiln.models.family import Family
-from kiln.models.parts import Attention, PreNormBlock, SwiGLUMLP
+from kiln.models.parts import Attention, PreNormBlock
 
 DEFAULTS = dict(vocab_size=151936, max_seq_len=40960, bias=False, norm_eps=1e-6, rope_theta=1000000.0)
 SWITCH = dict(n_kv_head=0, head_dim=0, d_ff=0, bias=False, tie_embeddings=True, norm_eps=1e-6,
@@ -32,8 +33,10 @@ PRESETS = {  # the shapes of the Qwen3 releases (their config.json files)
 
 class Qwen3Block(PreNormBlock):
     def __init__(self, cfg: ModelConfig):
-        super().__init__(make_norm("rmsnorm", cfg.d_model, cfg.norm_eps), Attention(cfg, rotary=True, qk_norm=True),
-                         make_norm("rmsnorm", cfg.d_model, cfg.norm_eps), SwiGLUMLP(cfg.d_model, cfg.d_ff),
+        fam = family(cfg.arch)  # its parts, with the run's recipe keys (model.mlp, model.qk_norm)
+        super().__init__(make_norm("rmsnorm", cfg.d_model, cfg.norm_eps),
+                         Attention(cfg, rotary=True, qk_norm=fam.qk_norm_of(cfg)),
+                         make_norm("rmsnorm", cfg.d_model, cfg.norm_eps), fam.mlp_of(cfg).build(cfg, False),
                          cfg.dropout)
 
 

@@ -13,6 +13,7 @@ gives each of `ep` ranks n_experts / ep whole experts: Linear.tp == "expert".
 from __future__ import annotations
 
 from kiln.models import llama, qwen3
+from kiln.models.catalog import family
 from kiln.models.config import ModelConfig
 from kiln.models.costs import make_norm
 from kiln.models.family import Family, HFTensor
@@ -44,9 +45,11 @@ PRESETS = {
 
 class Qwen3MoeBlock(PreNormBlock):
     def __init__(self, cfg: ModelConfig):
+        fam = family(cfg.arch)  # its parts, with the run's recipe keys (model.mlp, model.qk_norm)
         moe = MoE(cfg.d_model, cfg.n_experts, cfg.n_experts_active, cfg.moe_d_ff, norm_topk=bool(cfg.moe_norm_topk),
                   z_loss=bool(cfg.moe_z_coef))
-        super().__init__(make_norm("rmsnorm", cfg.d_model, cfg.norm_eps), Attention(cfg, rotary=True, qk_norm=True),
+        super().__init__(make_norm("rmsnorm", cfg.d_model, cfg.norm_eps),
+                         Attention(cfg, rotary=True, qk_norm=fam.qk_norm_of(cfg)),
                          make_norm("rmsnorm", cfg.d_model, cfg.norm_eps), moe, cfg.dropout)
 
 

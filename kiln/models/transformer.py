@@ -18,7 +18,7 @@ from kiln.models.costs import make_norm
 from kiln.models.documents import check_doc, document_mask, positions as document_positions
 from kiln.models.moe import ExpertLinear, MoE, moe_losses
 from kiln.models.parts import (IGNORE_INDEX, SDPA, LMLoss, RMSNorm, Rotary, SwiGLU, at_least_fp32,  # noqa: F401
-                               Window, llama3_frequencies, rope_cache)
+                               Window, llama3_frequencies, rope_cache, soft_cap)
 from kiln.models.registry import family
 
 
@@ -34,7 +34,7 @@ class Transformer(nn.Module):
         self.blocks = nn.ModuleList(fam.block(cfg) for _ in range(cfg.n_layer))
         self.norm = make_norm(fam.norm, cfg.d_model, cfg.norm_eps, bool(cfg.bias) and fam.biases)
         self.head = None if cfg.tie_embeddings else nn.Linear(cfg.d_model, V, bias=False)
-        self.loss = LMLoss()
+        self.loss = LMLoss(cfg.logit_softcap)
         if fam.positions == "rope":
             cos, sin = rope_cache(cfg.head_dim, cfg.max_seq_len, cfg.rope_theta, scaling=tuple(cfg.rope_scaling))
             self.register_buffer("rope_cos", cos, persistent=False)
@@ -43,12 +43,19 @@ class Transformer(nn.Module):
         self.moe_aux_loss: torch.Tensor | None = None  # the last training forward's load-balancing loss
         self.apply(self._init_weights)
 
+    def init_std(self, module: nn.Module) -> float:
+        """The std a matrix of `module` starts with (what kiln doctor checks): GPT-2's N(0, 0.02), residual
+        output projections 0.02/sqrt(2·n_layer) so the residual stream's variance stays O(1) with depth; with
+        model.zero_init_proj those start at 0 (modded-nanogpt): each block begins as the identity, and its
+        input-side weights still get gradients through the residual."""
+        if not getattr(module, "residual", False):
+            return 0.02
+        return 0.0 if self.cfg.zero_init_proj else 0.02 / math.sqrt(2 * self.cfg.n_layer)
+
     def _init_weights(self, module):
-        # GPT-2: N(0, 0.02); residual output projections scaled by 1/sqrt(2·n_layer) so the residual
-        # stream's variance stays O(1) with depth.
         if isinstance(module, (nn.Linear, ExpertLinear)):  # ExpertLinear: every expert's weight, stacked
-            std = 0.02 / math.sqrt(2 * self.cfg.n_layer) if getattr(module, "residual", False) else 0.02
-            nn.init.normal_(module.weight, mean=0.0, std=std)
+            std = self.init_std(module)
+            nn.init.normal_(module.weight, mean=0.0, std=std) if std else nn.init.zeros_(module.weight)
             if getattr(module, "bias", None) is not None:
                 nn.init.zeros_(module.bias)
         elif isinstance(module, nn.Embedding):
@@ -101,7 +108,7 @@ class Transformer(nn.Module):
         (kiln.models.documents); the targets that cross a boundary are IGNORE_INDEX already (the data's work)."""
         h = self.hidden(idx, cache, doc)
         if targets is None:
-            return F.linear(h, self.head_weight)
+            return soft_cap(F.linear(h, self.head_weight), self.cfg.logit_softcap)
         total = self.loss(h.flatten(0, 1), self.head_weight, targets.flatten())
         count = (targets != IGNORE_INDEX).sum()
         if self.moe and self.training:

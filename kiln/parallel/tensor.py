@@ -250,6 +250,9 @@ def apply_tensor_parallel(model: nn.Module, mesh, sequence_parallel: bool = Fals
         raise ValueError(f"parallel.tp={tp} computes the loss on vocabulary-sharded logits (1/tp of them per rank); "
                          f"the model's {type(model.loss).__name__} needs the whole head: keep the plain loss "
                          f"(ModelPlan.loss='plain', no --memory.chunked_loss)")
+    if model.loss.softcap:
+        raise ValueError(f"parallel.tp={tp} computes the loss on vocabulary-sharded logits without a soft-cap; "
+                         f"model.logit_softcap={model.loss.softcap:g} needs --parallel.tp=1 or logit_softcap=0")
     with torch.no_grad():  # the fused rows, once, before the weights are split
         for name, parts in fused_rows(model).items():
             p = model.get_parameter(name)

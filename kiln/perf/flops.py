@@ -50,7 +50,7 @@ def recompute_flops_per_token(cfg: ModelConfig, seq_len: int, plan: tuple[str, .
     last = fam.linears(cfg)[-1]  # the MLP's output projection
     # (an MoE weights and scatters its experts' outputs after the projection, saving tensors there: checkpoint
     # recomputes through every expert's projection; the MLP part says which)
-    skipped = 2 * last.n_in * last.n_out * last.active if fam.mlp_part.recompute_skips_projection() else 0
+    skipped = 2 * last.n_in * last.n_out * last.active if fam.mlp_of(cfg).recompute_skips_projection() else 0
     total = 0.0
     for i, policy in enumerate(plan):
         if policy == "selective":

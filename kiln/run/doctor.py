@@ -248,6 +248,9 @@ class Doctor:
     def weight_std(self) -> tuple[str, str, str]:
         n_layer = self.model.cfg.n_layer
         worst, rows, loaded = None, [], 0
+        # the model's own init scheme where it states one (kiln's Transformer), else GPT-2's
+        init_std = getattr(self.model, "init_std", None) or (
+            lambda m: INIT_STD / math.sqrt(2 * n_layer) if getattr(m, "residual", False) else INIT_STD)
         for mod_name, module in self.model.named_modules():
             for p_name, p in module.named_parameters(recurse=False):
                 name = f"{mod_name}.{p_name}" if mod_name else p_name
@@ -264,8 +267,11 @@ class Doctor:
                     loaded += 1
                     if not bool(torch.isfinite(p).all()):
                         rows.append((name, math.inf, f"non-finite values loaded from {self.pretrained}"))
+                elif p.ndim >= 2 and init_std(module) == 0:  # model.zero_init_proj: the projection starts at 0
+                    off = p.float().abs().max().item()
+                    rows.append((name, math.log1p(off / INIT_STD), f"max |w| = {off:.3g} (starts at 0)"))
                 elif p.ndim >= 2:
-                    expected = INIT_STD / math.sqrt(2 * n_layer) if getattr(module, "residual", False) else INIT_STD
+                    expected = init_std(module)
                     ratio = p.float().std().item() / expected
                     rows.append((name, abs(math.log(ratio)) if ratio > 0 else math.inf, f"std {ratio:.2f}× "
                                  f"expected {expected:.4g}"))

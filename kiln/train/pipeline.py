@@ -109,6 +109,9 @@ def prepare_model(model: nn.Module, plan: ModelPlan, device: torch.device | None
         if not isinstance(getattr(model, "loss", None), LMLoss):
             raise ValueError(f"the {plan.loss} loss replaces kiln's LM head + cross-entropy (an LMLoss at "
                              f"model.loss); {type(model).__name__} has none")
+        if model.loss.softcap:
+            raise ValueError(f"the {plan.loss} loss has no logit soft-cap: model.logit_softcap={model.loss.softcap:g} "
+                             f"needs the plain loss (drop --memory.chunked_loss / the fused loss)")
         if plan.loss == "chunked":
             model.loss = ChunkedLMLoss(plan.loss_chunk)
         else:

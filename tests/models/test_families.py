@@ -11,6 +11,8 @@ from kiln.models import FAMILIES, PRESETS, ModelConfig, build_model, costs, fami
 from kiln.models.family import Family
 from kiln.models.moe import MoE, moe_losses
 
+from tests.memory.test_recipe_memory import PARTS as RECIPE_PARTS
+
 KILN = Path(__file__).resolve().parents[2] / "kiln"
 NAMES = "|".join(sorted(FAMILIES, key=len, reverse=True))
 # a family name compared with something, or a model.arch compared at all
@@ -71,6 +73,8 @@ def test_every_part_kind_is_built_by_a_registered_family():
     family that uses it: a kind no family builds would be costed by code no test runs."""
     used = {(table, getattr(f, field)) for f in FAMILIES.values()
             for table, field in (("norm", "norm"), ("mlp", "mlp"), ("positions", "positions"))}
+    # an MLP only a run's model.mlp picks is exercised by the recipe grid (saved bytes, peak) instead
+    used |= {("mlp", kw["mlp"]) for _, kw in RECIPE_PARTS.values() if "mlp" in kw}
     for table, kinds in (("norm", costs.NORMS), ("mlp", costs.MLPS), ("positions", costs.POSITIONS)):
         for kind in kinds:
             assert (table, kind) in used, f"{table} {kind!r} is in kiln/models/costs.py but no family builds it"
@@ -79,19 +83,20 @@ def test_every_part_kind_is_built_by_a_registered_family():
 
 def test_an_unknown_part_kind_fails_loudly_and_a_kind_that_forgets_a_cost_too():
     base = FAMILIES["llama"]
-    with pytest.raises(ValueError, match=r"family 'x': mlp='relu2' is not a part kiln knows; known: gelu, swiglu, moe"):
-        Family(name="x", summary="", block=base.block, norm="rmsnorm", mlp="relu2", positions="rope")
+    with pytest.raises(ValueError, match=r"family 'x': mlp='geglu' is not a part kiln knows; known: gelu, relu2, "
+                                         r"swiglu, moe"):
+        Family(name="x", summary="", block=base.block, norm="rmsnorm", mlp="geglu", positions="rope")
     with pytest.raises(ValueError, match="norm='batchnorm' is not a part kiln knows"):
         costs.make_norm("batchnorm", 8, 1e-5)
 
-    class Relu2(costs.MLP):  # a new kind that states its linears but not its saved tensors
-        name = "relu2"
+    class GeGLU(costs.MLP):  # a new kind that states its linears but not its saved tensors
+        name = "geglu"
 
         def linears(self, cfg):
             return [costs.Linear("mlp.fc", cfg.d_model, cfg.d_ff, "column")]
 
-    with pytest.raises(NotImplementedError, match="MLP 'relu2' states no saved tensors"):
-        Relu2().saved(PRESETS["tiny"], 4, None)
+    with pytest.raises(NotImplementedError, match="MLP 'geglu' states no saved tensors"):
+        GeGLU().saved(PRESETS["tiny"], 4, None)
 
 
 @pytest.mark.parametrize("arch", list(FAMILIES))

@@ -76,3 +76,24 @@ def test_data_finite_keeps_the_rotary_cache_of_a_llama_model(small_config, tmp_p
         lm.state.loader.close()
     assert (status, value.split(";")[0]) == ("pass", "integer token ids (NaN/Inf cannot occur)")
     assert "embedded inputs finite (absmax" in value
+
+
+def test_weight_std_takes_the_zero_initialised_projections_expected_std(small_config, tmp_path):
+    """model.zero_init_proj: the output projections start at 0 (the model's init_std says so); the check passes
+    them at 0 and names one that is not."""
+    import torch
+
+    from kiln.run.doctor import Doctor
+    from kiln.run.lm import build_lm
+
+    lm = build_lm(small_config(model={"zero_init_proj": True}), tmp_path, log=lambda msg: None)
+    try:
+        doctor = Doctor(lm, None)
+        status, value, _ = doctor.weight_std()
+        assert status == "pass", value
+        with torch.no_grad():
+            doctor.model.blocks[0].mlp.proj.weight.fill_(0.5)
+        status, value, _ = doctor.weight_std()
+    finally:
+        lm.state.loader.close()
+    assert status == "fail" and "blocks.0.mlp.proj.weight: max |w| = 0.5 (starts at 0)" in value, value

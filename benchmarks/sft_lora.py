@@ -3,19 +3,20 @@ instruction set, and score the held-out replies before and after (issue #38; doc
 to end"; docs/finetune.md).
 
     PYTHONPATH=. python benchmarks/sft_lora.py [--workdir DIR] [--pretrain-steps 100] [--sft-steps 150]
-                                               [--rank 8] [--lr 3e-3] [--records 3000] [--heldout 200]
-                                               [--generate 100] [--seed 0] [--reuse]
+                                               [--task sums|reverse] [--rank 8] [--lr 3e-3] [--records 3000]
+                                               [--heldout 200] [--generate 100] [--seed 0] [--reuse]
 
 1. pretrain: `kiln train --model.preset=nano` on the default corpus (the Python standard library, bytes), then
    `kiln export RUN --hf BASE` (a GPT-2 directory without a tokenizer: bytes, so the chat template is kiln's chatml);
-2. data: two-digit sums, "What is 37+45?" -> "82", as chat JSONL `messages`; the pairs are distinct and seeded,
-   `--records` for training and `--heldout` others that training never sees;
+2. data: two-digit sums, "What is 37+45?" -> "82" (or `--task=reverse`: "Reverse the word: ygje" -> "ejgy"), as
+   chat JSONL `messages`; the pairs are distinct and seeded, `--records` for training and `--heldout` others that
+   training never sees;
 3. SFT: `kiln train --model.init=hf:BASE --data.records=chat --data.chat_template=chatml --lora.rank=R`;
 4. score, on the held-out records, the base (hf:BASE) and the run (base + adapters, merged: kiln.run.source):
    - target accuracy: argmax of the next-token logits == the target, over the targets the training loss counts
      (kiln's own chat prepare, masks and packing: the reply's bytes and its `<|im_end|>` marker, document-masked);
-   - answer-digit accuracy: the same over the targets that are the reply's digits (the 10 marker bytes are
-     easy once the format is learnt, so they would flatter the number);
+   - reply-token accuracy: the same over the targets that are the reply itself, the end-of-turn marker left out
+     (its 10 bytes are easy once the format is learnt, so they would flatter the number);
    - exact match: the greedy completion of the prompt (`<|im_start|>assistant\\n` appended, kiln.run.generate),
      cut at `<|im_end|>`, equals the sum; over the first `--generate` held-out records.
 Every phase runs kiln's CLI in a subprocess (what a user types) and is timed; the table prints at the end.
@@ -132,7 +133,7 @@ def exact_match(source, records: list[dict], template) -> dict:
     answers = [r["messages"][1]["content"] for r in records]
     right = sum(text.strip() == answer for text, answer in zip(out.texts, answers))
     return {"prompts": len(records), "exact": right / len(records),
-            "examples": [f"{r['messages'][0]['content']} -> {t.strip()!r}" for r, t in zip(records[:3], out.texts)]}
+            "examples": [f"{r['messages'][0]['content']} -> {t!r}" for r, t in zip(records[:3], out.texts)]}
 
 
 def main() -> None:
@@ -147,7 +148,7 @@ def main() -> None:
     ap.add_argument("--heldout", type=int, default=200, help="held-out conversations (pairs training never sees)")
     ap.add_argument("--generate", type=int, default=100, help="held-out prompts completed greedily (0: none)")
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--reuse", action="store_true", help="keep the workdir's base and SFT run if there (reruns scoring)")
+    ap.add_argument("--reuse", action="store_true", help="keep the workdir's base and SFT run if there (scores again)")
     args = ap.parse_args()
     work = Path(args.workdir or tempfile.mkdtemp(prefix="kiln-sft-")).resolve()
     work.mkdir(parents=True, exist_ok=True)
@@ -169,7 +170,8 @@ def main() -> None:
     write_jsonl(work / "train.jsonl", train)
     write_jsonl(work / "heldout.jsonl", heldout)
     times["data"] = time.perf_counter() - start
-    print(f"2. data: {args.task}, {len(train)} train and {len(heldout)} held-out conversations, e.g. {train[0]['messages']}")
+    print(f"2. data: {args.task}, {len(train)} train and {len(heldout)} held-out conversations, e.g. "
+          f"{train[0]['messages']}")
 
     if not (args.reuse and (sft / "checkpoints").is_dir()):
         print(f"3. SFT: LoRA rank {args.rank}, {args.sft_steps} steps, lr {args.lr}")

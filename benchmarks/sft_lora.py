@@ -131,9 +131,9 @@ def exact_match(source, records: list[dict], template) -> dict:
                                                    add_generation_prompt=True)) for r in records]
     out = complete(source.model, source.tokenizer, prompts, max_new_tokens=16, stops=(END,), batch_size=32)
     answers = [r["messages"][1]["content"] for r in records]
-    right = sum(text.strip() == answer for text, answer in zip(out.texts, answers))
+    right = sum(text.strip() == answer for text, answer in zip(out.texts, answers))  # the base replies with indentation
     return {"prompts": len(records), "exact": right / len(records),
-            "examples": [f"{r['messages'][0]['content']} -> {t!r}" for r, t in zip(records[:3], out.texts)]}
+            "examples": [f"{r['messages'][0]['content']} -> {t.strip()!r}" for r, t in zip(records[:3], out.texts)]}
 
 
 def main() -> None:

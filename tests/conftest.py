@@ -57,3 +57,19 @@ def small_config(corpus_file, kiln_cache):
 
 def requires_cuda(fn):
     return pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")(pytest.mark.gpu(fn))
+
+
+class LazyImport:
+    """A module imported when a test first reads one of its names, skipping the test if it is not installed.
+
+    For test references whose import pulls in Triton: `peft` imports torchao, which imports Triton. At collection
+    that happens before tests/kernels/conftest.py sets TRITON_INTERPRET=1, and the kernel tests then fail inside
+    Triton's interpreter ("Cannot call @triton.jit'd outside of the scope of a kernel") when the whole suite runs."""
+
+    def __init__(self, name: str, reason: str):
+        self._name, self._reason = name, reason
+
+    def __getattr__(self, attr):
+        if attr.startswith("_"):  # pytest's collection asks every module-level name for its markers and fixtures
+            raise AttributeError(attr)
+        return getattr(pytest.importorskip(self._name, reason=self._reason), attr)

@@ -12,9 +12,10 @@ from kiln.interop.base import BaseChanged, base_reference, check_base
 from kiln.interop.hf import hf_tensors, read_hf
 from kiln.interop.peft import PeftError, PeftSpec, check_fits, hub_rows, merged, read_peft, write_peft
 from kiln.models import build_model
+from tests.conftest import LazyImport
 
 transformers = pytest.importorskip("transformers", reason="transformers is not installed (the test extra has it)")
-peft = pytest.importorskip("peft", reason="peft is not installed (the test extra has it)")
+peft = LazyImport("peft", reason="peft is not installed (the test extra has it)")  # it imports Triton
 
 GPT2 = dict(n_layer=2, n_head=4, n_embd=64, n_positions=64, vocab_size=301, resid_pdrop=0.0, embd_pdrop=0.0,
             attn_pdrop=0.0)

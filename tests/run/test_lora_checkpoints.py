@@ -19,9 +19,10 @@ from kiln.models.lora import LoraConfig, apply_lora, merge_lora
 from kiln.run.adapters import load_peft_adapters, lora_run
 from kiln.run.lm import train
 from kiln.run.source import load_source
+from tests.conftest import LazyImport
 
 transformers = pytest.importorskip("transformers", reason="transformers is not installed (the test extra has it)")
-peft = pytest.importorskip("peft", reason="peft is not installed (the test extra has it)")
+peft = LazyImport("peft", reason="peft is not installed (the test extra has it)")  # it imports Triton
 
 BASES = {
     "llama": ("LlamaForCausalLM", transformers.LlamaConfig(

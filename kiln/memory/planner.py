@@ -504,6 +504,7 @@ GPUS_PER_NODE = 8  # tensor parallelism stays inside a node (its collectives run
 DATA_PARALLEL = tuple(name for name, s in STRATEGIES.items() if s.reduces)
 SHARDING = tuple(name for name, s in STRATEGIES.items() if s.shards_optimizer)
 NO_DATA_PARALLEL = next(name for name, s in STRATEGIES.items() if not s.reduces)
+SHARDED = next(name for name, s in STRATEGIES.items() if s.shards_parameters)  # the layout ep's degrees are checked in
 
 
 def layouts(cfg, gpus: int, global_sequences: int, gpus_per_node: int = GPUS_PER_NODE, context: bool = True
@@ -572,7 +573,7 @@ def search(cfg, device, memory: int | None = None, global_batch_tokens: int = 0,
         per_rank = G // dp
         strategies = DATA_PARALLEL if dp * cp > 1 else (NO_DATA_PARALLEL,)
         if expert and model_parallel:
-            split = replace(cfg.parallel, tp=tp, pp=pp, cp=cp, strategy="fsdp", sequence_parallel=tp > 1)
+            split = replace(cfg.parallel, tp=tp, pp=pp, cp=cp, strategy=SHARDED, sequence_parallel=tp > 1)
             model_parallel_choices += [(tp, pp, cp, dp, per_rank, strategies, ep)
                                        for ep in ep_degrees(split, gpus, model)]
         if tp * pp * cp == 1 and not quick:  # data parallel only: every lever

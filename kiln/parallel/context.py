@@ -36,6 +36,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from kiln.errors import KilnError
+from kiln.parallel.strategy import strategy
 from kiln.models.parts import Attention
 
 
@@ -45,7 +46,7 @@ def check_context_parallel(cfg, seq_len: int | None = None, moe: bool = False) -
     cp = cfg.cp
     if cp == 1:
         return
-    if cfg.strategy != "fsdp":
+    if not strategy(cfg.strategy).shards_parameters:
         raise KilnError(f"parallel.cp={cp} trains with FSDP2 over the dp × cp ranks only: set "
                         f"--parallel.strategy=fsdp", key="parallel.strategy", value=cfg.strategy,
                         fix="set --parallel.strategy=fsdp")

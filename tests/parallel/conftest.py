@@ -1,4 +1,5 @@
 """What the distributed tests share: the corpus, the 2-process launch, and the one-process reference runs."""
+import contextlib
 import os
 import subprocess
 import sys
@@ -7,6 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from safetensors.torch import load_file
 
 from kiln.run import lm
 from kiln.run.lm import train
@@ -27,6 +29,24 @@ def torchrun(worker: str, out: Path, source, nproc: int, timeout: int = 600) -> 
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     (out / f"{worker}.log").write_text(proc.stdout)
     return time.monotonic() - began
+
+
+@contextlib.contextmanager
+def one_thread():
+    """One-process reference runs on one thread, as each torchrun rank runs (torch's products sum in another order
+    on more threads)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
+
+
+def final_weights(run_dir):
+    """The latest checkpoint's consolidated weights of a run."""
+    latest = run_dir / "checkpoints" / (run_dir / "checkpoints" / "latest").read_text().strip()
+    return load_file(str(latest / "model.safetensors"))
 
 
 @pytest.fixture(scope="session")
@@ -50,12 +70,8 @@ def moe_reference(tmp_path_factory, source, kiln_cache):
     """tests/parallel/worker.py's mixture of experts (scenarios.moe_config) in this one process, on one thread as
     each torchrun rank runs (torch's products sum in another order on more threads)."""
     out = tmp_path_factory.mktemp("single-moe") / "moe"
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
+    with one_thread():
         train(moe_config(source, "none"), out)
-    finally:
-        torch.set_num_threads(threads)
     return out
 
 
@@ -64,13 +80,9 @@ def lora_reference(tmp_path_factory, source, kiln_cache):
     """tests/parallel/worker.py's LoRA runs (scenarios.lora_config) in this one process, on one thread as each
     torchrun rank runs."""
     out = tmp_path_factory.mktemp("single-lora")
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
+    with one_thread():
         for mode in ("fp32", "bf16"):
             train(lora_config(source, "none", mode), out / mode)
-    finally:
-        torch.set_num_threads(threads)
     return out
 
 

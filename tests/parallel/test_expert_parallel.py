@@ -18,7 +18,6 @@ import json
 
 import pytest
 import torch
-from safetensors.torch import load_file
 
 from benchmarks.ep_rank_peaks import SCENARIOS, SHAPE
 from kiln.config import load_config
@@ -27,7 +26,7 @@ from kiln.memory.estimate import estimate, peak_allocated
 from kiln.memory.levers import rank_jobs
 from kiln.models.registry import family
 from kiln.run.lm import train
-from tests.parallel.conftest import torchrun
+from tests.parallel.conftest import final_weights, one_thread, torchrun
 from tests.parallel.scenarios import ep_config, rewound
 from tests.parallel.test_dist import losses, records
 
@@ -42,12 +41,8 @@ def ep_reference(tmp_path_factory, source, kiln_cache):
     """The 10 steps in this one process, on one thread as each torchrun rank runs, saved every 3 steps (the
     resumes start at step 6)."""
     out = tmp_path_factory.mktemp("ep-single") / "moe"
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
+    with one_thread():
         train(ep_config(source, "none", interval=3), out)
-    finally:
-        torch.set_num_threads(threads)
     return out
 
 
@@ -58,11 +53,6 @@ def ep_launched(tmp_path_factory, source, ep_reference):
     rewound(ep_reference, out / "one_to_ep2_tp2", step=6)  # the one-process run's step 6, resumed as ep2 × tp2
     print(f"expert-parallel launch: {torchrun('ep_worker.py', out, source, nproc=4):.1f} s")
     return out
-
-
-def weights(run_dir):
-    return load_file(str(run_dir / "checkpoints" / (run_dir / "checkpoints" / "latest").read_text().strip()
-                         / "model.safetensors"))
 
 
 def grad_norms(run_dir) -> dict[int, float]:
@@ -79,7 +69,7 @@ def assert_same_run(got_dir, want_dir):
     got, want = grad_norms(got_dir), grad_norms(want_dir)
     for step in want:
         assert got[step] == pytest.approx(want[step], rel=1e-5), step
-    wg, ww = weights(got_dir), weights(want_dir)
+    wg, ww = final_weights(got_dir), final_weights(want_dir)
     assert wg.keys() == ww.keys() and "blocks.1.mlp.experts.fc.weight" in wg  # every expert, consolidated
     for key in ww:
         torch.testing.assert_close(wg[key], ww[key], rtol=RTOL, atol=ATOL, msg=key)
@@ -99,12 +89,8 @@ def test_a_one_process_checkpoint_resumes_as_ep2_with_tp2(ep_launched, ep_refere
 def test_an_ep2_checkpoint_resumes_in_one_process(ep_launched, ep_reference, source, tmp_path):
     """ep2 over dp4 saved at step 6, resumed by one process (no torchrun): the straight curve."""
     run_dir = rewound(ep_launched / "ep2", tmp_path / "resumed", step=6)
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
+    with one_thread():
         train(ep_config(source, "ddp"), run_dir, resume=True)
-    finally:
-        torch.set_num_threads(threads)
     assert_same_run(run_dir, ep_reference)
 
 

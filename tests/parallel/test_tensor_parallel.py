@@ -12,20 +12,15 @@ of q) changes the model's function at step 1, and tokens counted on each tp rank
 
 import pytest
 import torch
-from safetensors.torch import load_file
 
 from kiln.models.registry import family
 from kiln.run import lm
 from kiln.run.lm import train
+from tests.parallel.conftest import final_weights
 from tests.parallel.scenarios import MaskedLoader, rewound, tp_config
 from tests.parallel.test_dist import losses, records
 
 RTOL = 1e-5
-
-
-def weights(run_dir):
-    return load_file(str(run_dir / "checkpoints" / (run_dir / "checkpoints" / "latest").read_text().strip()
-                         / "model.safetensors"))
 
 
 def assert_same_run(got_dir, want_dir):
@@ -33,7 +28,7 @@ def assert_same_run(got_dir, want_dir):
     assert sorted(got) == sorted(want) == list(range(1, 7))
     for step in want:
         assert got[step] == pytest.approx(want[step], rel=RTOL), step
-    wg, ww = weights(got_dir), weights(want_dir)
+    wg, ww = final_weights(got_dir), final_weights(want_dir)
     assert wg.keys() == ww.keys()
     # the consolidated export is in the model's own row order (fused rows put back). Weights to 1e-5 absolute, as
     # tests/parallel/test_dist.py's MoE parity: AdamW turns the last-bit differences of a gradient near optim.eps
@@ -125,7 +120,7 @@ def test_sample_and_export_read_a_tp_run(tp_launched, tp_reference, tmp_path):
     assert got == sample_from_run(tp_reference / "llama", "def ", 20, 0.0, 0, device="cpu")
     assert main(["export", str(tp_launched / "llama_fsdp"), "--hf", str(tmp_path / "hf")]) == 0
     _, tensors = read_hf(tmp_path / "hf")
-    want = weights(tp_reference / "llama")
+    want = final_weights(tp_reference / "llama")
     torch.testing.assert_close(tensors["blocks.0.attn.qkv.weight"], want["blocks.0.attn.qkv.weight"], rtol=RTOL,
                                atol=1e-6)
 

@@ -45,6 +45,14 @@ def moe_config(source: str, strategy: str):
     return cfg
 
 
+def muon_config(source: str, strategy: str):
+    """lm_config's GPT for 6 steps with optim.name=muon: torch's Muon on the 8 hidden matrices (qkv, proj, fc, proj
+    of both blocks), AdamW on the tied embedding, norms and biases, each at its own peak (muon_lr 0.05, lr 3e-3)."""
+    cfg = lm_config(source, strategy, steps=6)
+    cfg.optim.name, cfg.optim.lr, cfg.optim.muon_lr = "muon", 3e-3, 0.05
+    return cfg
+
+
 def lora_config(source: str, strategy: str, mode: str = "fp32"):
     """lm_config's GPT with rank-4 adapters on every block linear (the base frozen), 6 steps at a LoRA-sized lr;
     mode bf16 stores the frozen base in bf16 beside fp32 adapters (FSDP2 shards both)."""

@@ -8,7 +8,7 @@ import time
 from pathlib import Path
 
 from tests.parallel.cp_scenarios import cp_config, model_parity
-from tests.parallel.scenarios import fit_run, lm_config, lora_config, measured_state_bytes, moe_config
+from tests.parallel.scenarios import fit_run, lm_config, lora_config, measured_state_bytes, moe_config, muon_config
 from kiln.parallel.watchdog import CollectiveError
 from kiln.run.lm import train
 from kiln.train import loop
@@ -41,6 +41,7 @@ if os.environ["RANK"] == "0":
     (out / "state_bytes.json").write_text(json.dumps(measured))
 for strategy in ("ddp", "fsdp"):  # a mixture of experts (every expert replicated, or sharded by FSDP2)
     train(moe_config(source, strategy), out / f"moe_{strategy}")
+train(muon_config(source, "ddp"), out / "muon_ddp")  # Muon: whole matrices on each rank, the reduced gradient
 train(lm_config(source, "fsdp", steps=5), out / "resume_fsdp")  # resumed by one process with ddp
 for mode in ("fp32", "bf16"):  # LoRA: a frozen base (bf16: stored in bf16) and fp32 adapters, both sharded
     state = train(lora_config(source, "fsdp", mode), out / f"lora_fsdp_{mode}").state

@@ -116,7 +116,7 @@ def test_estimator_counts_what_the_optimizer_holds():
                                          if not g.get("muon") for p in g["params"])
 
 
-@pytest.mark.parametrize("extra,message", [
+PARALLEL_REFUSALS = [
     (["--parallel.strategy=zero1"], "optim.name=muon orthogonalises whole matrices and parallel.strategy=zero1 shards "
                                     "them across ranks: use --parallel.strategy=ddp with muon"),
     (["--parallel.strategy=fsdp"], "optim.name=muon orthogonalises whole matrices and parallel.strategy=fsdp shards "
@@ -125,6 +125,10 @@ def test_estimator_counts_what_the_optimizer_holds():
                           "use --parallel.tp=1 (data parallelism with --parallel.strategy=ddp) with muon"),
     (["--optim.offload=host"], "optim.offload=host runs AdamW or AdamW8bit on the host and optim.name=muon keeps "
                                "torch's Muon on the device: use --optim.offload=none with muon"),
+]
+
+
+@pytest.mark.parametrize("extra,message", PARALLEL_REFUSALS + [
     (["--train.stop_at_val_loss=1.5"], "train.stop_at_val_loss=1.5 is checked at each evaluation, and "
                                        "train.eval_interval=0 evaluates only at the end: set --train.eval_interval=N"),
 ])
@@ -132,3 +136,16 @@ def test_refusals(extra, message):
     with pytest.raises(ConfigError) as e:
         load_config(None, ["--optim.name=muon", *extra])
     assert str(e.value) == message
+
+
+@pytest.mark.parametrize("extra,message", PARALLEL_REFUSALS)
+def test_kiln_train_refuses_in_one_line(extra, message, tmp_path, capsys):
+    """The same lines, word for word, from `kiln train` (exit 2, one stderr line, no traceback), before any data
+    is read or any process group is made."""
+    from kiln.cli.main import main
+
+    code = main(["train", "--optim.name=muon", "--train.device=cpu", "--data.source=nowhere.txt",
+                 f"--run-dir={tmp_path / 'run'}", *extra])
+    err = capsys.readouterr().err
+    assert (code, err) == (2, f"kiln train: error: {message}\n")
+    assert not (tmp_path / "run").exists()

@@ -31,7 +31,6 @@ from kiln.memory.estimate import fmt_bytes, parse_bytes
 from kiln.memory.levers import runtime_job, sections
 from kiln.memory.planner import search
 from kiln.models import ModelConfig, Transformer, build_model
-from kiln.models.config import with_training_fields
 from kiln.models.generate import Sampling
 from kiln.models.lora import apply_lora
 from kiln.models.registry import family
@@ -232,9 +231,9 @@ class LMParts:
         model, data_cfg = cfg.model, cfg.data
         if model.init:  # a Hugging Face checkpoint: its shape, its weights and (unless told) its tokenizer
             directory = Path(model.init.removeprefix("hf:"))
-            shape, self.initial = read_hf(directory)
+            shape, self.initial = read_hf(directory, model)  # the user's training fields; recipe parts checked
             self.base = base_reference(model.init) if cfg.lora.on else None  # LoRA checkpoints refer to it
-            model = replace(with_training_fields(shape, model), init=model.init)
+            model = replace(shape, init=model.init)
             if data_cfg.tokenizer == "bytes" and (directory / "tokenizer.json").is_file():
                 data_cfg = replace(data_cfg, tokenizer=model.init)
         if self.with_data:  # data.cache_per_node: each node's local rank 0 prepares its own disk's cache too

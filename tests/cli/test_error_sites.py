@@ -41,6 +41,9 @@ FILES = {
     "mix_same_name.toml": '[[data.mix]]\nsource = "a.txt"\n[[data.mix]]\nsource = "x/a.txt"\n',
     "mix_records.toml": '[[data.mix]]\nsource = "a.jsonl"\nrecords = "chat"\n[[data.mix]]\nsource = "b.txt"\n',
     "bad.jinja": "{% for %}",
+    # a GPT-2's config.json without its weights: model.init's recipe checks come before any tensor is read
+    "hf/config.json": '{"model_type": "gpt2", "n_layer": 2, "n_head": 2, "n_embd": 64, "vocab_size": 256, '
+                      '"n_positions": 64}',
 }
 
 # (site, argv, fragments of the one line). The key a site's error carries must be in the line as well.
@@ -56,6 +59,13 @@ SITES = [
      ["model.n_head=12", "n_kv_head=5"]),
     ("kiln/models/config.py:ModelConfig.check", [*M, "--model.init=weights"], ["model.init='weights'", "hf:DIR"]),
     ("kiln/models/config.py:ModelConfig.check", [*M, "--model.dropout=1.5"], ["model.dropout", "1.5"]),
+    ("kiln/models/config.py:ModelConfig.check", [*M, "--model.init=hf:hf", "--model.zero_init_proj=true"],
+     ["model.zero_init_proj=true", "model.init=hf:hf", "drop --model.zero_init_proj"]),
+    # model.init's checkpoint against the recipe keys (tests/interop/test_hf_recipe.py: word for word)
+    ("kiln/models/config.py:with_training_fields", [*T, "--model.init=hf:hf", "--model.mlp=relu2"],
+     ["model.mlp='relu2' with model.init=hf:hf", "MLP is 'gelu'", "drop --model.mlp"]),
+    ("kiln/models/config.py:with_training_fields", [*T, "--model.init=hf:hf", "--model.qk_norm=true"],
+     ["model.qk_norm=true with model.init=hf:hf", "has no QK-norm", "drop --model.qk_norm"]),
     # kiln/data/__init__.py
     ("kiln/data/__init__.py:DataConfig.validate", [*M, "--data.source="], ["data.source is empty", "'stdlib'"]),
     ("kiln/data/__init__.py:DataConfig.validate", [*M, "--data.format=csv"], ["data.format='csv'", "use one of"]),
@@ -424,6 +434,7 @@ def test_site_is_one_line(site, argv, fragments, capsys, monkeypatch, tmp_path):
     for name in ("KILN_TRACEBACK", "KILN_DEBUG", "TRITON_INTERPRET"):  # (tests/kernels sets the interpreter)
         monkeypatch.delenv(name, raising=False)
     for name, text in FILES.items():
+        (tmp_path / name).parent.mkdir(exist_ok=True)
         (tmp_path / name).write_text(text)
     status = main(argv)
     out, err = capsys.readouterr()

@@ -126,7 +126,7 @@ def test_estimator_counts_what_the_optimizer_holds():
                                          if not g.get("muon") for p in g["params"])
 
 
-PARALLEL_REFUSALS = [
+REFUSALS = [
     (["--parallel.strategy=zero1"], "optim.name=muon orthogonalises whole matrices and parallel.strategy=zero1 shards "
                                     "them across ranks: use --parallel.strategy=ddp with muon"),
     (["--parallel.strategy=fsdp"], "optim.name=muon orthogonalises whole matrices and parallel.strategy=fsdp shards "
@@ -135,10 +135,12 @@ PARALLEL_REFUSALS = [
                           "use --parallel.tp=1 (data parallelism with --parallel.strategy=ddp) with muon"),
     (["--optim.offload=host"], "optim.offload=host runs AdamW or AdamW8bit on the host and optim.name=muon keeps "
                                "torch's Muon on the device: use --optim.offload=none with muon"),
+    (["--lora.rank=4"], "optim.name=muon orthogonalises the hidden matrices, and lora.rank=4 freezes them and "
+                        "trains adapters only, which go to AdamW: use --optim.name=adamw with lora"),
 ]
 
 
-@pytest.mark.parametrize("extra,message", PARALLEL_REFUSALS + [
+@pytest.mark.parametrize("extra,message", REFUSALS + [
     (["--train.stop_at_val_loss=1.5"], "train.stop_at_val_loss=1.5 is checked at each evaluation, and "
                                        "train.eval_interval=0 evaluates only at the end: set --train.eval_interval=N"),
 ])
@@ -148,7 +150,7 @@ def test_refusals(extra, message):
     assert str(e.value) == message
 
 
-@pytest.mark.parametrize("extra,message", PARALLEL_REFUSALS)
+@pytest.mark.parametrize("extra,message", REFUSALS)
 def test_kiln_train_refuses_in_one_line(extra, message, tmp_path, capsys):
     """The same lines, word for word, from `kiln train` (exit 2, one stderr line, no traceback), before any data
     is read or any process group is made."""

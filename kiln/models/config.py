@@ -52,7 +52,7 @@ class ModelConfig:
     mlp: str = ""  # "" = the family's | gelu (tanh GELU) | relu2 (squared ReLU, modded-nanogpt) | swiglu
     qk_norm: bool | None = None  # RMSNorm over each head of q and k before attention (none = the family's)
     zero_init_proj: bool = False  # attention's and the MLP's output projections start at zero (not with model.init)
-    logit_softcap: float = 0.0  # logits become cap·tanh(logits/cap) before the loss and sampling (0 = off; applies to model.init's model too)
+    logit_softcap: float = 0.0  # logits become cap·tanh(logits/cap) before the loss and sampling (0 = off)
     init: str = ""  # hf:DIR: start from a Hugging Face checkpoint (its config.json sets the family and shape)
 
     def resolve(self) -> "ModelConfig":

@@ -55,6 +55,7 @@ from kiln.models.lora import adapter_layout, add_adapters
 from kiln.models.moe import MoE, losses_of, moe_metrics, routing_sums
 from kiln.models.transformer import moe_penalty
 from kiln.parallel import shard_blocks
+from kiln.parallel.expert import shard_experts, wrap_experts
 from kiln.parallel.layout import ParallelPlan
 from kiln.parallel.tensor import apply_tensor_parallel, canonical, fused_rows
 
@@ -132,6 +133,8 @@ class PipelineModel(nn.Module):
         mesh = mesh if mesh is not None else plan.device_mesh(device.type)
         if plan.tp > 1:  # torchtitan's order: tensor parallel on the whole model, then the split into stages
             apply_tensor_parallel(model, mesh["tp"], plan.sequence_parallel)
+        if plan.ep > 1:  # each stage's experts split over its ep ranks (kiln.parallel.expert), as without pp
+            shard_experts(model, mesh["ep"])
         self.cfg = model.cfg  # what kiln.parallel.tensor.fused_rows reads (the checkpoint's TP row order)
         self.adapters = adapter_layout(model)  # LoRA's, for whole_model's copy
         self.pp_group, self.dp_group = mesh["pp"].get_group(), mesh["dp"].get_group()
@@ -153,7 +156,7 @@ class PipelineModel(nn.Module):
         self.moe_aux_loss: torch.Tensor | None = None  # the last stage's last micro-batch's (a mixture of experts)
         self.tie_group = _tie_group(plan, rank) if self.tied else None
         self.dp = plan.dp
-        self.dp_mesh = mesh["dp"]
+        self.dp_mesh, self.mesh = mesh["dp"], mesh
         wrapped = [self._data_parallel(st, device, fsdp or {}) for st in self.stages]
         self.device = device
         pipelining = _pipelining()
@@ -169,12 +172,19 @@ class PipelineModel(nn.Module):
     def _data_parallel(self, stage: Stage, device, fsdp: dict) -> nn.Module:
         if self.plan.dp == 1:
             return stage
+        ep = self.plan.ep > 1  # the stage's experts first, over mesh["dp_mod_ep"] (kiln.parallel.expert.wrap_experts)
         if self.plan.dp_strategy.shards_parameters:  # the stage itself becomes the FSDP2 module (in place)
+            if ep:
+                from torch.distributed.fsdp import fully_shard  # lazy: fsdp only
+
+                wrap_experts(stage, self.mesh, fully_shard, fsdp)
             shard_blocks(stage, stage.blocks.values(), self.dp_mesh, fsdp, keep_root=True)
             return stage
-        if self.plan.tp > 1:  # ddp × tp: DDP cannot reduce DTensors; FSDP2's replicate can (as kiln.parallel.parallelize)
-            from torch.distributed._composable.replicate_with_fsdp import replicate  # lazy: ddp × tp × pp only
+        if self.plan.tp > 1 or ep:  # DDP cannot reduce DTensors; FSDP2's replicate can (as kiln.parallel.parallelize)
+            from torch.distributed._composable.replicate_with_fsdp import replicate  # lazy: ddp × (tp or ep) × pp
 
+            if ep:
+                wrap_experts(stage, self.mesh, replicate, fsdp)
             replicate(stage, mesh=self.dp_mesh, **fsdp)
             return stage
         ids = [device.index] if device.type == "cuda" else None
@@ -256,13 +266,18 @@ class PipelineModel(nn.Module):
             skip.add(id(self.duplicate))
             if masters is not None:
                 skip.add(id(masters.by_model_param[id(self.duplicate)]))
-        grads = [p.grad for p in params if p.grad is not None and id(p) not in skip]
-        local = torch.nn.utils.get_total_norm(grads, foreach=True) if grads else torch.zeros((), device=self.device)
-        if isinstance(local, DTensor):  # TP: split gradients' squares summed over the tp ranks, replicated ones once
-            local = local.full_tensor()
-        sq = local.double() ** 2
+        groups: dict = {}  # by the gradients' DTensor mesh (ep: the experts' differs), each normed over its ranks
+        for p in params:
+            if p.grad is not None and id(p) not in skip:
+                groups.setdefault(getattr(p.grad, "device_mesh", None), []).append(p.grad)
+        sq = torch.zeros((), dtype=torch.float64, device=self.device)
+        for grads in groups.values():  # the same meshes in the same order on the ranks of a stage
+            local = torch.nn.utils.get_total_norm(grads, foreach=True)
+            if isinstance(local, DTensor):  # TP: split gradients' squares summed over the tp ranks, replicated once
+                local = local.full_tensor()
+            sq = sq + local.double() ** 2
         dist.all_reduce(sq, group=self.pp_group)
-        return sq.sqrt().to(local.dtype)
+        return sq.sqrt().to(next(iter(groups.values()))[0].dtype if groups else torch.float32)
 
     def moe_metrics(self) -> dict[str, float]:
         """kiln.models.moe_metrics over every stage's blocks: the load-balancing loss the last stage computed from

@@ -1,4 +1,5 @@
-"""Context parallelism (kiln.parallel.context) on CPU with gloo: parallel.cp=2 on 2 ranks against one process.
+"""Context parallelism (kiln.parallel.context) on CPU with gloo: parallel.cp=2 on 2 ranks against one process, with
+and without a document mask (data.document_mask).
 
 The runs come from tests/parallel/worker.py's 2-rank launch (the `launched` fixture; tests/parallel/cp_scenarios.py)
 and tp_worker.py's 4-rank one (dp2 × cp2). Measured on a 2-core Intel Xeon (AMX): the cp2 run's losses within 8e-8
@@ -45,6 +46,20 @@ def test_cp2_trains_as_one_process(launched, reference):
     assert event["mesh"] == {"pp": 1, "dp": 1, "cp": 2, "tp": 1}
     held = event["param_bytes_per_rank"]  # FSDP2 over dp × cp: each rank holds about half the parameters
     assert len(held) == 2 and sum(held) >= event["param_bytes_unsharded"] and max(held) < event["param_bytes_unsharded"]
+
+
+def test_cp2_with_documents_trains_as_one_process(launched, tp_reference):
+    """data.document_mask under cp2 (GPT-2's learned positions; documents end at each newline, so boundaries fall
+    inside and between the ranks' chunks): each rank's positions restart within their documents and its queries see
+    only their own document's gathered keys, as the one process's whole windows do."""
+    run = launched / "gpt2_documents_cp"
+    got, want = losses(run), losses(tp_reference / "gpt2")
+    assert sorted(got) == sorted(want) == list(range(1, 7))
+    for step in want:
+        assert got[step] == pytest.approx(want[step], rel=RTOL), step
+    _assert_close_weights(run, tp_reference / "gpt2")
+    got, want = records(run, "eval"), records(tp_reference / "gpt2", "eval")
+    assert got[-1]["val_loss"] == pytest.approx(want[-1]["val_loss"], rel=RTOL)
 
 
 def test_dp2_cp2_trains_as_one_process(tp_launched, tp_reference):
@@ -95,6 +110,20 @@ def test_the_split_model_is_the_whole_model_in_fp64(launched):
         assert r["total"] == pytest.approx(r["whole"], rel=1e-12)
         assert r["grad_rel"] < 1e-12
     assert abs(ranks[0]["part"] - ranks[1]["part"]) > 1  # each holds its own share, not the whole
+    assert ranks[0]["part"] + ranks[1]["part"] == pytest.approx(ranks[0]["whole"], rel=1e-12)
+
+
+@pytest.mark.parametrize("positions", ["rope", "learned"])
+def test_the_split_model_with_documents_is_the_whole_model_in_fp64(launched, positions):
+    """Documents packed in the windows (a boundary inside each rank's chunks and one between them), RoPE (Qwen3) or
+    GPT-2's learned positions: the ranks' summed losses and gradients are the whole model's with its document mask,
+    which differs from the loss without it by far more than the tolerance."""
+    ranks = [json.loads((launched / f"cp_model_rank{r}.json").read_text())["documents"][positions] for r in range(2)]
+    for r in ranks:
+        assert r["total"] == pytest.approx(r["whole"], rel=1e-12)
+        assert r["grad_rel"] < 1e-12
+        assert r["block_input"] == [2, 16, 64]
+        assert abs(r["whole"] - r["no_mask"]) > 1e-4 * abs(r["whole"])
     assert ranks[0]["part"] + ranks[1]["part"] == pytest.approx(ranks[0]["whole"], rel=1e-12)
 
 

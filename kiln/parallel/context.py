@@ -3,7 +3,8 @@ style with the keys and values all-gathered (the flex_attention path of torch.di
 
     check_context_parallel(cfg, ...)        what training with parallel.cp > 1 is built for, or one line
     apply_context_parallel(model, cp_mesh)  in place, before FSDP2 shards the model over dp × cp
-    SequenceShard                           this rank's positions of a sequence (head-tail load-balanced order)
+    SequenceShard                           this rank's positions of a sequence (head-tail load-balanced order), and
+                                            of the documents packed in it (SequenceShard.documents)
     ContextAttention                        the attention core each Attention calls: local q against all k, v
 
 A cp rank holds 2 of the 2·cp equal chunks of each sequence, chunk r and chunk 2·cp-1-r (torch's
@@ -15,6 +16,12 @@ seam kiln.models.parts.Attention.core, by ContextAttention. torch's `_ContextPar
 applied by parallelize_module to each core, as torchtitan applies it to its inner attention) puts a pre-hook on it that all-gathers k and v over the cp ranks (cplib::flex_cp_allgather; its backward
 reduce-scatters their gradients), and the core computes this rank's queries against every key with the causal mask
 written in global positions: query i sees key j when position(i) ≥ position(j).
+
+Packed documents (data.document_mask: a batch's doc (B, T)): the pre-hook leaves doc whole, and the model's
+`documents` seam (kiln.models.documents.packed in one process) becomes SequenceShard.documents, which gives this rank's
+tokens their positions within their documents (RoPE's whole tables and the learned table are then read at those, not
+remapped) and its queries' rows of the mask against the gathered keys: causal in global positions and within one
+document, (B, 1, T/cp, T) booleans.
 
 The kernel. torch's own flex_attention refuses a backward on a CPU (torch 2.13: "FlexAttention does not support
 backward on CPU", torch.nn.attention.flex_attention._validate_device), and the SDPA path (context_parallel()'s ring

@@ -20,7 +20,10 @@ its blocks' routing sums (routed counts, probability and z sums, tokens: kiln.mo
 vector that travels with the hidden states (a second stage output), and the last stage computes the loss from the
 total, as Transformer.forward adds it. Its backward reaches every stage's routing probabilities through that same
 vector's gradient, sent back by the schedule with the hidden states': no collective of its own, and exact to one
-process. The record's moe_aux_loss and load shares are over every stage (PipelineModel.moe_metrics).
+process. The record's moe_aux_loss and load shares are over every stage (PipelineModel.moe_metrics). With expert
+parallelism (parallel.ep) each stage's experts split over the ep ranks of its dp group (mesh["ep"] stays inside a
+stage), wrapped per stage as kiln.parallel.parallelize wraps a whole model; a stage's ep ranks run the same schedule,
+so their all-to-alls meet.
 
 Tied embeddings (GPT-2: head weight = embedding weight): the first and the last stage each hold the weight; after
 the backward their gradients are summed over a group of those two ranks, so both copies take the same update.
@@ -31,7 +34,8 @@ head, as torchtitan composes them). torch's PipelineStage reduces the gradients 
 backward (DDP's reducer readied by hand; FSDP2's reduce-scatter run by the schedule's post-backward). The loss
 runs outside the stage's forward (it applies the head, fused or chunked), so the last stage's head weight is the
 gathered one: the stage (FSDP2's root of its group) keeps its own parameters gathered from its forward to the end
-of the step's backward. ZeRO-1 is refused by ParallelPlan.build.
+of the step's backward. ZeRO-1 is refused by ParallelPlan.build. The gradient norm takes the gradients of each
+DTensor mesh apart (ep: the experts' and the others').
 
 Tensor parallelism composes inside each stage (tp × pp, and tp × pp × dp): kiln.parallel.tensor splits the
 whole model over mesh["tp"] first, then it is split into stages (with dp copies, each stage then takes FSDP2 over

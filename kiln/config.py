@@ -248,7 +248,7 @@ def _cross_checks(cfg: Config) -> None:
         raise ConfigError("train.kernels=triton already fuses the LM head and cross-entropy (the logits never exist "
                           "at once); memory.chunked_loss would replace it: drop --memory.chunked_loss, or use "
                           "--train.kernels=torch")
-    refused = document_mask_refusal(cfg.data, cfg.train.kernels, cfg.parallel.pp, cfg.parallel.cp)
+    refused = document_mask_refusal(cfg.data, cfg.train.kernels, cfg.parallel.pp)
     if refused:
         raise ConfigError(refused[0], key="data.document_mask", value=cfg.data.document_mask, fix=refused[1])
     if cfg.parallel.tp > 1 and cfg.memory.chunked_loss:

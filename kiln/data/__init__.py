@@ -99,7 +99,7 @@ class DataConfig:
     records: str = "text"  # text: each record is plain text (pretraining) | chat: `messages` [{role, content}] (system/user/assistant) or prompt/completion pairs, rendered with the chat template and packed whole into seq_len + 1 windows, a longer one skipped and counted (fine-tuning; kiln.data.sft, chat_data, packing)
     chat_template: str = ""  # records=chat: "" = the tokenizer's own (data.tokenizer=hf:DIR, or implied by model.init=hf:DIR) | chatml | PATH.jinja
     train_on: str = "assistant"  # records=chat: assistant (the loss counts every assistant turn's content and its end-of-turn token, not the role header; a completion) | all (every token); metrics.jsonl's loss_tokens counts them
-    document_mask: bool | None = None  # attention and positions (RoPE, GPT-2's table) restart at every document in a window and a document's last target is not counted (text: documents end at the end-of-text id); None = true for records=chat, false for text. Not with parallel.pp > 1, parallel.cp > 1 or train.kernels=triton
+    document_mask: bool | None = None  # attention and positions (RoPE, GPT-2's table) restart at every document in a window and a document's last target is not counted (text: documents end at the end-of-text id); None = true for records=chat, false for text. Not with parallel.pp > 1 or train.kernels=triton
 
     def validate(self) -> None:
         """Raise ValueError naming the field and the fix for the first bad value."""

@@ -34,17 +34,16 @@ def document_separator(cfg, tokenizer) -> int | None:
     return tokenizer.eot_id
 
 
-def document_mask_refusal(cfg, kernels: str, pp: int, cp: int) -> tuple[str, str] | None:
+def document_mask_refusal(cfg, kernels: str, pp: int) -> tuple[str, str] | None:
     """(the line, the fix) when the document mask is on (cfg: the DataConfig) with a lever that cannot carry it:
-    train.kernels=triton, pipeline or context parallelism; None otherwise. kiln.config raises it."""
+    train.kernels=triton or pipeline parallelism; None otherwise (context parallelism carries it:
+    kiln.parallel.context). kiln.config raises it."""
     if not cfg.masks_documents:
         return None
     if kernels == "triton":
         what, lever = "train.kernels=triton runs attention in FlashAttention, which takes no mask", "--train.kernels=torch"
     elif pp > 1:
         what, lever = f"parallel.pp={pp} sends the pipeline stages hidden states, not the documents", "--parallel.pp=1"
-    elif cp > 1:  # its shards' masks would come from kiln.models.documents.same_document; not built yet
-        what, lever = f"parallel.cp={cp} shards each sequence with a causal mask only", "--parallel.cp=1"
     else:
         return None
     fix = f"use {lever}, or set --data.document_mask=false"

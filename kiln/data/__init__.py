@@ -10,7 +10,7 @@ file ends and the next begins; windows are sampled across those boundaries like 
 The modules by concern: config (DataConfig), prepared (prepare_data, PreparedData), cache (where shards live and
 what keys them), build (tokenizing into shards), summary (the lines a prepare logs), prepare (pieces, workers,
 resume), loader (batches), tokenizer, corpus, mix, shards, pretokenized; chat, sft, chat_data, packing for chat
-records.
+records; jsonl (the one JSONL line reader: chat sources, prompt files, task files).
 """
 from __future__ import annotations
 

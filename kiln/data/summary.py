@@ -8,6 +8,8 @@ from typing import Callable
 
 import numpy as np
 
+from kiln.errors import KilnError
+
 
 def home_relative(path: Path) -> str:
     """~/... for paths under the home directory: shorter, and the same in every user's logs."""
@@ -24,7 +26,8 @@ def unigram_entropy(tokens: np.ndarray, vocab_size: int) -> float:
     for start in range(0, len(tokens), chunk):
         chunk_counts = np.bincount(tokens[start : start + chunk], minlength=vocab_size)
         if len(chunk_counts) > vocab_size:
-            raise ValueError(f"token id {len(chunk_counts) - 1} is outside the vocabulary of {vocab_size}")
+            raise KilnError(f"token id {len(chunk_counts) - 1} is outside the vocabulary of {vocab_size}",
+                            key="vocab_size", value=vocab_size)
         counts += chunk_counts
     p = counts[counts > 0] / counts.sum()
     return float(-(p * np.log(p)).sum())

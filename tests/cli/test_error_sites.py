@@ -100,9 +100,9 @@ SITES = [
      ["hf_no_eot: its tokenizer has no '<|endoftext|>' and config.json no eos_token_id"]),
     ("kiln/data/chat.py:_read", [*M, "--data.records=chat", "--data.tokenizer=hf:hf_bad_config"],
      ["hf_bad_config/tokenizer_config.json is not valid JSON", "restore it"]),
-    ("kiln/data/chat.py:check_messages", ["sample", "run", "--prompt-file=empty_messages.jsonl"],
+    ("kiln/data/chat.py:check_messages", ["sample", "run", "--max-new-tokens=1", "--prompt-file=empty_messages.jsonl"],
      ["empty_messages.jsonl:1: \"messages\" must be a non-empty list"]),
-    ("kiln/data/chat.py:check_messages", ["sample", "run", "--prompt-file=bad_message.jsonl"],
+    ("kiln/data/chat.py:check_messages", ["sample", "run", "--max-new-tokens=1", "--prompt-file=bad_message.jsonl"],
      ["bad_message.jsonl:1: message 0 must be an object with a string \"role\""]),
     # kiln/data/mix.py
     ("kiln/data/mix.py:check_mix", [*M, "mix_and_source.toml"], ["data.source='a.txt' and [[data.mix]]"]),

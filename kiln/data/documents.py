@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import torch
 
+from kiln.errors import KilnError
+
 IGNORE_INDEX = -100  # kiln.models.transformer.IGNORE_INDEX: data sits beside models and cannot import it (a test checks)
 
 
@@ -29,8 +31,10 @@ def document_separator(cfg, tokenizer) -> int | None:
     if not cfg.masks_documents or cfg.records != "text":
         return None
     if tokenizer.eot_id < 0:  # DataConfig.validate refuses this first; kept for a PreparedData built in code
-        raise ValueError("data.document_mask=true needs the tokenizer's end-of-text id, which this pre-tokenized "
-                         "corpus does not know; give --data.tokenizer=hf:DIR or set --data.document_mask=false")
+        raise KilnError("data.document_mask=true needs the tokenizer's end-of-text id, which this pre-tokenized "
+                        "corpus does not know; give --data.tokenizer=hf:DIR or set --data.document_mask=false",
+                        key="data.document_mask", value=cfg.document_mask,
+                        fix="give --data.tokenizer=hf:DIR or set --data.document_mask=false")
     return tokenizer.eot_id
 
 

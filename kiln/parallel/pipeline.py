@@ -58,7 +58,7 @@ from kiln.models import build_model
 from kiln.models.lora import adapter_layout, add_adapters
 from kiln.models.moe import MoE, losses_of, moe_metrics, routing_sums
 from kiln.models.transformer import moe_penalty
-from kiln.parallel import shard_blocks
+from kiln.parallel.apply import shard_blocks
 from kiln.parallel.expert import shard_experts, wrap_experts
 from kiln.parallel.layout import ParallelPlan
 from kiln.parallel.tensor import apply_tensor_parallel, canonical, fused_rows

@@ -12,7 +12,7 @@ import torch.distributed as dist
 from kiln.models import build_model
 from kiln.models.config import ModelConfig
 from kiln.models.parts import IGNORE_INDEX
-from kiln.parallel import _mesh
+from kiln.parallel.world import _mesh
 from kiln.parallel.context import apply_context_parallel
 from kiln.parallel.layout import ParallelPlan
 from tests.parallel.scenarios import lm_config, tp_config

@@ -13,6 +13,8 @@ from typing import Callable
 
 import torch
 
+from kiln.errors import KilnError
+from kiln.evaluate.forward import width_multiple
 from kiln.evaluate.loglik import encode_pair, loglikelihoods, rolling_windows
 from kiln.evaluate.metrics import NA, choice_scores, multiple_choice_results, perplexity_results
 from kiln.evaluate.tasks import Task, TaskError, load_tasks
@@ -94,17 +96,20 @@ def score_task(model, prepared: Prepared, *, vocab: int, max_length: int, batch_
     return TaskResult(task.name, task.kind, len(items), truncated, {"alias": task.name, **results})
 
 
-def training_tasks(tc, tokenizer, max_seq_len: int, model_parallel: bool, log: Callable[[str], None]
-                   ) -> list[Prepared]:
+def training_tasks(tc, tokenizer, max_seq_len: int, plan, log: Callable[[str], None]) -> list[Prepared]:
     """train.eval_tasks (tc: the train section) read and tokenized before the first step: a bad row stops the run
     before it trains. One line per task says what is scored, and how many contexts lose their start to the model's
-    window. model_parallel: the run splits its model or its sequences (tp, pp or cp), which the scoring's forward
-    cannot take yet."""
+    window. plan: the run's ParallelPlan (None: one process); every layout scores through the validation pass's
+    forward (kiln.evaluate.forward), whose batches are padded to a multiple of 2·cp (and of tp under sequence
+    parallelism) — which the window must be, so that its longest rows still fit."""
     if not tc.eval_tasks:
         return []
-    if model_parallel:
-        raise ValueError("train.eval_tasks is scored under data parallelism only (ddp, fsdp, zero): parallel.tp, "
-                         "parallel.pp and parallel.cp split the forward it needs; score the checkpoints with `kiln eval` instead")
+    multiple = width_multiple(plan)
+    if max_seq_len % multiple:
+        raise KilnError(f"train.eval_tasks pads each batch to a multiple of {multiple} tokens (2·parallel.cp, and "
+                        f"parallel.tp under sequence parallelism), which model.max_seq_len={max_seq_len} is not: "
+                        f"pick a multiple of {multiple}", key="model.max_seq_len", value=max_seq_len,
+                        fix=f"pick a model.max_seq_len divisible by {multiple}")
     tasks = [prepare(t, tokenizer, max_seq_len, tc.eval_task_limit) for t in load_tasks(tc.eval_tasks)]
     for p in tasks:
         cut = f"; {p.truncated} context(s) longer than model.max_seq_len={max_seq_len} lose their start " \

@@ -69,7 +69,7 @@ from torch.nn._reduction import get_enum
 from kiln.models.parts import IGNORE_INDEX, LMLoss, at_least_fp32
 from kiln.models.registry import family
 
-_SUM = get_enum("sum")  # nll_loss's reduction argument
+_SUM, _NONE = get_enum("sum"), get_enum("none")  # nll_loss's reduction argument
 
 
 class Held(ParallelStyle):
@@ -161,6 +161,23 @@ class VocabParallelLoss(nn.Module):
         h, targets = (DTensor.from_local(t, mesh, [Replicate()], run_check=False) for t in (h, targets))
         logits = at_least_fp32(F.linear(h, weight))  # (N, V/tp) on this rank: Shard(-1)
         return _ShardedCrossEntropy.apply(logits, targets).to_local()
+
+
+def vocab_parallel_log_likelihood(h, weight, targets, vocab: int) -> torch.Tensor:
+    """log p(target) of each row of h (N, C), replicated over tp, with the softmax over the first `vocab` rows of a
+    head weight sharded over the padded vocabulary (Shard(0)): VocabParallelLoss's ops (log_softmax, nll_loss under
+    loss_parallel(): three [N] vectors reduced over tp, never the logits) with kiln's padding columns at -inf, as a
+    model exported without them has none (kiln.evaluate, task scoring). (N,) fp32 or wider, the same on every rank."""
+    mesh = weight.device_mesh
+    local = at_least_fp32(F.linear(h, weight.to_local()))  # (N, V/tp): this rank's columns of the logits
+    first = mesh.get_local_rank() * local.shape[1]
+    padding = torch.arange(first, first + local.shape[1], device=local.device) >= vocab
+    logits = DTensor.from_local(local.masked_fill(padding, float("-inf")), mesh, [Shard(-1)], run_check=False)
+    targets = DTensor.from_local(targets, mesh, [Replicate()], run_check=False)
+    with loss_parallel():
+        logp = torch.log_softmax(logits, dim=-1)
+        nll, _ = torch.ops.aten.nll_loss_forward(logp, targets, None, _NONE, IGNORE_INDEX)
+    return -nll.to_local()
 
 
 def _gather_sequence(module, args):

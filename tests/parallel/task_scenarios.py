@@ -43,13 +43,13 @@ def pairs_of(out: Path, tokenizer) -> list:
 
 
 def score_after(state, out: Path, run_dir: Path) -> None:
-    """Every rank, after the run: each pair's log-likelihood through the run's layout (batches of 3), with the
-    model's vocabulary and as if ids PADDED_FROM.. were padding; rank 0 writes RUN_DIR/task_lls.json and prints
-    how long the two took (the launch's log)."""
+    """Every rank, after the run: each pair's log-likelihood through the run's layout (batches of 8: 2 micro-batches
+    of 4 under pp2), with the model's vocabulary and as if ids PADDED_FROM.. were padding; rank 0 writes
+    RUN_DIR/task_lls.json and prints how long the two took (the launch's log)."""
     began = time.monotonic()
     pairs = pairs_of(out, load_tokenizer(run_dir))
     vocab = getattr(state.model, "module", state.model).cfg.vocab_size  # (DDP's wrapper)
-    lls = {str(v): loglikelihoods(state.model, pairs, v, WINDOW, batch_size=3, world=state.world)[0].tolist()
+    lls = {str(v): loglikelihoods(state.model, pairs, v, WINDOW, batch_size=8, world=state.world)[0].tolist()
            for v in (vocab, PADDED_FROM)}
     if dist.get_rank() == 0:
         (run_dir / "task_lls.json").write_text(json.dumps(lls))

@@ -33,13 +33,15 @@ class Pair:
     continuation: tuple[int, ...]  # never empty
 
 
-def encode_pair(encode: Callable[[str], list[int]], context: str, continuation: str, prefix_id: int) -> Pair:
+def encode_pair(encode: Callable[[str], list[int]], context: str, continuation: str, prefix_id: int,
+                bare: Callable[[str], list[int]] | None = None) -> Pair:
     """The harness's tokenization of one request: trailing whitespace of the context moves to the continuation,
     the continuation's tokens are those of encode(context + continuation) after the first len(encode(context)) —
     so a merge across the boundary is scored as the model would see the whole text. An empty context is
-    `prefix_id` (the end-of-text id), unless the continuation already starts with it."""
+    `prefix_id`, unless the continuation already starts with it; that continuation is encoded by `bare` (the
+    harness's add_special_tokens=False, kiln.evaluate.encoding; default: encode)."""
     if not context:
-        tokens = tuple(encode(continuation))
+        tokens = tuple((bare or encode)(continuation))
         if tokens and tokens[0] == prefix_id:
             return Pair(tokens[:1], tokens[1:])
         return Pair((prefix_id,), tokens)

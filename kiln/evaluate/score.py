@@ -14,6 +14,7 @@ from typing import Callable
 import torch
 
 from kiln.errors import KilnError
+from kiln.evaluate.encoding import HarnessEncoding
 from kiln.evaluate.forward import width_multiple
 from kiln.evaluate.loglik import encode_pair, loglikelihoods, rolling_windows
 from kiln.evaluate.metrics import NA, choice_scores, multiple_choice_results, perplexity_results
@@ -55,19 +56,22 @@ class Prepared:
         return sum(len(p.context) + len(p.continuation) > self.max_length + 1 for p in self.pairs)
 
 
-def prepare(task: Task, tokenizer, max_length: int, limit: int = 0) -> Prepared:
-    """`task`'s first `limit` items (0: all) as the pairs whose log-likelihoods score them."""
+def prepare(task: Task, tokenizer, max_length: int, limit: int = 0, prefix_id: int | None = None) -> Prepared:
+    """`task`'s first `limit` items (0: all) as the pairs whose log-likelihoods score them, tokenized as the harness
+    tokenizes them (kiln.evaluate.encoding; prefix_id: its prefix token, default the end-of-text id)."""
     items = list(task.items[:limit] if limit else task.items)
-    encode = functools.lru_cache(maxsize=1024)(lambda text: tokenizer.encode(text))  # a context, once per choice
+    harness = HarnessEncoding(tokenizer, prefix_id)
+    encode = functools.lru_cache(maxsize=1024)(harness)  # a context, once per choice
     pairs, sizes = [], []
     for item in items:
         if task.kind == "perplexity":
-            windows = rolling_windows(encode(item.text), tokenizer.eot_id, max_length)
+            windows = rolling_windows(encode(item.text), harness.prefix_id, max_length)
             pairs += windows
             sizes.append(len(windows))
             continue
         for i, choice in enumerate(item.choices):
-            pair = encode_pair(encode, item.context, " " + choice, tokenizer.eot_id)
+            pair = encode_pair(encode, item.context, " " + choice, harness.prefix_id,
+                               bare=functools.partial(harness, special=False))
             if not pair.continuation or len(pair.continuation) > max_length:
                 raise TaskError(f"{item.where}: choice {i} is {len(pair.continuation)} tokens; it must be 1 to "
                                 f"{max_length} (the window, --max-length)")

@@ -32,16 +32,6 @@ class Tokenizer(Protocol):
 
     def encode(self, text: str) -> list[int]: ...
     def encode_chat(self, text: str) -> list[int]: ...  # a rendered chat template: its special tokens are ids
-    def encode_as_transformers(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        """What transformers' tokenizer.encode(text) gives with its defaults (lm-evaluation-harness's tok_encode,
-        kiln.evaluate.encoding): the special tokens written in `text` are their ids, and tokenizer.json's
-        post-processor adds its own (a Llama's BOS) unless add_special_tokens is False."""
-        self._tok.encode_special_tokens = False
-        try:
-            return self._tok.encode(text, add_special_tokens=add_special_tokens).ids
-        finally:
-            self._tok.encode_special_tokens = True
-
     def chat_offsets(self, text: str) -> tuple[list[int], list[tuple[int, int]]]: ...  # and each id's characters
     def decode(self, ids: list[int]) -> str: ...
     def encode_batch(self, texts: list[str]) -> list[np.ndarray]: ...
@@ -170,6 +160,16 @@ class BPETokenizer:
         self._tok.encode_special_tokens = False
         try:
             return self._tok.encode(text, add_special_tokens=False).ids
+        finally:
+            self._tok.encode_special_tokens = True
+
+    def encode_as_transformers(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """What transformers' tokenizer.encode(text) gives with its defaults (lm-evaluation-harness's tok_encode,
+        kiln.evaluate.encoding): the special tokens written in `text` are their ids, and tokenizer.json's
+        post-processor adds its own (a Llama's BOS) unless add_special_tokens is False."""
+        self._tok.encode_special_tokens = False
+        try:
+            return self._tok.encode(text, add_special_tokens=add_special_tokens).ids
         finally:
             self._tok.encode_special_tokens = True
 

@@ -7,8 +7,11 @@ import shutil
 
 import pytest
 
-from kiln.evaluate import load_tasks, prepare
+from kiln.errors import KilnError
+from kiln.evaluate import load_tasks, prepare, training_tasks
+from kiln.parallel.layout import ParallelPlan
 from kiln.run.source import load_source
+from kiln.train.settings import TrainConfig
 
 BOS = "<s>"
 ROWS = [("def f(x):\n    return", "x"), ("Question: which keyword? ", "def"),  # trailing space: to the continuation
@@ -82,3 +85,18 @@ def test_a_bos_adding_tokenizer_is_encoded_as_the_harness_encodes_it(bos_export,
     assert tokens[0] == prefix and [list(doc.pairs[0].context), list(doc.pairs[0].continuation)] == \
         [[prefix], tokens[:32]]
     assert [t for p in doc.pairs for t in p.continuation] == tokens  # every token predicted once
+
+
+@pytest.mark.parametrize("plan, multiple", [(ParallelPlan(2, strategy="fsdp", cp=2), 4),
+                                            (ParallelPlan(2, tp=2, sequence_parallel=True), 2)])
+def test_a_window_the_padded_batches_cannot_fill_is_one_line(exported, tmp_path, plan, multiple):
+    """train.eval_tasks pads each batch to a multiple of 2·cp (and of tp under sequence parallelism): a
+    model.max_seq_len that is not one is refused before the run trains."""
+    task = tmp_path / "mc.jsonl"
+    task.write_text(json.dumps({"context": "a", "choices": ["b"], "label": 0}) + "\n")
+    tc = TrainConfig(eval_tasks=(str(task),))
+    tokenizer = load_source(f"hf:{exported}", device="cpu").tokenizer
+    assert len(training_tasks(tc, tokenizer, 32, plan, log=lambda m: None)) == 1
+    with pytest.raises(KilnError, match=f"pads each batch to a multiple of {multiple} tokens") as e:
+        training_tasks(tc, tokenizer, 31, plan, log=lambda m: None)
+    assert e.value.key == "model.max_seq_len" and "\n" not in str(e.value)

@@ -8,12 +8,13 @@
 A pair is scored as the harness's HFLM._loglikelihood_tokens scores it: the row (context + continuation) keeps its
 last max_length + 1 tokens (a longer context loses its start: counted as truncated), the model reads all but the
 last, and the log-softmax over the true vocabulary (kiln's padding rows excluded) is summed at the continuation's
-positions. `model` is anything that maps ids (B, T) to logits (B, T, V ≥ vocab): kiln's Transformer, or one
-wrapped for data parallelism.
+positions. `model` is kiln's Transformer (maybe wrapped for data parallelism, or split by tp or cp) or a
+pipeline's PipelineModel: the rows run through the validation pass's forward with a scoring head in the loss's
+place (kiln.evaluate.forward).
 
 Under data parallelism (`world`, kiln.parallel's World) each copy scores every dp_size-th row, padded so that all
 run the same number of forwards (FSDP needs every rank in each one), and the log-likelihoods are summed over the
-copies: every rank returns all of them.
+copies (and over a row's cp ranks and pipeline stages): every rank returns all of them.
 """
 from __future__ import annotations
 

@@ -5,6 +5,7 @@
     fused_rows(model)                     {parameter name: (part rows, ...)} of the fused linears
     canonical(tensor, parts, tp)          a fused weight (or its optimizer state) back in the model's own row order
     from_canonical(tensor, parts, tp)     and into the tensor-parallel order
+    vocab_parallel_log_likelihood(h, weight, targets, vocab)   log p(target) per row on the split head (scoring)
 
 Each block linear's role comes from `Family.linears(cfg)`: "column" linears (attn.qkv, mlp.fc) are ColwiseParallel
 (output features split, this rank's heads or MLP width), "row" linears (attn.proj, mlp.proj) RowwiseParallel (input
@@ -28,7 +29,8 @@ each rank its rows of the head's gradient. The sum over valid targets (ignore_in
 step's normalisation by the global batch's count is unchanged. kiln's LM loss has no label smoothing to carry
 over. The chunked loss and the fused Triton loss compute the whole vocabulary's logits per chunk:
 memory.chunked_loss is refused with tp > 1 (kiln.config), and train.kernels=triton keeps the plain loss's place
-for this one (kiln.run.lm). Evaluation runs the same loss; sampling and exports read the consolidated weights
+for this one (kiln.run.lm). Evaluation runs the same loss (task scoring, kiln.evaluate.forward, puts
+vocab_parallel_log_likelihood in its place: the same ops, each target's log-probability instead of the sum); sampling and exports read the consolidated weights
 (kiln.train.checkpoint gathers the shards, one whole tensor at a time).
 
 Sequence parallel (parallel.sequence_parallel): between the TP regions the residual stream is split along the

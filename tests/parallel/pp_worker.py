@@ -20,7 +20,8 @@ held = {}
 # resume on one process; then sampled from the stages' weights gathered), Llama under FSDP2
 # (GPT-2 under DDP also scores train.eval_tasks at its evaluation and after it: tests/parallel/task_scenarios.py)
 for arch, strategy, interval in (("gpt2", "ddp", 0), ("gpt2", "fsdp", 3), ("llama", "fsdp", 0)):
-    cfg, run = pp_config(source, arch=arch, pp=2, dp=2, strategy=strategy, interval=interval), f"pp2dp2_{strategy}_{arch}"
+    cfg = pp_config(source, arch=arch, pp=2, dp=2, strategy=strategy, interval=interval)
+    run = f"pp2dp2_{strategy}_{arch}"
     tasks = (arch, strategy) == ("gpt2", "ddp")
     state = pp_run(with_tasks(cfg, out) if tasks else cfg, out / run, sample=SAMPLE if interval else 0)
     if tasks:

@@ -165,6 +165,16 @@ class BPETokenizer:
         finally:
             self._tok.encode_special_tokens = True
 
+    def encode_as_transformers(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """What transformers' tokenizer.encode(text) gives with its defaults (lm-evaluation-harness's tok_encode,
+        kiln.evaluate.encoding): the special tokens written in `text` are their ids, and tokenizer.json's
+        post-processor adds its own (a Llama's BOS) unless add_special_tokens is False."""
+        self._tok.encode_special_tokens = False
+        try:
+            return self._tok.encode(text, add_special_tokens=add_special_tokens).ids
+        finally:
+            self._tok.encode_special_tokens = True
+
     def chat_offsets(self, text: str) -> tuple[list[int], list[tuple[int, int]]]:
         """encode_chat's ids and each one's [start, end) character span in `text`, as the Encoding's offsets give it
         (transformers' char_to_token reads the same)."""

@@ -298,8 +298,7 @@ class LMParts:
                              f"fewer than one sequence of data.seq_len + 1 = {cfg.data.seq_len + 1}; raise "
                              f"data.val_fraction, lower data.seq_len, or use more text")
         self.tasks = [] if data is None else training_tasks(
-            cfg.train, data.tokenizer, cfg.model.max_seq_len, world.plan.model_parallel or world.plan.cp > 1,
-            self.log if world.main else lambda msg: None)
+            cfg.train, data.tokenizer, cfg.model.max_seq_len, world.plan, self.log if world.main else lambda msg: None)
         return loader
 
     def levers(self, cfg: Config, model, precision: str, device, plan: ParallelPlan) -> ModelPlan:

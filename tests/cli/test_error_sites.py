@@ -327,6 +327,9 @@ ALLOWED = {
         ALL, "a target that is no nn.Linear: kiln's families list linears only; a library caller reaches it"),
     "kiln/models/lora.py:_user_targets": (
         ALL, "kiln.fit's model of the user's (tests/models/test_lora.py checks the line word for word)"),
+    "kiln/evaluate/score.py:training_tasks": (
+        ALL, "train.eval_tasks with parallel.cp > 1 or sequence parallelism needs torchrun (a launch: kept out of "
+             "this table's time); tests/evaluate/test_harness_encoding.py calls it with such a plan"),
     "kiln/parallel/context.py:SequenceShard.set_length": (
         ALL, "data.seq_len is checked by check_context_parallel before the run (row above); a library caller's "
              "batch of another length reaches it"),

@@ -1,7 +1,8 @@
 """Bytes of one training step, derived tensor by tensor from kiln's own model code.
 
     estimate(job) -> Breakdown     components alive at the predicted peak, per-block activations, a timeline
-    Job                            everything memory depends on (kiln.memory.levers.make_job builds it from the config sections)
+    Job                            everything memory depends on (kiln.memory.levers.job_of builds it from the config
+                                   sections a Job is built from, kiln.memory.levers.JobSections)
 
 Every saved-for-backward tensor of kiln's model is listed in `_block_tensors` and `_head_tensors` with its size as
 a function of micro-batch B, sequence T, width d, heads H, kv-heads KV, head size hd, MLP width F, vocabulary V,

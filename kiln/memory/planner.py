@@ -28,6 +28,7 @@ from kiln.memory.estimate import (Breakdown, Job, block_matmul_numel, estimate, 
 from kiln.memory.estimate import _memo, _shapes_key  # noqa: E402  (the estimator's caches, shared)
 from kiln.memory.levers import JobSections, job_for, rank_jobs
 from kiln.memory.recompute import solve_budget
+from kiln.models.attention_costs import ATTENTION
 from kiln.models.registry import family
 from kiln.parallel.layout import ParallelPlan
 from kiln.parallel.strategy import STRATEGIES, strategy
@@ -212,8 +213,8 @@ def step_time(job: Job, device, link: float | None = None, tp_link: float | None
     (balanced: N·K, whatever tp) and waits for the all-to-alls over ep_link (kiln.memory.experts)."""
     cfg, num = job.model, job.num
     T, L, tp = job.seq_len, cfg.n_layer, job.tp
-    N, d, hd, V = job.tokens, cfg.d_model, cfg.head_dim, cfg.padded_vocab
-    H, KV, c, r = cfg.n_head, cfg.n_kv_head, num.compute, num.residual
+    N, d, V = job.tokens, cfg.d_model, cfg.padded_vocab
+    c, r = num.compute, num.residual
     peak, bw = device.flops(job.precision), device.bandwidth
     me, be, op_s, _ = time_constants(device)
     nvlink = INTERCONNECTS["nvlink4"]
@@ -226,8 +227,8 @@ def step_time(job: Job, device, link: float | None = None, tp_link: float | None
              for x in family(cfg.arch).linears(cfg)
              for s, w in [(1, job.ep) if x.tp == "expert" and job.ep > 1 else (tp if x.tp != "replicate" else 1, 1)])
     fused = job.backend != "math"
-    attn_flops = 4 * N * H * T * hd * (0.5 if fused else 1.0) / tp  # this rank's queries against the context
-    attn_bytes = (N * (H + 2 * KV) * hd * c + N * H * hd * c + (0 if fused else 4 * N * H * T * 4)) / tp
+    attn_flops = ATTENTION.flops(cfg, N, T, fused) / tp  # this rank's queries against the context
+    attn_bytes = ATTENTION.io_bytes(cfg, N, T, c, fused) / tp
     attn = _roofline(attn_flops, attn_bytes, peak, bw, me, be)
     elem_bytes = N * d * r * 14 / (tp if job.sequence_parallel else 1) + N * _elementwise_width(cfg) * c / tp
     if num.autocast and num.casts:

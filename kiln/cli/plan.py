@@ -75,10 +75,7 @@ def run(args, overrides) -> int:
         print(f"calibrated {device.name}: matmuls reach {model['matmul_efficiency']:.0%} of the peak, elementwise "
               f"{model['bandwidth_efficiency']:.0%} of the bandwidth, {1e6 * model['op_overhead_s']:.1f} µs per op "
               f"(kept in {path})")
-    try:
-        memory = parse_bytes(args.memory) if args.memory else None
-    except ValueError as e:
-        raise ConfigError(str(e)) from None
+    memory = parse_bytes(args.memory, "--memory") if args.memory else None
     if args.gpus < 1 or args.gpus_per_node < 1:
         raise ConfigError(f"--gpus and --gpus-per-node must be ≥ 1, got {args.gpus} and {args.gpus_per_node}")
     sections = JobSections.of(cfg)

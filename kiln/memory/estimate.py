@@ -23,6 +23,7 @@ import math
 import re
 from dataclasses import dataclass, field, replace
 
+from kiln.errors import KilnError
 from kiln.memory import adapters as lora_
 from kiln.memory.experts import expert_comm, is_expert
 from kiln.models import softcap
@@ -41,13 +42,16 @@ COMPONENTS = ("parameters", "gradients", "master_weights", "optimizer_states", "
               "weight_casts", "temporaries", "comm_buffers", "buffers", "device_overhead")
 
 
-def parse_bytes(text: str | int | float) -> int:
-    """'24GiB' -> 25769803776, '80GB' -> 8e10, '512MiB', '1.5e9' -> bytes."""
+def parse_bytes(text: str | int | float, key: str | None = None) -> int:
+    """'24GiB' -> 25769803776, '80GB' -> 8e10, '512MiB', '1.5e9' -> bytes. key: the config key or flag the text
+    was given as, which an unreadable one's error names."""
     if isinstance(text, (int, float)):
         return int(text)
     m = re.fullmatch(r"\s*([0-9.]+(?:e[0-9]+)?)\s*([A-Za-z]*)\s*", str(text))
     if not m or m.group(2).lower() not in _UNITS:
-        raise ValueError(f"cannot read {text!r} as a size; write it like 24GiB, 80GB or 512MiB")
+        fix = "write it like 24GiB, 80GB or 512MiB"
+        raise KilnError(f"{key}={text!r}: cannot read it as a size; {fix}" if key else
+                        f"cannot read {text!r} as a size; {fix}", key=key, value=text, fix=fix)
     return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
 
 
@@ -289,9 +293,11 @@ def recompute_plan(policy: str, n_layer: int, every: int = 2) -> tuple[str, ...]
         return (policy,) * n_layer
     if policy == "every_k":
         if every < 1:
-            raise ValueError("memory.recompute_every must be ≥ 1")
+            raise KilnError(f"memory.recompute_every must be ≥ 1, got {every}", key="memory.recompute_every",
+                            value=every, fix="give a whole number ≥ 1")
         return tuple("full" if i % every == 0 else "seg" for i in range(n_layer))
-    raise ValueError(f"no uniform plan for recompute policy {policy!r}")
+    raise KilnError(f"memory.recompute={policy!r} has no uniform plan", key="memory.recompute", value=policy,
+                    fix="use none, full, selective or every_k (budget is solved by kiln.memory.recompute.solve_budget)")
 
 
 # ---------------------------------------------------------------- parameters
@@ -479,7 +485,8 @@ def optimizer_state_bytes(numels: list[int], optimizer: str, momentum: float = 0
         return sum(4 * n for n in numels) if momentum > 0 else 0
     if optimizer == "adamw8bit":
         return sum(adam8bit_state_bytes(n) for n in numels)
-    raise ValueError(f"unknown optimizer {optimizer!r}")
+    raise KilnError(f"optim.name={optimizer!r} has no optimizer-state size here", key="optim.name", value=optimizer,
+                    fix="use adamw, adam, sgd or adamw8bit (muon: muon_state_bytes)")
 
 
 def muon_state_bytes(shapes: list[tuple[str, tuple[int, ...]]]) -> int:

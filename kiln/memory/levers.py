@@ -59,7 +59,7 @@ class MemoryConfig:
                             key="memory.recompute_budget", value=self.recompute_budget,
                             fix="e.g. --memory.recompute_budget=6GiB")
         if self.recompute_budget:
-            parse_bytes(self.recompute_budget)
+            parse_bytes(self.recompute_budget, "memory.recompute_budget")
         if self.chunked_loss < 0:
             raise KilnError(f"memory.chunked_loss must be ≥ 0 (0 = off), got {self.chunked_loss}",
                             key="memory.chunked_loss", value=self.chunked_loss,

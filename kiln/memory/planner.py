@@ -53,7 +53,7 @@ class PlanConfig:
 
     def validate(self):
         if self.memory:
-            parse_bytes(self.memory)
+            parse_bytes(self.memory, "plan.memory")
         if self.global_batch_tokens < 0:
             raise KilnError(f"plan.global_batch_tokens must be ≥ 0, got {self.global_batch_tokens}",
                             key="plan.global_batch_tokens", value=self.global_batch_tokens,
@@ -133,8 +133,8 @@ def fit_time_model(device, observations: list[tuple[Job, float]], bandwidth_effi
     sac, say, scy = sum(a * c for a, c, _ in rows), sum(a * y for a, _, y in rows), sum(c * y for _, c, y in rows)
     det = saa * scc - sac * sac
     if not det or abs(det) < 1e-9 * saa * scc:
-        raise ValueError("the calibration steps cannot tell matmul time from per-op time apart; measure jobs of "
-                         "more different sizes")
+        raise KilnError(f"the {len(observations)} calibration steps cannot tell matmul time from per-op time apart",
+                        key="observations", value=len(observations), fix="measure jobs of more different sizes")
     u, o = (say * scc - scy * sac) / det, (saa * scy - sac * say) / det
     return {"matmul_efficiency": min(1.0, 1 / u) if u > 0 else 1.0, "op_overhead_s": max(o, 0.0)}
 

@@ -91,7 +91,7 @@ def plan_memory(sections: JobSections, plan_cfg: PlanConfig, device: torch.devic
     """`--plan.memory`: the sections the planner's best choice sets ({"train": ..., "memory": ...}), for the caller
     to apply through the config's own checks."""
     target = get_device(plan_cfg.device) if plan_cfg.device else local_device(device)
-    plan = search(sections, target, parse_bytes(plan_cfg.memory), plan_cfg.global_batch_tokens)
+    plan = search(sections, target, parse_bytes(plan_cfg.memory, "plan.memory"), plan_cfg.global_batch_tokens)
     if plan.best is None:
         raise ValueError(plan.shortfall())
     best = plan.best

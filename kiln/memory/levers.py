@@ -24,11 +24,11 @@ from kiln.errors import KilnError
 from kiln.memory.adapters import Adapters
 from kiln.memory.estimate import Job, Target, data_parallel, parse_bytes
 from kiln.memory.offload import parse_blocks
+from kiln.memory.recompute import POLICIES, plan_for
+from kiln.models.config import ModelConfig
 from kiln.models.registry import family
 from kiln.parallel.config import ParallelConfig
 from kiln.parallel.layout import ParallelPlan
-from kiln.memory.recompute import POLICIES, plan_for
-from kiln.models.config import ModelConfig
 from kiln.perf.hardware import auto_mode, fp8_refusal
 from kiln.precision import PRECISIONS, is_auto
 from kiln.util import closest

@@ -38,7 +38,7 @@ def test_estimator_refusals_name_the_key():
 
 
 def test_a_calibration_of_one_size_is_refused():
-    device = get_device("cpu")
+    device = get_device("H100")  # a table entry: nothing measured
     job = job_for(JobSections.of(load_config(None, ["--model.preset=tiny", "--model.n_layer=2"])), device)
     refused(lambda: fit_time_model(device, [(job, 0.5), (job, 0.6)], 0.8), "observations", 2, "more different sizes")
 

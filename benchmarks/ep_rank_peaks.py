@@ -42,13 +42,13 @@ def compare(out: Path) -> None:
     from kiln.config import load_config
     from kiln.memory.devices import get_device
     from kiln.memory.estimate import estimate, peak_allocated
-    from kiln.memory.levers import rank_jobs
+    from kiln.memory.levers import JobSections, rank_jobs
 
     world = len(list(out.glob("rank*.json")))
     measured = [json.loads((out / f"rank{r}.json").read_text()) for r in range(world)]
     print(f"{'scenario':<16}{'estimate':>12}{'rank 0 steady':>15}{'':>8}{'first est.':>12}{'first meas.':>13}")
     for name, extra in SCENARIOS.items():
-        _, jobs = rank_jobs(load_config(None, SHAPE + extra), get_device("cpu"), world)
+        _, jobs = rank_jobs(JobSections.of(load_config(None, SHAPE + extra)), get_device("cpu"), world)
         b = estimate(jobs[0])
         first, *later = measured[0][name]
         steady = min(later)

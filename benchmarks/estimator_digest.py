@@ -47,7 +47,7 @@ from dataclasses import replace
 from kiln.config import Config
 from kiln.memory.devices import get_device
 from kiln.memory.estimate import Job, Target, data_parallel, estimate, recompute_plan
-from kiln.memory.levers import rank_jobs
+from kiln.memory.levers import JobSections, rank_jobs
 from kiln.memory.planner import search, step_time
 from kiln.models import FAMILIES, ModelConfig, param_count
 from kiln.perf.flops import flops_per_token, recompute_flops_per_token
@@ -156,9 +156,9 @@ def config(preset: str) -> Config:
 
 def plans(h100) -> None:
     for preset in smallest():
-        plan = search(config(preset), h100, 40 * 2**30, 2**19)
+        plan = search(JobSections.of(config(preset)), h100, 40 * 2**30, 2**19)
         print(json.dumps({"plan": preset, "result": plan.to_json()}, sort_keys=True, default=str))
-        plan = search(config(preset), h100, 40 * 2**30, 2**20, gpus=8, quick=True, expert=False)
+        plan = search(JobSections.of(config(preset)), h100, 40 * 2**30, 2**20, gpus=8, quick=True, expert=False)
         print(json.dumps({"plan": preset, "gpus": 8, "result": plan.to_json()}, sort_keys=True, default=str))
 
 
@@ -175,7 +175,7 @@ def layouts(h100) -> None:
                              pp_schedule=schedule, pp_microbatches=micro)
         out = {"layout": [preset, list(layout), policy]}
         try:
-            plan, jobs = rank_jobs(c, h100, ranks)
+            plan, jobs = rank_jobs(JobSections.of(c), h100, ranks)
         except ValueError:  # not its text: see the docstring
             out["refused"] = True
             print(json.dumps(out, sort_keys=True))

@@ -388,7 +388,7 @@ def part_memory(s: Suite, box: float) -> None:
     from kiln.config import load_config
     from kiln.memory.devices import local_device
     from kiln.memory.estimate import estimate, peak_allocated
-    from kiln.memory.levers import job_for
+    from kiln.memory.levers import JobSections, job_for
     from kiln.run.measure import measure_step
 
     t_end = time.monotonic() + box
@@ -410,7 +410,7 @@ def part_memory(s: Suite, box: float) -> None:
         else:
             try:
                 cfg = load_config(None, args + [f"--precision.mode={precision}", f"--memory.recompute={recompute}"])
-                predicted = peak_allocated(estimate(job_for(cfg, local_device(s.device))))
+                predicted = peak_allocated(estimate(job_for(JobSections.of(cfg), local_device(s.device))))
                 measured = measure_step(cfg, s.device, steps=3).step_peaks[-1]
                 point.update(predicted_bytes=predicted, measured_bytes=measured,
                              rel_error=(predicted - measured) / measured)

@@ -28,7 +28,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from kiln.config import load_config  # noqa: E402
 from kiln.memory.devices import get_device  # noqa: E402
 from kiln.memory.estimate import estimate, fmt_bytes, peak_allocated  # noqa: E402
-from kiln.memory.levers import job_for  # noqa: E402
+from kiln.memory.levers import JobSections, job_for  # noqa: E402
 from kiln.memory.planner import step_time  # noqa: E402
 from kiln.run.measure import measure_step  # noqa: E402
 
@@ -38,7 +38,7 @@ def run(preset: str, seq_len: int, batch: int, steps: int, rank: int, precision:
                              f"--train.micro_batch_size={batch}", f"--precision.mode={precision}",
                              f"--lora.rank={rank}", "--train.device=cpu"])
     cpu = get_device("cpu")
-    job = job_for(cfg, cpu)
+    job = job_for(JobSections.of(cfg), cpu)
     b = estimate(job)
     torch.manual_seed(0)
     m = measure_step(cfg, torch.device("cpu"), steps=steps)

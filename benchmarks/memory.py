@@ -19,7 +19,7 @@ import torch
 from kiln.config import load_config
 from kiln.memory.devices import local_device
 from kiln.memory.estimate import estimate, peak_allocated
-from kiln.memory.levers import job_for
+from kiln.memory.levers import JobSections, job_for
 from kiln.memory.measure import measure_saved
 from kiln.run.lm import build_lm
 from kiln.run.measure import measure_step
@@ -42,7 +42,7 @@ def main() -> None:
     for policy in POLICIES:
         cfg = load_config(None, base + [f"--memory.recompute={policy}"])
         rigs[policy] = (cfg, build_lm(cfg, device=device, with_data=False).state)
-        pred = estimate(job_for(cfg, local_device(device)))
+        pred = estimate(job_for(JobSections.of(cfg), local_device(device)))
         B, T, V = cfg.train.micro_batch_size, cfg.data.seq_len, rigs[policy][1].model.cfg.vocab_size
         x, y = (torch.randint(0, V, (B, T), device=device) for _ in range(2))
         saved = measure_saved(rigs[policy][1].model, x, y, rigs[policy][1].precision)

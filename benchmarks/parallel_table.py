@@ -19,6 +19,7 @@ from pathlib import Path
 from kiln.config import load_config
 from kiln.memory.devices import get_device
 from kiln.memory.estimate import GiB
+from kiln.memory.levers import JobSections
 from kiln.memory.planner import search
 from kiln.perf.flops import flops_per_token
 
@@ -34,7 +35,7 @@ BEGIN, END = "<!-- parallel_table: begin -->", "<!-- parallel_table: end -->"
 def row(name: str, gpus: int, device) -> str:
     cfg = load_config(None, MODELS[name])
     start = time.perf_counter()
-    plan = search(cfg, device, None, GLOBAL_TOKENS, gpus=gpus, quick=True, context=False)
+    plan = search(JobSections.of(cfg), device, None, GLOBAL_TOKENS, gpus=gpus, quick=True, context=False)
     took = time.perf_counter() - start
     best = plan.best  # no context parallelism searched: what training can run
     print(f"  {name} × {gpus}: {plan.considered} configurations, {took:.0f} s", flush=True)

@@ -99,7 +99,7 @@ def test_memory_part_numbers_match_an_independent_measurement(results):
     from kiln.config import load_config
     from kiln.memory.devices import local_device
     from kiln.memory.estimate import estimate, peak_allocated
-    from kiln.memory.levers import job_for
+    from kiln.memory.levers import JobSections, job_for
     from kiln.run.measure import measure_step
 
     point = load(results, "memory")["points"][0]
@@ -108,7 +108,7 @@ def test_memory_part_numbers_match_an_independent_measurement(results):
                              f"--train.micro_batch_size={TOY['batch']}", "--train.device=cpu",
                              "--precision.mode=fp32", "--memory.recompute=none"])
     cpu = torch.device("cpu")
-    assert point["predicted_bytes"] == peak_allocated(estimate(job_for(cfg, local_device(cpu))))
+    assert point["predicted_bytes"] == peak_allocated(estimate(job_for(JobSections.of(cfg), local_device(cpu))))
     # CPU peaks are live-tensor byte counts (kiln/memory/measure.py), deterministic for a fixed seed and shape.
     assert point["measured_bytes"] == measure_step(cfg, cpu, steps=3).step_peaks[-1]
 

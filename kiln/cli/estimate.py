@@ -10,7 +10,7 @@ from pathlib import Path
 from kiln.cli.common import add_config_arguments, config_from
 from kiln.config import ConfigError, load_config
 from kiln.memory.devices import get_device
-from kiln.memory.levers import job_for, precision_for, resolved_model
+from kiln.memory.levers import JobSections, job_for, precision_for
 from kiln.models.config import param_count
 from kiln.perf.estimate import (CHINCHILLA_TOKENS_PER_PARAM, duration, implied_mfu, parse_count,
                                 training_estimate)
@@ -74,7 +74,8 @@ def run(args, overrides) -> int:
         raise ConfigError(f"--price must be ≥ 0 USD per GPU-hour, got {args.price}")
     device = get_device(args.device)
     precision = precision_for(cfg.precision.mode, device)
-    model = resolved_model(cfg)
+    sections = JobSections.of(cfg)
+    model = sections.resolved_model()
     params = param_count(model)
     tokens = CHINCHILLA_TOKENS_PER_PARAM * params if args.chinchilla else parse_count(args.tokens)
     peak = device.flops(precision)
@@ -90,7 +91,7 @@ def run(args, overrides) -> int:
         mfu, mfu_from = None, None
     else:
         mfu, mfu_from = DEFAULT_MFU, "assumed (give --mfu, or --from-run RUN_DIR for a measured one)"
-    recompute = job_for(cfg, device).recompute
+    recompute = job_for(sections, device).recompute
     if mfu is None:  # --gpu-hours: what the reported run implies
         gpu_hours = parse_count(args.gpu_hours)
         flops = training_estimate(model, params, cfg.data.seq_len, tokens, args.gpus, peak, 1.0).flops

@@ -72,7 +72,7 @@ def run(args, overrides) -> int:
         weights = lora.merged()
     tokenizer = load_tokenizer(run_dir)
     model_cfg = cfg.model.resolve()
-    files = write_hf(model_cfg, weights, tokenizer.vocab_size, out, parse_bytes(args.shard_size),
+    files = write_hf(model_cfg, weights, tokenizer.vocab_size, out, parse_bytes(args.shard_size, "--shard-size"),
                      eos=tokenizer.eot_id)
     if tokenizer.kind == "bpe":  # the `tokenizers` file transformers' fast tokenizer reads as it is
         shutil.copy(run_dir / TOKENIZER_FILE, out / TOKENIZER_FILE)

@@ -16,7 +16,7 @@ from kiln.memory.devices import get_device, local_device
 from kiln.memory.estimate import (COMPONENTS, estimate, fmt_bytes, local_parameter_shapes, peak_allocated,
                                   trainable)
 from kiln.memory.experts import worst_case_note
-from kiln.memory.levers import rank_jobs
+from kiln.memory.levers import JobSections, rank_jobs
 from kiln.memory.plots import breakdown_bar, timeline
 from kiln.perf.hardware import precision_notice
 from kiln.run.measure import measure_step
@@ -53,7 +53,7 @@ def run(args, overrides) -> int:
     device = _device(args.device)
     if args.ranks < 1:
         raise ConfigError(f"--ranks must be ≥ 1, got {args.ranks}")
-    plan, jobs = rank_jobs(cfg, device, args.ranks)
+    plan, jobs = rank_jobs(JobSections.of(cfg), device, args.ranks)
     stages = [estimate(j) for j in jobs]
     worst = max(range(len(stages)), key=lambda s: stages[s].total_bytes)
     job, b = jobs[worst], stages[worst]

@@ -12,7 +12,7 @@ from kiln.cli.memory import _device
 from kiln.config import ConfigError, apply_overrides, checked
 from kiln.memory.estimate import GiB, fmt_bytes, parse_bytes, peak_allocated
 from kiln.memory import calibrate as calibration
-from kiln.memory.levers import job_for, precision_for, resolved_model
+from kiln.memory.levers import JobSections, job_for, precision_for
 from kiln.memory.planner import fit_time_model, search, time_constants
 from kiln.models.registry import family
 from kiln.parallel.layout import check_ep_ranks, check_experts
@@ -75,17 +75,15 @@ def run(args, overrides) -> int:
         print(f"calibrated {device.name}: matmuls reach {model['matmul_efficiency']:.0%} of the peak, elementwise "
               f"{model['bandwidth_efficiency']:.0%} of the bandwidth, {1e6 * model['op_overhead_s']:.1f} µs per op "
               f"(kept in {path})")
-    try:
-        memory = parse_bytes(args.memory) if args.memory else None
-    except ValueError as e:
-        raise ConfigError(str(e)) from None
+    memory = parse_bytes(args.memory, "--memory") if args.memory else None
     if args.gpus < 1 or args.gpus_per_node < 1:
         raise ConfigError(f"--gpus and --gpus-per-node must be ≥ 1, got {args.gpus} and {args.gpus_per_node}")
+    sections = JobSections.of(cfg)
     if cfg.parallel.ep > 1:  # a given ep: the line `kiln train` and `kiln memory` print for the same layout
-        model = resolved_model(cfg)
+        model = sections.resolved_model()
         check_experts(cfg.parallel.ep, model, family(model.arch))
         check_ep_ranks(cfg.parallel, args.gpus)
-    plan = search(cfg, device, memory, args.global_batch_tokens, args.gpus, args.interconnect,
+    plan = search(sections, device, memory, args.global_batch_tokens, args.gpus, args.interconnect,
                   model_parallel=not args.no_model_parallel, gpus_per_node=args.gpus_per_node,
                   inter_node=args.inter_node)
     if args.json:
@@ -159,7 +157,7 @@ def _calibrate(cfg, device, here) -> dict:
         trial = apply_overrides(cfg, {"train.micro_batch_size": micro})
         trial = apply_overrides(trial, dict(o.lstrip("-").split("=") for o in CALIBRATION_SHAPE))
         m = measure_step(trial, here, steps=4)
-        observations.append((job_for(trial, device), min(m.step_seconds[1:])))
+        observations.append((job_for(JobSections.of(trial), device), min(m.step_seconds[1:])))
     model.update(fit_time_model(device, observations, model["bandwidth_efficiency"]))
     return model
 
@@ -180,7 +178,7 @@ def _verify(cfg, plan, k: int, quiet: bool) -> list[dict]:
         what = "max_memory_allocated" if here.type == "cuda" else "live tensor bytes"
         print(f"verify on {here.type} (3 steps each; peak = {what}):")
     for i, c in enumerate(plan.candidates[:k], 1):
-        trial = checked(c.choice.on(cfg))
+        trial = checked(replace(cfg, **c.choice.on(JobSections.of(cfg)).levers()))
         m = measure_step(trial, here, steps=3)
         pred = peak_allocated(c.breakdown)
         row = {"rank": i, "overrides": c.overrides, "predicted_peak_bytes": pred, "measured_peak_bytes": m.peak_bytes,

@@ -13,6 +13,7 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 
+from kiln.errors import KilnError
 from kiln.models.transformer import IGNORE_INDEX
 
 
@@ -74,7 +75,8 @@ class ChunkedLMLoss(nn.Module):
     def __init__(self, chunk: int = 4096):
         super().__init__()
         if chunk < 1:
-            raise ValueError(f"chunk must be ≥ 1, got {chunk}")
+            raise KilnError(f"memory.chunked_loss={chunk}: a chunk holds ≥ 1 tokens", key="memory.chunked_loss",
+                            value=chunk, fix="give the tokens per chunk (≥ 1), or leave the plain loss (0: off)")
         self.chunk = chunk
 
     def forward(self, h, weight, targets):

@@ -1,14 +1,15 @@
 """Bytes of one training step, derived tensor by tensor from kiln's own model code.
 
     estimate(job) -> Breakdown     components alive at the predicted peak, per-block activations, a timeline
-    Job                            everything memory depends on (kiln.memory.levers.make_job builds it from the config sections)
+    Job                            everything memory depends on (kiln.memory.levers.job_of builds it from the config
+                                   sections a Job is built from, kiln.memory.levers.JobSections)
 
 Every saved-for-backward tensor of kiln's model is listed in `_block_tensors` and `_head_tensors` with its size as
 a function of micro-batch B, sequence T, width d, heads H, kv-heads KV, head size hd, MLP width F, vocabulary V,
 the precision mode and the attention backend. A block's tensors come from the parts its family's description
-names (kiln.models.family: norm, positions, qk_norm, mlp), each accounted once; the norm, MLP and positions
-parts state their own saved tensors, widths and backward peak (kiln.models.costs), the attention core and
-QK-norm are `_attention_core` and `_qk_norm_tensors` here: nothing here knows a family's name or a part's kind.
+names (kiln.models.family: norm, positions, qk_norm, mlp), each accounted once; every part states its own saved
+tensors, widths and backward peak (the norm, MLP and positions: kiln.models.costs; the attention core and
+QK-norm: kiln.models.attention_costs): nothing here knows a family's name or a part's kind.
 `docs/memory.md` derives each line; the tests compare the sum with the bytes that
 torch.autograd.graph.saved_tensors_hooks sees, storage by storage, for every family.
 
@@ -22,9 +23,11 @@ import math
 import re
 from dataclasses import dataclass, field, replace
 
+from kiln.errors import KilnError
 from kiln.memory import adapters as lora_
 from kiln.memory.experts import expert_comm, is_expert
 from kiln.models import softcap
+from kiln.models.attention_costs import ATTENTION, QK_NORM
 from kiln.models.config import ModelConfig
 from kiln.models.registry import family
 from kiln.parallel.layout import ParallelPlan
@@ -39,13 +42,16 @@ COMPONENTS = ("parameters", "gradients", "master_weights", "optimizer_states", "
               "weight_casts", "temporaries", "comm_buffers", "buffers", "device_overhead")
 
 
-def parse_bytes(text: str | int | float) -> int:
-    """'24GiB' -> 25769803776, '80GB' -> 8e10, '512MiB', '1.5e9' -> bytes."""
+def parse_bytes(text: str | int | float, key: str | None = None) -> int:
+    """'24GiB' -> 25769803776, '80GB' -> 8e10, '512MiB', '1.5e9' -> bytes. key: the config key or flag the text
+    was given as, which an unreadable one's error names."""
     if isinstance(text, (int, float)):
         return int(text)
     m = re.fullmatch(r"\s*([0-9.]+(?:e[0-9]+)?)\s*([A-Za-z]*)\s*", str(text))
     if not m or m.group(2).lower() not in _UNITS:
-        raise ValueError(f"cannot read {text!r} as a size; write it like 24GiB, 80GB or 512MiB")
+        fix = "write it like 24GiB, 80GB or 512MiB"
+        raise KilnError(f"{key}={text!r}: cannot read it as a size; {fix}" if key else
+                        f"cannot read {text!r} as a size; {fix}", key=key, value=text, fix=fix)
     return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
 
 
@@ -126,15 +132,6 @@ class Target:
     def layernorm_stat_bytes(self, dtype_bytes: int) -> int:
         # mean and rstd: fp32 on CUDA whatever the input; the input's dtype on CPU.
         return 4 if self.kind == "cuda" else dtype_bytes
-
-
-def attention_backend(cfg: ModelConfig, num: Numerics, target: Target) -> str:
-    """The SDPA kernel torch picks for kiln's attention core (causal, no mask) while training."""
-    if target.kind != "cuda":
-        return "math" if cfg.dropout > 0 else "flash"  # CPU flash kernel has no dropout
-    if num.compute == 2 and target.capability >= 8.0 and cfg.head_dim <= 256:
-        return "flash"
-    return "efficient" if cfg.n_kv_head == cfg.n_head else "math"  # mem-efficient kernel has no GQA
 
 
 # ---------------------------------------------------------------- the job
@@ -271,7 +268,7 @@ class Job:
 
     @property
     def backend(self) -> str:
-        return attention_backend(self.model, self.num, self.target) if self.attention == "auto" else self.attention
+        return ATTENTION.backend(self.model, self.num, self.target) if self.attention == "auto" else self.attention
 
     def policy(self, i: int) -> str:
         return self.recompute[i] if self.recompute else "none"
@@ -296,9 +293,11 @@ def recompute_plan(policy: str, n_layer: int, every: int = 2) -> tuple[str, ...]
         return (policy,) * n_layer
     if policy == "every_k":
         if every < 1:
-            raise ValueError("memory.recompute_every must be ≥ 1")
+            raise KilnError(f"memory.recompute_every must be ≥ 1, got {every}", key="memory.recompute_every",
+                            value=every, fix="give a whole number ≥ 1")
         return tuple("full" if i % every == 0 else "seg" for i in range(n_layer))
-    raise ValueError(f"no uniform plan for recompute policy {policy!r}")
+    raise KilnError(f"memory.recompute={policy!r} has no uniform plan", key="memory.recompute", value=policy,
+                    fix="use none, full, selective or every_k (budget is solved by kiln.memory.recompute.solve_budget)")
 
 
 # ---------------------------------------------------------------- parameters
@@ -486,7 +485,8 @@ def optimizer_state_bytes(numels: list[int], optimizer: str, momentum: float = 0
         return sum(4 * n for n in numels) if momentum > 0 else 0
     if optimizer == "adamw8bit":
         return sum(adam8bit_state_bytes(n) for n in numels)
-    raise ValueError(f"unknown optimizer {optimizer!r}")
+    raise KilnError(f"optim.name={optimizer!r} has no optimizer-state size here", key="optim.name", value=optimizer,
+                    fix="use adamw, adam, sgd or adamw8bit (muon: muon_state_bytes)")
 
 
 def muon_state_bytes(shapes: list[tuple[str, tuple[int, ...]]]) -> int:
@@ -508,41 +508,10 @@ def _norm_tensors(cfg, N, num, target, name) -> dict[str, int]:
     return fam.norm_part.saved(cfg, N, num, target, name, bool(cfg.bias) and fam.biases)
 
 
-def _attention_core(cfg, B, T, num, target, backend, rotary: bool, normed_qk: bool = False) -> dict[str, int]:
-    H, KV, hd, c = cfg.n_head, cfg.n_kv_head, cfg.head_dim, num.compute
-    N = B * T
-    out = {}
-    if backend in ("flash", "efficient"):
-        # q, k, v are views of the qkv output; with RoPE, q and k are new tensors and only v's view keeps
-        # the qkv storage alive (all of it: q, k and v columns). QK-norm's outputs are new tensors too, in the
-        # qkv layout (B, T, H, hd) transposed: the kernel's output is then a view for the projection.
-        out["attn.qkv"] = N * (H + 2 * KV) * hd * c
-        if rotary or normed_qk:
-            out["attn.q_rot"] = N * H * hd * c
-            out["attn.k_rot"] = N * KV * hd * c
-        out["attn.out"] = N * H * hd * c
-        if rotary and target.kind != "cuda":
-            # CPU kernels write the output in q's layout; RoPE's q is a contiguous (B, H, T, hd) tensor, so
-            # (B, H, T, hd) -> (B, T, C) is a copy for the projection. CUDA kernels write (B, T, H, hd): a view.
-            out["attn.proj_input"] = N * H * hd * c
-        t_lse = T if backend == "flash" else 32 * math.ceil(T / 32)
-        out["attn.logsumexp"] = B * H * t_lse * 4
-        return out
-    # math backend: q, k, v upcast to fp32 and (k, v) expanded to H heads; q·scale and k·scale are copies, v is
-    # made contiguous; the probabilities are kept (and with dropout: the mask and the dropped probabilities).
-    out["attn.qk_scaled"] = 2 * B * H * T * hd * 4
-    out["attn.v"] = B * H * T * hd * 4
-    out["attn.probs"] = B * H * T * T * 4
-    if cfg.dropout > 0:
-        out["attn.dropout_mask"] = B * H * T * T * target.mask_bytes(4)
-        out["attn.dropped_probs"] = B * H * T * T * 4
-    out["attn.out"] = N * H * hd * c  # (B, H, T, hd) -> (B, T, C) copy fed to the projection
-    return out
-
-
 def _block_tensors(cfg: ModelConfig, B: int, T: int, num: Numerics, target: Target, backend: str) -> dict[str, int]:
     """Every tensor one block saves for backward without recomputation: {kind: bytes}, from the parts its family
-    names, each stated by the part (kiln.models.costs: norm, positions, mlp; qk_norm here)."""
+    names, each stated by the part (kiln.models.costs: norm, positions, mlp; kiln.models.attention_costs: the
+    attention core, QK-norm)."""
     fam = family(cfg.arch)
     mlp, positions = fam.mlp_of(cfg), fam.positions_part
     N, d, c = B * T, cfg.d_model, num.compute
@@ -552,8 +521,8 @@ def _block_tensors(cfg: ModelConfig, B: int, T: int, num: Numerics, target: Targ
     t["attn.qkv_input"] = N * d * c  # fp32: the norm output; autocast: its half copy; bf16-master: the output
     t.update(positions.block_saved(cfg, T, num))
     if fam.qk_norm_of(cfg):
-        t.update(_qk_norm_tensors(cfg, N, num, backend))
-    t.update(_attention_core(cfg, B, T, num, target, backend, rotary=rotary, normed_qk=fam.qk_norm_of(cfg)))
+        t.update(QK_NORM.saved(cfg, N, num, backend))
+    t.update(ATTENTION.saved(cfg, B, T, num, target, backend, rotary=rotary, normed_qk=fam.qk_norm_of(cfg)))
     if cfg.dropout > 0:  # on the attention and MLP outputs: an MoE's sums its experts in the residual dtype
         t["resid.dropout_masks"] = N * d * (target.mask_bytes(c) + target.mask_bytes(mlp.output_bytes(num)))
     t.update(_norm_tensors(cfg, N, num, target, "norm2"))
@@ -561,28 +530,11 @@ def _block_tensors(cfg: ModelConfig, B: int, T: int, num: Numerics, target: Targ
     t.update(mlp.saved(cfg, N, num))
     if num.autocast and num.casts:
         t["weight_casts"] = 2 * block_matmul_numel(cfg)
-    # RMSNorm's fp32 copies of a bf16 weight are weight copies too
-    w = sum(t.pop(f"{name}.weight_fp32", 0) for name in ("norm1", "norm2", "attn.q_norm", "attn.k_norm"))
+    # RMSNorm's fp32 copies of a bf16 weight (the norms', QK-norm's) are weight copies too
+    w = sum(t.pop(name) for name in [k for k in t if k.endswith(".weight_fp32")])
     if w:
         t["weight_casts"] = t.get("weight_casts", 0) + w
     return {k: v for k, v in t.items() if v}
-
-
-def _qk_norm_tensors(cfg: ModelConfig, N: int, num: Numerics, backend: str) -> dict[str, int]:
-    """Qwen3's RMSNorm over each head of q and k: an RMSNorm over N·heads rows of head_dim. Its input is a view of
-    the qkv output unless RMSNorm makes an fp32 copy of a half input; the flash kernels keep that storage anyway
-    (v is a view of it), the math path does not (it copies v), so there the norm's input keeps it alive."""
-    hd, out = cfg.head_dim, {}
-    if num.compute == 4 and backend == "math":
-        out["attn.qkv"] = N * (cfg.n_head + 2 * cfg.n_kv_head) * hd * 4
-    for name, heads in (("attn.q_norm", cfg.n_head), ("attn.k_norm", cfg.n_kv_head)):
-        rows = N * heads
-        out[f"{name}.input"] = rows * hd * 4 if num.compute != 4 else 0
-        out[f"{name}.stats"] = rows * 4
-        out[f"{name}.normed"] = rows * hd * 4
-        if num.half_weights:
-            out[f"{name}.weight_fp32"] = hd * 4
-    return out
 
 
 def _moe_loss_tensors(cfg: ModelConfig) -> dict[str, int]:
@@ -794,8 +746,7 @@ def block_flops(cfg: ModelConfig, B: int, T: int, causal_kernel: bool) -> tuple[
     """(matmul, attention-core) forward FLOPs of one block (an MoE: its active experts only)."""
     N = B * T
     matmul = 2 * N * family(cfg.arch).active_matmul_numel(cfg)
-    attn = 4 * B * cfg.n_head * T * T * cfg.head_dim * (0.5 if causal_kernel else 1.0)
-    return matmul, attn
+    return matmul, ATTENTION.flops(cfg, N, T, causal_kernel)
 
 
 def grad_shares(job: Job) -> dict:

@@ -1,19 +1,22 @@
-"""The `memory` config section, and the estimator's Job for a configuration.
+"""The `memory` config section, the config sections the estimator reads, and the estimator's Job.
 
     MemoryConfig                          recompute, offload, chunked loss keys
-    make_job(model, precision, target, *, train, seq_len, memory, optim, parallel)
-                                          the one builder of the estimator's Job, from the sections it reads
-    job_of(cfg, model, precision, target) ... from a Config
-    job_for(cfg, device)                  ... for a Device (kiln.memory.devices)
-    runtime_job(model_cfg, mode, d, **sections(cfg))  ... for the torch device this process trains on: its
-                                          recompute plan is what kiln's model pipeline (kiln.train.pipeline) applies
+    JobSections.of(cfg)                   the sections a Job is built from (model, data, train, precision, memory,
+                                          optim, parallel, lora): the one place a Config becomes them; no function
+                                          of kiln.memory takes the whole Config (tests/test_memory_sections.py)
+    job_of(sections, model, precision, target)
+                                          the one builder of the estimator's Job
+    job_for(sections, device)             ... for a Device (kiln.memory.devices)
+    runtime_job(sections, model, mode, torch_device)
+                                          ... for the torch device this process trains on: its recompute plan is
+                                          what kiln's model pipeline (kiln.train.pipeline) applies
     for_rank(job, plan, stage)            one rank of a ParallelPlan (tensor, pipeline, context, data parallel)
-    rank_jobs(cfg, device, ranks)         the plan of `ranks` processes checked as training checks it, and the
+    rank_jobs(sections, device, ranks)    the plan of `ranks` processes checked as training checks it, and the
                                           Job of every pipeline stage (the planner's too)
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, fields, replace
 
 import torch
 
@@ -21,9 +24,11 @@ from kiln.errors import KilnError
 from kiln.memory.adapters import Adapters
 from kiln.memory.estimate import Job, Target, data_parallel, parse_bytes
 from kiln.memory.offload import parse_blocks
-from kiln.models.registry import family
-from kiln.parallel.layout import ParallelPlan
 from kiln.memory.recompute import POLICIES, plan_for
+from kiln.models.config import ModelConfig
+from kiln.models.registry import family
+from kiln.parallel.config import ParallelConfig
+from kiln.parallel.layout import ParallelPlan
 from kiln.perf.hardware import auto_mode, fp8_refusal
 from kiln.precision import PRECISIONS, is_auto
 from kiln.util import closest
@@ -54,7 +59,7 @@ class MemoryConfig:
                             key="memory.recompute_budget", value=self.recompute_budget,
                             fix="e.g. --memory.recompute_budget=6GiB")
         if self.recompute_budget:
-            parse_bytes(self.recompute_budget)
+            parse_bytes(self.recompute_budget, "memory.recompute_budget")
         if self.chunked_loss < 0:
             raise KilnError(f"memory.chunked_loss must be ≥ 0 (0 = off), got {self.chunked_loss}",
                             key="memory.chunked_loss", value=self.chunked_loss,
@@ -62,11 +67,51 @@ class MemoryConfig:
         parse_blocks(self.offload_blocks, None)  # the spelling; kiln.config checks the indices
 
 
-def resolved_model(cfg):
-    """The model section resolved, with the tokenizer's vocabulary when model.vocab_size is 0."""
-    model = cfg.model.resolve()
+@dataclass(frozen=True)
+class JobSections:
+    """The config sections the estimator and the planner read, and nothing else of the Config (torchtitan's
+    components each take their own slice of the config): the model and data sections (the shape, data.seq_len and
+    the tokenizer's vocabulary), train (the batch), precision (the mode), memory (the levers), optim (the optimizer
+    and its offload), parallel (the strategy and degrees, which ParallelPlan.build checks) and lora.
+
+    `JobSections.of(cfg)` is the one place a Config becomes them. A planner's Choice returns new ones
+    (planner.Choice.on), whose `levers()` are the sections it set, as the run builder records them."""
+
+    model: ModelConfig  # as given: resolved_model() fills in the preset and the vocabulary
+    data: object  # kiln.data.DataConfig: seq_len, tokenizer, vocab_size
+    train: object  # kiln.train.loop.TrainConfig (a layer above kiln.memory): micro_batch_size, grad_accum_steps
+    precision: object  # kiln.train.precision.PrecisionConfig: mode (auto: precision_for picks it per device)
+    memory: MemoryConfig
+    optim: object  # kiln.train.optim.OptimConfig: name, momentum, offload
+    parallel: ParallelConfig
+    lora: object = None  # kiln.models.lora.LoraConfig; None or rank 0: a full fine-tune
+
+    @classmethod
+    def of(cls, cfg) -> "JobSections":
+        """A Config's sections that the estimator reads (the one function of kiln.memory given a whole Config)."""
+        return cls(**{f.name: getattr(cfg, f.name) for f in fields(cls)})
+
+    @property
+    def seq_len(self) -> int:
+        return self.data.seq_len
+
+    def resolved_model(self) -> ModelConfig:
+        return resolved_model(self.model, self.data)
+
+    def levers(self) -> dict:
+        """The sections a planner's Choice sets, by name ({"precision": ..., "train": ...}): what the run builder
+        records (kiln.run.builder.RunRecord) and dataclasses.replace(cfg, **levers) applies to a Config."""
+        return {name: getattr(self, name) for name in LEVER_SECTIONS}
+
+
+LEVER_SECTIONS = ("precision", "train", "memory", "optim", "parallel")
+
+
+def resolved_model(model: ModelConfig, data) -> ModelConfig:
+    """The model section resolved, with the tokenizer's vocabulary (the data section's) when model.vocab_size is 0."""
+    model = model.resolve()
     if model.vocab_size == 0:
-        model.vocab_size = 256 if cfg.data.tokenizer == "bytes" else cfg.data.vocab_size
+        model.vocab_size = 256 if data.tokenizer == "bytes" else data.vocab_size
     return model
 
 
@@ -84,36 +129,29 @@ def precision_for(mode: str, device) -> str:
     return mode
 
 
-def make_job(model, precision: str, target: Target, *, train, seq_len: int, memory: MemoryConfig, optim, parallel,
-             recompute_plan: tuple[str, ...] | None = None, world: int = 1, lora=None) -> Job:
+def job_of(sections: JobSections, model: ModelConfig, precision: str, target: Target,
+           recompute_plan: tuple[str, ...] | None = None, world: int = 1) -> Job:
     """The one builder of the estimator's Job: a resolved model section, a concrete precision and a Target, and
-    the config sections the step's bytes depend on (train: the batch; memory: recompute, offload, chunked loss;
-    optim: the optimizer and its offload; parallel: the strategy; lora: the adapters on a frozen base, None or rank
-    0 for a full fine-tune). The recompute plan is the memory section's
-    (solved for `budget`) unless given. world: ranks of parallel.strategy sharing the state (the breakdown is one
-    rank's). `job_of` passes a Config's sections."""
-    job = Job(model=model, micro_batch=train.micro_batch_size, seq_len=seq_len, grad_accum=train.grad_accum_steps,
-              precision=precision, target=target, offload=parse_blocks(memory.offload_blocks, model.n_layer),
-              chunked_loss=memory.chunked_loss, optimizer=optim.name, sgd_momentum=optim.momentum,
-              optimizer_offload=optim.offload, plan=data_parallel(parallel.strategy, world),
-              reshard_after_forward=parallel.reshard_after_forward, lora=Adapters.of(model, lora))
+    the sections the step's bytes depend on (train: the batch; memory: recompute, offload, chunked loss; optim:
+    the optimizer and its offload; parallel: the strategy; lora: the adapters on a frozen base, None or rank 0 for
+    a full fine-tune). The recompute plan is the memory section's (solved for `budget`) unless given. world: ranks
+    of parallel.strategy sharing the state (the breakdown is one rank's)."""
+    train, memory, optim, parallel = sections.train, sections.memory, sections.optim, sections.parallel
+    job = Job(model=model, micro_batch=train.micro_batch_size, seq_len=sections.seq_len,
+              grad_accum=train.grad_accum_steps, precision=precision, target=target,
+              offload=parse_blocks(memory.offload_blocks, model.n_layer), chunked_loss=memory.chunked_loss,
+              optimizer=optim.name, sgd_momentum=optim.momentum, optimizer_offload=optim.offload,
+              plan=data_parallel(parallel.strategy, world), reshard_after_forward=parallel.reshard_after_forward,
+              lora=Adapters.of(model, sections.lora))
     if recompute_plan is None:
         recompute_plan = plan_for(memory.recompute, memory.recompute_every, memory.recompute_budget, job)
     return replace(job, recompute=tuple(recompute_plan))
 
 
-def job_of(cfg, model, precision: str, target: Target, recompute_plan: tuple[str, ...] | None = None,
-           world: int = 1) -> Job:
-    """make_job with a Config's train, data, memory, optim, parallel and lora sections."""
-    return make_job(model, precision, target, train=cfg.train, seq_len=cfg.data.seq_len, memory=cfg.memory,
-                    optim=cfg.optim, parallel=cfg.parallel, recompute_plan=recompute_plan, world=world,
-                    lora=cfg.lora)
-
-
-def job_for(cfg, device, recompute_plan: tuple[str, ...] | None = None, world: int = 1) -> Job:
-    """The Job of a Config on a Device (kiln.memory.devices: a table entry, or this machine measured)."""
-    return job_of(cfg, resolved_model(cfg), precision_for(cfg.precision.mode, device), device.target,
-                  recompute_plan, world)
+def job_for(sections: JobSections, device, recompute_plan: tuple[str, ...] | None = None, world: int = 1) -> Job:
+    """The Job of the sections on a Device (kiln.memory.devices: a table entry, or this machine measured)."""
+    return job_of(sections, sections.resolved_model(), precision_for(sections.precision.mode, device),
+                  device.target, recompute_plan, world)
 
 
 def runtime_target(torch_device) -> Target:
@@ -124,22 +162,14 @@ def runtime_target(torch_device) -> Target:
     return Target(torch_device.type)
 
 
-def runtime_job(model_cfg, precision: str, torch_device, *, train, seq_len: int, memory: MemoryConfig, optim,
-                parallel, lora=None) -> Job:
-    """The Job of the step this process is about to train (its concrete precision, its device, nothing measured),
-    from the sections make_job reads: its recompute plan is what kiln's model pipeline applies."""
-    return make_job(model_cfg, precision, runtime_target(torch_device), train=train, seq_len=seq_len, memory=memory,
-                    optim=optim, parallel=parallel, lora=lora)
-
-
-def sections(cfg) -> dict:
-    """A Config's sections that make_job and runtime_job read, as their keyword arguments."""
-    return {"train": cfg.train, "seq_len": cfg.data.seq_len, "memory": cfg.memory, "optim": cfg.optim,
-            "parallel": cfg.parallel, "lora": cfg.lora}
+def runtime_job(sections: JobSections, model: ModelConfig, precision: str, torch_device) -> Job:
+    """The Job of the step this process is about to train: its resolved model section, its concrete precision and
+    its device, nothing measured. Its recompute plan is what kiln's model pipeline applies."""
+    return job_of(sections, model, precision, runtime_target(torch_device))
 
 
 def for_rank(job: Job, plan: ParallelPlan, stage: int = 0) -> Job:
-    """The Job of pipeline rank `stage` of `plan`, from the Job of the whole model on one rank (make_job): its
+    """The Job of pipeline rank `stage` of `plan`, from the Job of the whole model on one rank (job_of): its
     blocks (plan.rank_blocks) become the model, the per-rank batch (micro_batch × grad_accum sequences) is cut into
     the plan's pipeline micro-batches, the model state is shared by plan.dp × plan.cp ranks under plan.strategy
     (context-parallel ranks hold the same weights and reduce their gradients together, as torchtitan's FSDP over
@@ -162,15 +192,15 @@ def for_rank(job: Job, plan: ParallelPlan, stage: int = 0) -> Job:
                    plan=plan, stage=stage)
 
 
-def rank_jobs(cfg, device, ranks: int, recompute_plan: tuple[str, ...] | None = None, stages=None
-              ) -> tuple[ParallelPlan, list[Job]]:
-    """`ranks` processes under cfg.parallel: the ParallelPlan (checked by ParallelPlan.build, the runtime's own
-    check, so the errors are the same) and the Job of every pipeline stage (one without pipeline parallelism), or
-    of the `stages` given. The one builder of a rank's Job, for `kiln memory --ranks` and the planner alike."""
-    model = resolved_model(cfg)
-    tc = cfg.train
-    plan = ParallelPlan.build(cfg.parallel, ranks, model, family(model.arch),
+def rank_jobs(sections: JobSections, device, ranks: int, recompute_plan: tuple[str, ...] | None = None,
+              stages=None) -> tuple[ParallelPlan, list[Job]]:
+    """`ranks` processes under sections.parallel: the ParallelPlan (checked by ParallelPlan.build, the runtime's
+    own check, so the errors are the same) and the Job of every pipeline stage (one without pipeline parallelism),
+    or of the `stages` given. The one builder of a rank's Job, for `kiln memory --ranks` and the planner alike."""
+    model = sections.resolved_model()
+    tc = sections.train
+    plan = ParallelPlan.build(sections.parallel, ranks, model, family(model.arch),
                               batch_sequences=tc.micro_batch_size * tc.grad_accum_steps,
                               grad_accum_steps=tc.grad_accum_steps)
-    job = job_for(cfg, device, recompute_plan, world=plan.dp * plan.cp)
+    job = job_for(sections, device, recompute_plan, world=plan.dp * plan.cp)
     return plan, [for_rank(job, plan, s) for s in (range(plan.pp) if stages is None else stages(plan))]

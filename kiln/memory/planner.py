@@ -1,8 +1,9 @@
 """The planner: the fastest configuration predicted to fit in a memory budget.
 
-    search(cfg, device, memory, global_batch_tokens) -> Plan (candidates: a typed Choice each, best first)
+    search(sections, device, memory, global_batch_tokens) -> Plan (candidates: a typed Choice each, best first)
 
-`kiln train --plan.memory` applies the best Choice through the config's checks (kiln.run.lm.plan_memory).
+It reads the config sections a Job is built from (kiln.memory.levers.JobSections), never the whole Config; `kiln
+train --plan.memory` applies the best Choice's sections through the config's checks (kiln.run.lm.plan_memory).
 
 It enumerates precision × micro-batch (with accumulation keeping the global batch) × recompute policy × activation
 offload × 8-bit AdamW × optimizer-state offload × chunked loss, keeps what kiln.memory.estimate predicts to fit,
@@ -25,8 +26,9 @@ from kiln.memory.adapters import adapter_flops
 from kiln.memory.estimate import (Breakdown, Job, block_matmul_numel, estimate, fmt_bytes, local_parameter_shapes,
                                   parse_bytes, recompute_plan, saved_tensors, trainable)
 from kiln.memory.estimate import _memo, _shapes_key  # noqa: E402  (the estimator's caches, shared)
-from kiln.memory.levers import job_for, rank_jobs
+from kiln.memory.levers import JobSections, job_for, rank_jobs
 from kiln.memory.recompute import solve_budget
+from kiln.models.attention_costs import ATTENTION
 from kiln.models.registry import family
 from kiln.parallel.layout import ParallelPlan
 from kiln.parallel.strategy import STRATEGIES, strategy
@@ -51,7 +53,7 @@ class PlanConfig:
 
     def validate(self):
         if self.memory:
-            parse_bytes(self.memory)
+            parse_bytes(self.memory, "plan.memory")
         if self.global_batch_tokens < 0:
             raise KilnError(f"plan.global_batch_tokens must be ≥ 0, got {self.global_batch_tokens}",
                             key="plan.global_batch_tokens", value=self.global_batch_tokens,
@@ -131,8 +133,8 @@ def fit_time_model(device, observations: list[tuple[Job, float]], bandwidth_effi
     sac, say, scy = sum(a * c for a, c, _ in rows), sum(a * y for a, _, y in rows), sum(c * y for _, c, y in rows)
     det = saa * scc - sac * sac
     if not det or abs(det) < 1e-9 * saa * scc:
-        raise ValueError("the calibration steps cannot tell matmul time from per-op time apart; measure jobs of "
-                         "more different sizes")
+        raise KilnError(f"the {len(observations)} calibration steps cannot tell matmul time from per-op time apart",
+                        key="observations", value=len(observations), fix="measure jobs of more different sizes")
     u, o = (say * scc - scy * sac) / det, (saa * scy - sac * say) / det
     return {"matmul_efficiency": min(1.0, 1 / u) if u > 0 else 1.0, "op_overhead_s": max(o, 0.0)}
 
@@ -211,8 +213,8 @@ def step_time(job: Job, device, link: float | None = None, tp_link: float | None
     (balanced: N·K, whatever tp) and waits for the all-to-alls over ep_link (kiln.memory.experts)."""
     cfg, num = job.model, job.num
     T, L, tp = job.seq_len, cfg.n_layer, job.tp
-    N, d, hd, V = job.tokens, cfg.d_model, cfg.head_dim, cfg.padded_vocab
-    H, KV, c, r = cfg.n_head, cfg.n_kv_head, num.compute, num.residual
+    N, d, V = job.tokens, cfg.d_model, cfg.padded_vocab
+    c, r = num.compute, num.residual
     peak, bw = device.flops(job.precision), device.bandwidth
     me, be, op_s, _ = time_constants(device)
     nvlink = INTERCONNECTS["nvlink4"]
@@ -225,8 +227,8 @@ def step_time(job: Job, device, link: float | None = None, tp_link: float | None
              for x in family(cfg.arch).linears(cfg)
              for s, w in [(1, job.ep) if x.tp == "expert" and job.ep > 1 else (tp if x.tp != "replicate" else 1, 1)])
     fused = job.backend != "math"
-    attn_flops = 4 * N * H * T * hd * (0.5 if fused else 1.0) / tp  # this rank's queries against the context
-    attn_bytes = (N * (H + 2 * KV) * hd * c + N * H * hd * c + (0 if fused else 4 * N * H * T * 4)) / tp
+    attn_flops = ATTENTION.flops(cfg, N, T, fused) / tp  # this rank's queries against the context
+    attn_bytes = ATTENTION.io_bytes(cfg, N, T, c, fused) / tp
     attn = _roofline(attn_flops, attn_bytes, peak, bw, me, be)
     elem_bytes = N * d * r * 14 / (tp if job.sequence_parallel else 1) + N * _elementwise_width(cfg) * c / tp
     if num.autocast and num.casts:
@@ -294,9 +296,9 @@ def step_time(job: Job, device, link: float | None = None, tp_link: float | None
 
 @dataclass(frozen=True)
 class Choice:
-    """One point of the search: the levers the planner sets, typed. `on(cfg)` applies them to a Config's sections
-    (what the estimator sees and `--plan.memory` trains: kiln.config.checked validates it); `overrides()` spells
-    them as the command-line flags a user types."""
+    """One point of the search: the levers the planner sets, typed. `on(sections)` applies them to the sections
+    a Job is built from (what the estimator sees; their `levers()` are what `--plan.memory` trains, through
+    kiln.config.checked); `overrides()` spells them as the command-line flags a user types."""
 
     precision: str
     micro_batch_size: int
@@ -373,17 +375,17 @@ class Choice:
             if self.pp > 1 else [])
         return " ".join(["·".join(dims or ["1"]), *extra])
 
-    def on(self, cfg):
-        """cfg with this choice in its sections: for the estimator, and for training (kiln.config.checked
-        validates it)."""
-        return replace(cfg, precision=replace(cfg.precision, mode=self.precision),
-                       train=replace(cfg.train, micro_batch_size=self.micro_batch_size,
+    def on(self, sections: JobSections) -> JobSections:
+        """The sections with this choice in them: for the estimator, and (their levers()) for training."""
+        s = sections
+        return replace(s, precision=replace(s.precision, mode=self.precision),
+                       train=replace(s.train, micro_batch_size=self.micro_batch_size,
                                      grad_accum_steps=self.grad_accum_steps),
-                       memory=replace(cfg.memory, recompute=self.recompute, recompute_every=self.recompute_every,
+                       memory=replace(s.memory, recompute=self.recompute, recompute_every=self.recompute_every,
                                       recompute_budget=self.recompute_budget, offload_blocks=self.offload_blocks,
                                       chunked_loss=self.chunked_loss),
-                       optim=replace(cfg.optim, name=self.optimizer, offload=self.optim_offload),
-                       parallel=replace(cfg.parallel, strategy=self.parallel, tp=self.tp, pp=self.pp, cp=self.cp,
+                       optim=replace(s.optim, name=self.optimizer, offload=self.optim_offload),
+                       parallel=replace(s.parallel, strategy=self.parallel, tp=self.tp, pp=self.pp, cp=self.cp,
                                         sequence_parallel=self.sequence_parallel, pp_schedule=self.pp_schedule,
                                         pp_microbatches=self.pp_microbatches, ep=self.ep))
 
@@ -507,13 +509,13 @@ NO_DATA_PARALLEL = next(name for name, s in STRATEGIES.items() if not s.reduces)
 SHARDED = next(name for name, s in STRATEGIES.items() if s.shards_parameters)  # the layout ep's degrees are checked in
 
 
-def layouts(cfg, gpus: int, global_sequences: int, gpus_per_node: int = GPUS_PER_NODE, context: bool = True
-            ) -> list[tuple[int, int, int]]:
+def layouts(sections: JobSections, gpus: int, global_sequences: int, gpus_per_node: int = GPUS_PER_NODE,
+            context: bool = True) -> list[tuple[int, int, int]]:
     """(tp, pp, cp) splits of `gpus` the planner tries: tp within a node dividing the heads, kv-heads and the
     split linears (ParallelPlan.build refuses the rest, so they are skipped), pp at most n_layer, cp up to 8
     dividing data.seq_len (modelled only), and a data-parallel rest that divides the global batch."""
-    model = cfg.model.resolve()
-    T = cfg.data.seq_len
+    model = sections.model.resolve()
+    T = sections.seq_len
     out = []
     for tp in _divisors(gpus):
         if tp > gpus_per_node:
@@ -529,7 +531,7 @@ def layouts(cfg, gpus: int, global_sequences: int, gpus_per_node: int = GPUS_PER
     return out
 
 
-def search(cfg, device, memory: int | None = None, global_batch_tokens: int = 0, gpus: int = 1,
+def search(sections: JobSections, device, memory: int | None = None, global_batch_tokens: int = 0, gpus: int = 1,
            interconnect: str = "nvlink4", model_parallel: bool = True, gpus_per_node: int = GPUS_PER_NODE,
            inter_node: str = "ib-ndr", quick: bool = False, context: bool = True, expert: bool = True) -> Plan:
     """gpus > 1: every rank has `memory`; the strategies ddp, zero1 and fsdp are searched too, their step time
@@ -547,25 +549,26 @@ def search(cfg, device, memory: int | None = None, global_batch_tokens: int = 0,
             raise KilnError(f"interconnect {name!r} is unknown; use one of {', '.join(INTERCONNECTS)}",
                             key="interconnect" if name == interconnect else "inter_node", value=name,
                             fix=f"use one of {', '.join(INTERCONNECTS)}")
+    s = sections
     memory = memory or device.memory
-    T = cfg.data.seq_len
-    tokens = global_batch_tokens or cfg.train.micro_batch_size * cfg.train.grad_accum_steps * T * gpus
+    T = s.seq_len
+    tokens = global_batch_tokens or s.train.micro_batch_size * s.train.grad_accum_steps * T * gpus
     if tokens % T:
         raise KilnError(f"--global-batch-tokens={tokens} is not a multiple of data.seq_len={T}",
                         key="--global-batch-tokens", value=tokens, fix=f"give a multiple of data.seq_len={T}")
     G = tokens // T
-    splits = layouts(cfg, gpus, G, gpus_per_node, context) if model_parallel and gpus > 1 else [(1, 1, 1)]
+    splits = layouts(s, gpus, G, gpus_per_node, context) if model_parallel and gpus > 1 else [(1, 1, 1)]
     if G % gpus and not any(G % (gpus // (tp * pp * cp)) == 0 for tp, pp, cp in splits):
         raise KilnError(f"the global batch of {G} sequences (--global-batch-tokens={tokens}) cannot be shared "
                         f"by {gpus} GPUs; make it a multiple",
                         key="--global-batch-tokens", value=tokens, fix="make it a multiple")
-    base = job_for(cfg, device, recompute_plan=("none",) * cfg.model.resolve().n_layer)
+    base = job_for(s, device, recompute_plan=("none",) * s.model.resolve().n_layer)
     L = base.model.n_layer
-    optimizers = [cfg.optim.name] + (["adamw8bit"] if cfg.optim.name in ("adamw", "adam") else [])
+    optimizers = [s.optim.name] + (["adamw8bit"] if s.optim.name in ("adamw", "adam") else [])
     opt_offloads = ["none", "host"] if device.kind == "cuda" else ["none"]
     links = {"intra": INTERCONNECTS[interconnect], "inter": INTERCONNECTS[inter_node]}
     choices, model_parallel_choices, considered = [], [], 0
-    model = cfg.model.resolve()
+    model = s.model.resolve()
     for tp, pp, cp in splits:
         dp = gpus // (tp * pp * cp)
         if G % dp:
@@ -573,7 +576,7 @@ def search(cfg, device, memory: int | None = None, global_batch_tokens: int = 0,
         per_rank = G // dp
         strategies = DATA_PARALLEL if dp * cp > 1 else (NO_DATA_PARALLEL,)
         if expert and model_parallel:
-            split = replace(cfg.parallel, tp=tp, pp=pp, cp=cp, strategy=SHARDED, sequence_parallel=tp > 1)
+            split = replace(s.parallel, tp=tp, pp=pp, cp=cp, strategy=SHARDED, sequence_parallel=tp > 1)
             model_parallel_choices += [(tp, pp, cp, dp, per_rank, strategies, ep)
                                        for ep in ep_degrees(split, gpus, model)]
         if tp * pp * cp == 1 and not quick:  # data parallel only: every lever
@@ -590,10 +593,10 @@ def search(cfg, device, memory: int | None = None, global_batch_tokens: int = 0,
                 if _valid(c)]
             continue
         model_parallel_choices.append((tp, pp, cp, dp, per_rank, strategies, 1))
-    everything = [c for c in (_evaluate(cfg, device, choice, memory, L, gpus, links, gpus_per_node)
+    everything = [c for c in (_evaluate(s, device, choice, memory, L, gpus, links, gpus_per_node)
                               for choice in choices) if c is not None]
     for tp, pp, cp, dp, per_rank, strategies, ep in model_parallel_choices:
-        found, tried = _search_layout(cfg, device, memory, L, gpus, links, gpus_per_node, tp, pp, cp, dp, per_rank,
+        found, tried = _search_layout(s, device, memory, L, gpus, links, gpus_per_node, tp, pp, cp, dp, per_rank,
                                       strategies, base.model.padded_vocab, 1 if quick else 2, ep)
         everything += found
         considered += tried
@@ -610,13 +613,13 @@ def search(cfg, device, memory: int | None = None, global_batch_tokens: int = 0,
                 smallest=smallest, considered=len(choices) + considered)
 
 
-def _search_layout(cfg, device, memory, L, gpus, links, gpus_per_node, tp, pp, cp, dp, per_rank, strategies, vocab,
-                   precisions: int = 2, ep: int = 1) -> tuple[list[Candidate], int]:
+def _search_layout(sections: JobSections, device, memory, L, gpus, links, gpus_per_node, tp, pp, cp, dp, per_rank,
+                   strategies, vocab, precisions: int = 2, ep: int = 1) -> tuple[list[Candidate], int]:
     """One model-parallel layout's candidates: for each strategy, precision, micro-batch and schedule, the least
     recompute (none, then selective, then full; each without, then with the chunked loss) that fits — more
     recompute only costs time — and nothing more once a micro-batch of 1 fits with none of them. With tp > 1 the
     logits are split over the vocabulary instead (the chunked loss is refused there)."""
-    T = cfg.data.seq_len
+    T = sections.seq_len
     found, tried = [], 0
     schedules = ("1f1b", "interleaved_1f1b") if pp > 1 else ("1f1b",)
     for name in (strategies if dp * cp == 1 else SHARDING):
@@ -636,7 +639,7 @@ def _search_layout(cfg, device, memory, L, gpus, links, gpus_per_node, tp, pp, c
                             refused = True
                             break
                         tried += 1
-                        cand = _evaluate(cfg, device, c, memory, L, gpus, links, gpus_per_node)
+                        cand = _evaluate(sections, device, c, memory, L, gpus, links, gpus_per_node)
                         if cand is None:  # the runtime refuses this layout
                             refused = True
                             break
@@ -659,13 +662,13 @@ def _links(choice: Choice, gpus: int, links: dict, gpus_per_node: int) -> dict[s
             "pp_link": over(gpus)} | ({"ep_link": over(choice.tp * choice.cp * choice.ep)} if choice.ep > 1 else {})
 
 
-def _evaluate(cfg, device, choice: Choice, memory: int, L: int, gpus: int = 1, links: dict | float | None = None,
-              gpus_per_node: int = GPUS_PER_NODE) -> Candidate | None:
+def _evaluate(sections: JobSections, device, choice: Choice, memory: int, L: int, gpus: int = 1,
+              links: dict | float | None = None, gpus_per_node: int = GPUS_PER_NODE) -> Candidate | None:
     if not isinstance(links, dict):  # one link for everything (a single node)
         link = links or INTERCONNECTS["nvlink4"]
         links = {"intra": link, "inter": link}
     dp_cp = gpus // (choice.tp * choice.pp)
-    job = job_for(choice.on(cfg), device, recompute_plan=("none",) * L, world=dp_cp)
+    job = job_for(choice.on(sections), device, recompute_plan=("none",) * L, world=dp_cp)
     if choice.recompute == "budget":
         plan = _fill_budget(job, device, memory)
         if plan is None:
@@ -682,7 +685,7 @@ def _evaluate(cfg, device, choice: Choice, memory: int, L: int, gpus: int = 1, l
     try:
         # the first stage holds the most blocks and micro-batches in flight, the last the head: every other
         # stage is bounded by these two in memory and time
-        _, stages = rank_jobs(choice.on(cfg), device, gpus, plan, stages=lambda layout: sorted({0, layout.pp - 1}))
+        _, stages = rank_jobs(choice.on(sections), device, gpus, plan, stages=lambda layout: sorted({0, layout.pp - 1}))
     except ValueError:  # a layout the runtime refuses (tp not dividing the heads, too few blocks)
         return None
     estimates = [estimate(j) for j in stages]

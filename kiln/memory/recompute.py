@@ -143,17 +143,21 @@ def apply_recompute(model, plan) -> None:
     """Install a per-block plan (a tuple with one policy per block) on model.blocks."""
     blocks = list(model.blocks)
     if len(plan) != len(blocks):
-        raise ValueError(f"recompute plan has {len(plan)} entries for {len(blocks)} blocks")
+        raise KilnError(f"recompute plan has {len(plan)} entries for {len(blocks)} blocks", key="plan",
+                        value=tuple(plan), fix=f"give one policy per block ({len(blocks)})")
     if any(getattr(b, "kiln_offload", False) for b in blocks):
-        raise ValueError("apply recompute before activation offload (offload skips recomputed blocks)")
+        raise KilnError("recompute applied after activation offload (offload skips recomputed blocks)", key="model",
+                        fix="apply recompute before activation offload")
     remove_recompute(model)
     i = 0
     while i < len(blocks):
         policy = plan[i]
         if policy == "seg":
-            raise ValueError(f"recompute plan: block {i} is 'seg' but no 'full' block opens its segment")
+            raise KilnError(f"recompute plan: block {i} is 'seg' but no 'full' block opens its segment", key="plan",
+                            value=tuple(plan), fix="start each segment with a 'full' block")
         if policy not in ("none", "full", "selective"):
-            raise ValueError(f"unknown per-block recompute policy {policy!r}")
+            raise KilnError(f"recompute plan: block {i}'s policy {policy!r} is unknown", key="plan", value=tuple(plan),
+                            fix="give each block none, full, selective, or seg after a full one")
         j = i + 1
         if policy == "full":
             while j < len(blocks) and plan[j] == "seg":
@@ -209,5 +213,5 @@ def plan_for(policy: str, every: int, budget: str, job) -> tuple[str, ...]:
         if not budget:
             raise KilnError("memory.recompute='budget' needs memory.recompute_budget, e.g. 4GiB",
                             key="memory.recompute_budget", fix="e.g. 4GiB")
-        return solve_budget(job, parse_bytes(budget))
+        return solve_budget(job, parse_bytes(budget, "memory.recompute_budget"))
     return recompute_plan(policy, job.model.n_layer, every)

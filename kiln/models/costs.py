@@ -1,6 +1,6 @@
 """What each part kind costs, stated by the part: its parameters, its matmuls, the bytes it saves for backward
-and its transients. The estimator (kiln.memory.estimate), the planner (kiln.memory.planner) and the FLOPs
-(kiln.perf.flops) ask these objects; they never compare a part's name.
+and its transients (the attention core's and QK-norm's: kiln/models/attention_costs.py). The estimator, the planner
+and the FLOPs (kiln.memory.estimate, kiln.memory.planner, kiln.perf.flops) ask these; they never compare a name.
 
     NORMS["layernorm"] | NORMS["rmsnorm"]            a norm: build, parameters, saved tensors
     MLPS["gelu"] | ["relu2"] | ["swiglu"] | ["moe"]  an MLP: module, linears, parameters, saved tensors, backward peak

@@ -12,7 +12,7 @@ import torch
 from kiln.config import load_config
 from kiln.memory.devices import get_device, local_device
 from kiln.memory.estimate import estimate, fmt_bytes
-from kiln.memory.levers import job_for
+from kiln.memory.levers import JobSections, job_for
 from kiln.memory.plots import breakdown_bar
 from kiln.report.figures import Chart
 
@@ -91,7 +91,7 @@ def memory_chart(config_path: Path, device: str = "") -> tuple[bytes, str]:
     """The `kiln memory` stacked bar of a run's config.toml, and a one-line caption (predicted peak, device)."""
     cfg = load_config(config_path)
     dev = get_device(device) if device else local_device(torch.device("cuda" if torch.cuda.is_available() else "cpu"))
-    job = job_for(cfg, dev)
+    job = job_for(JobSections.of(cfg), dev)
     b = estimate(job)
     title = (f"{cfg.model.preset} ({job.model.arch}), {job.precision}, micro-batch {job.micro_batch}×{job.seq_len}, "
              f"recompute {cfg.memory.recompute}, {dev.name}")

@@ -28,8 +28,8 @@ from kiln.parallel.context import check_context_parallel
 from kiln.interop.hf import read_hf
 from kiln.memory.devices import get_device, local_device
 from kiln.memory.estimate import fmt_bytes, parse_bytes
-from kiln.memory.levers import runtime_job, sections
-from kiln.memory.planner import search
+from kiln.memory.levers import JobSections, runtime_job
+from kiln.memory.planner import PlanConfig, search
 from kiln.models import ModelConfig, Transformer, build_model
 from kiln.models.generate import Sampling
 from kiln.models.lora import apply_lora
@@ -77,7 +77,7 @@ def model_plan(cfg: Config, model_cfg: ModelConfig, precision: str, device: torc
     if kernels == "triton" and (model_cfg.dropout > 0 or cfg.data.masks_documents):
         kernels = "torch"  # train.kernels=auto with dropout or a document mask: FlashAttention has neither (explicit
         # triton is refused)
-    job = runtime_job(model_cfg, precision, device, **sections(cfg))
+    job = runtime_job(JobSections.of(cfg), model_cfg, precision, device)
     # tp > 1: kiln.parallel.tensor puts its vocabulary-parallel loss in the plain LMLoss's place
     fused = kernels == "triton" and cfg.parallel.tp == 1
     loss = "chunked" if cfg.memory.chunked_loss else ("fused" if fused else "plain")
@@ -86,17 +86,18 @@ def model_plan(cfg: Config, model_cfg: ModelConfig, precision: str, device: torc
                      compile=cfg.train.compile, parallel=cfg.parallel, layout=layout)
 
 
-def plan_memory(cfg: Config, device: torch.device, log=print) -> Config:
-    """`--plan.memory`: cfg with the planner's best choice applied through the config's own checks."""
-    target = get_device(cfg.plan.device) if cfg.plan.device else local_device(device)
-    plan = search(cfg, target, parse_bytes(cfg.plan.memory), cfg.plan.global_batch_tokens)
+def plan_memory(sections: JobSections, plan_cfg: PlanConfig, device: torch.device, log=print) -> dict:
+    """`--plan.memory`: the sections the planner's best choice sets ({"train": ..., "memory": ...}), for the caller
+    to apply through the config's own checks."""
+    target = get_device(plan_cfg.device) if plan_cfg.device else local_device(device)
+    plan = search(sections, target, parse_bytes(plan_cfg.memory, "plan.memory"), plan_cfg.global_batch_tokens)
     if plan.best is None:
         raise ValueError(plan.shortfall())
     best = plan.best
     log(f"plan: {best.choice.describe()} | predicted peak {fmt_bytes(best.total_bytes)} of "
         f"{fmt_bytes(plan.memory)} on {target.name}, {best.step_s:.3g} s/step ({plan.considered} configurations "
         f"considered, {len(plan.candidates)} fit)")
-    return checked(best.choice.on(cfg))
+    return best.choice.on(sections).levers()
 
 
 @dataclass
@@ -250,7 +251,8 @@ class LMParts:
 
     def precision(self, cfg: Config, device, log) -> tuple[dict, str]:
         """--plan.memory's choice of precision, batch split and levers, then the concrete mode and why."""
-        planned = plan_memory(cfg, device, log) if cfg.plan.memory else cfg
+        planned = checked(replace(cfg, **plan_memory(JobSections.of(cfg), cfg.plan, device, log))) \
+            if cfg.plan.memory else cfg
         decided = {f.name: getattr(planned, f.name) for f in fields(Config)
                    if getattr(planned, f.name) != getattr(cfg, f.name)}
         decided["precision"] = recorded_precision(planned.precision, cfg.precision.mode, device)

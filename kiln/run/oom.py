@@ -14,7 +14,7 @@ import torch
 
 from kiln.memory.devices import available_memory, local_device
 from kiln.memory.estimate import COMPONENTS, estimate, fmt_bytes
-from kiln.memory.levers import resolved_model, runtime_job, sections
+from kiln.memory.levers import JobSections, runtime_job
 from kiln.memory.planner import search
 from kiln.perf.hardware import resolve_mode
 from kiln.train.metrics import peak_memory_bytes
@@ -33,8 +33,9 @@ class OutOfMemory(RuntimeError):
 
 def predicted_peak(cfg, device: torch.device) -> int:
     """The estimator's peak bytes for cfg trained on `device` (nothing built, nothing measured)."""
-    model = resolved_model(cfg)
-    return estimate(runtime_job(model, resolve_mode(cfg.precision.mode, device), device, **sections(cfg))).total_bytes
+    sections = JobSections.of(cfg)
+    return estimate(runtime_job(sections, sections.resolved_model(), resolve_mode(cfg.precision.mode, device),
+                                device)).total_bytes
 
 
 def ram_check(cfg, device: torch.device, force: bool, log) -> None:
@@ -64,7 +65,8 @@ def oom_report(ctx: OomContext, error: BaseException, run_dir: Path) -> list[str
     """The lines that explain an out-of-memory step; writes the CUDA memory snapshot into run_dir."""
     cfg, device = ctx.cfg, ctx.device
     target = local_device(device)
-    b = estimate(runtime_job(cfg.model, resolve_mode(cfg.precision.mode, device), device, **sections(cfg)))
+    sections = JobSections.of(cfg)
+    b = estimate(runtime_job(sections, cfg.model, resolve_mode(cfg.precision.mode, device), device))
     first = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
     lines = [f"out of memory in step {ctx.step} on {target.name}: {first}",
              f"  predicted peak {fmt_bytes(b.total_bytes)} ("
@@ -73,7 +75,7 @@ def oom_report(ctx: OomContext, error: BaseException, run_dir: Path) -> list[str
              f"  measured peak so far {fmt_bytes(peak_memory_bytes(device))}"
              + (" (max_memory_allocated)" if device.type == "cuda" else " (process RSS)")
              + f"; the device holds {fmt_bytes(target.memory)}"]
-    plan = search(cfg, target, target.memory)
+    plan = search(sections, target, target.memory)
     if plan.best is not None:
         changed = {k: v for k, v in plan.best.overrides.items() if _current(cfg, k) != v}
         flags = " ".join(f"--{k}={v}" for k, v in changed.items()) or "(the configuration as it is)"

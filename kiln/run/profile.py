@@ -26,7 +26,7 @@ from rich.console import Console
 from kiln.config import apply_overrides
 from kiln.memory.devices import local_device
 from kiln.memory.estimate import estimate, fmt_bytes
-from kiln.memory.levers import job_for
+from kiln.memory.levers import JobSections, job_for
 from kiln.parallel.expert import all_to_all_seconds
 from kiln.perf.bottleneck import MATMUL_OPS, Breakdown, Op, Verdict, verdict
 from kiln.perf.flops import flops_per_token
@@ -145,7 +145,7 @@ def _advice(v: Verdict, b: Breakdown, cfg, target) -> list[str]:
                 "parallel.strategy=fsdp with parallel.reshard_after_forward=false trades memory for fewer gathers"]
     if v.kind == "host-overhead-bound":
         bigger = apply_overrides(cfg, {"train.micro_batch_size": 2 * t.micro_batch_size})
-        peak = estimate(job_for(bigger, target)).total_bytes
+        peak = estimate(job_for(JobSections.of(bigger), target)).total_bytes
         fits = "fits" if peak <= target.memory else "does NOT fit"
         out = [f"raise train.micro_batch_size to {2 * t.micro_batch_size}: the same operations do twice the work "
                f"({fits}: {fmt_bytes(peak)} predicted of {fmt_bytes(target.memory)})"]

@@ -191,6 +191,10 @@ SITES = [
                                        "--global-batch-tokens=512"], ["--global-batch-tokens=512", "3 GPUs"]),
     ("kiln/memory/recompute.py:solve_budget", [*M, "--memory.recompute=budget", "--memory.recompute_budget=1KiB"],
      ["memory.recompute_budget=1.00 KiB", "raise the budget"]),
+    ("kiln/memory/estimate.py:parse_bytes", [*M, "--plan.memory=lots"], ["plan.memory='lots'", "24GiB"]),
+    ("kiln/memory/estimate.py:parse_bytes", [*M, "--memory.recompute=budget", "--memory.recompute_budget=6 GiBs"],
+     ["memory.recompute_budget='6 GiBs'", "512MiB"]),
+    ("kiln/memory/estimate.py:parse_bytes", ["plan", "--model.preset=tiny", "--memory=lots"], ["--memory='lots'"]),
     # kiln/memory/levers.py
     ("kiln/memory/levers.py:MemoryConfig.validate", [*M, "--memory.recompute=al"], ["memory.recompute='al'"]),
     ("kiln/memory/levers.py:MemoryConfig.validate", [*M, "--memory.recompute_every=0"], ["memory.recompute_every"]),
@@ -312,6 +316,21 @@ ALLOWED = {
     "kiln/memory/recompute.py:plan_for": (
         ALL, "memory.recompute and memory.recompute_budget are checked by MemoryConfig.validate first (rows above); a "
              "library caller of the estimator reaches it"),
+    "kiln/memory/estimate.py:recompute_plan": (
+        ALL, "memory.recompute and memory.recompute_every are checked by MemoryConfig.validate first (rows above); a "
+             "library caller of the estimator reaches it (tests/memory/test_memory_refusals.py)"),
+    "kiln/memory/estimate.py:optimizer_state_bytes": (
+        ALL, "optim.name is checked by OptimConfig.validate first (row above); a library caller of the estimator "
+             "reaches it (tests/memory/test_memory_refusals.py)"),
+    "kiln/memory/planner.py:fit_time_model": (
+        ALL, "`kiln plan --calibrate` measures steps of two sizes, which tell the two times apart; a library caller's "
+             "steps of one size reach it (tests/memory/test_memory_refusals.py)"),
+    "kiln/memory/recompute.py:apply_recompute": (
+        ALL, "kiln's runs build the plan from memory.* checked first (recompute_plan, solve_budget); a library "
+             "caller's plan or model reaches them (tests/memory/test_memory_refusals.py)"),
+    "kiln/memory/chunked_loss.py:ChunkedLMLoss.__init__": (
+        ALL, "memory.chunked_loss below 0 is refused by MemoryConfig.validate (row above) and 0 is off; a library "
+             "caller's ChunkedLMLoss(0) reaches it (tests/memory/test_memory_refusals.py)"),
     "kiln/data/tokenizer.py:build_tokenizer": (
         ALL, "data.tokenizer is checked by DataConfig.validate first (rows above); a library caller reaches it"),
     "kiln/kernels/utils.py:check_device": (

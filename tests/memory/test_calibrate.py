@@ -8,7 +8,7 @@ from kiln.cli.main import main
 from kiln.config import load_config
 from kiln.memory import calibrate
 from kiln.memory.devices import get_device
-from kiln.memory.levers import job_for
+from kiln.memory.levers import JobSections, job_for
 from kiln.memory.planner import fit_time_model, step_time, time_constants
 
 SHAPES = [["--model.preset=tiny", "--model.n_layer=2", "--model.d_model=256", "--model.n_head=4",
@@ -26,7 +26,7 @@ def test_the_fit_recovers_the_constants_that_made_the_times():
                      bandwidth=20e9)
     truth = {"matmul_efficiency": 0.55, "bandwidth_efficiency": 0.8, "op_overhead_s": 7e-6, "measured": "test"}
     made = replace(device, time_model=truth)
-    jobs = [job_for(load_config(None, shape), device) for shape in SHAPES]
+    jobs = [job_for(JobSections.of(load_config(None, shape)), device) for shape in SHAPES]
     fitted = fit_time_model(device, [(j, step_time(j, made)["total"]) for j in jobs], 0.8)
     assert fitted["matmul_efficiency"] == pytest.approx(0.55, rel=0.02)
     assert fitted["op_overhead_s"] == pytest.approx(7e-6, rel=0.02)

@@ -8,7 +8,7 @@ import pytest
 
 from kiln.config import load_config
 from kiln.memory.estimate import NUMERICS, Target, data_parallel, estimate, grad_shares, parameter_numels, rank_state
-from kiln.memory.levers import job_of, resolved_model
+from kiln.memory.levers import JobSections, job_of
 
 SMALL = ["--model.preset=tiny", "--model.n_layer=4", "--model.d_model=96", "--model.n_head=4", "--data.seq_len=48",
          "--train.micro_batch_size=4", "--train.device=cpu"]
@@ -16,7 +16,8 @@ SMALL = ["--model.preset=tiny", "--model.n_layer=4", "--model.d_model=96", "--mo
 
 def job(precision="fp32", *overrides, parallel="none", world=1):
     cfg = load_config(None, [*SMALL, *overrides])
-    return replace(job_of(cfg, resolved_model(cfg), precision, Target("cuda", 9.0)),
+    sections = JobSections.of(cfg)
+    return replace(job_of(sections, sections.resolved_model(), precision, Target("cuda", 9.0)),
                    plan=data_parallel(parallel, world))
 
 

@@ -9,6 +9,7 @@ from kiln.config import load_config
 from kiln.memory.devices import get_device
 from kiln.memory.estimate import Job, Target, estimate, rank_state
 from kiln.memory.experts import expert_parallel, worst_case_note
+from kiln.memory.levers import JobSections
 from kiln.memory.planner import search, step_time
 from kiln.models import ModelConfig, param_count
 from kiln.models.registry import family
@@ -87,10 +88,11 @@ def test_plan_searches_expert_parallelism_for_an_moe_only():
     if "ep" not in ParallelPlan.__dataclass_fields__:
         pytest.skip("the layout object has no ep yet (ep41's kiln.parallel.layout)")
     args = ["--model.preset=qwen3-moe-nano", "--data.tokenizer=bpe", "--data.seq_len=128"]
-    p = search(load_config(None, args), get_device("H100"), 40 * 2**30, 2**13, gpus=4, quick=True)
+    p = search(JobSections.of(load_config(None, args)), get_device("H100"), 40 * 2**30, 2**13, gpus=4, quick=True)
     eps = [c for c in p.candidates if c.choice.ep > 1]
     assert eps and all(c.times["ep_communication"] > 0 and c.overrides["parallel.ep"] == c.choice.ep for c in eps)
     assert {c.choice.ep for c in eps} <= {2, 4, 8}
-    dense = search(load_config(None, ["--model.preset=llama-125m", "--data.tokenizer=bpe", "--data.seq_len=128"]),
+    dense = search(JobSections.of(load_config(None, ["--model.preset=llama-125m", "--data.tokenizer=bpe",
+                                                     "--data.seq_len=128"])),
                    get_device("H100"), 40 * 2**30, 2**13, gpus=4, quick=True)
     assert all(c.choice.ep == 1 for c in dense.candidates)

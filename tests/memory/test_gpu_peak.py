@@ -11,7 +11,7 @@ import torch
 from kiln.config import load_config
 from kiln.memory.devices import local_device
 from kiln.memory.estimate import estimate, parse_bytes, peak_allocated
-from kiln.memory.levers import job_for
+from kiln.memory.levers import JobSections, job_for
 from kiln.run.measure import measure_step
 from kiln.config import apply_overrides
 from kiln.memory.planner import search
@@ -33,7 +33,7 @@ def test_peak_within_3_percent(model, precision, policy):
     cfg = load_config(None, MODELS[model] + COMMON + vocab + [f"--precision.mode={precision}",
                                                                f"--memory.recompute={policy}"])
     device = torch.device("cuda")
-    predicted = peak_allocated(estimate(job_for(cfg, local_device(device))))
+    predicted = peak_allocated(estimate(job_for(JobSections.of(cfg), local_device(device))))
     measured = measure_step(cfg, device, steps=3)
     assert predicted == pytest.approx(measured.step_peaks[-1], rel=0.03)
 
@@ -42,7 +42,7 @@ def test_planner_top_choice_fits_and_trains():
     cfg = load_config(None, MODELS["gpt2-350m"] + COMMON + ["--train.grad_accum_steps=8"])
     device = torch.device("cuda")
     budget = parse_bytes("12GiB")
-    plan = search(cfg, local_device(device), budget)
+    plan = search(JobSections.of(cfg), local_device(device), budget)
     assert plan.best is not None
     measured = measure_step(apply_overrides(cfg, plan.best.overrides), device, steps=3)
     assert measured.peak_bytes + local_device(device).context_bytes <= budget

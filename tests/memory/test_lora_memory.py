@@ -9,7 +9,7 @@ from kiln.cli.main import main
 from kiln.config import load_config
 from kiln.memory.devices import get_device
 from kiln.memory.estimate import estimate, local_parameter_shapes, peak_allocated, rank_state, trainable
-from kiln.memory.levers import job_for
+from kiln.memory.levers import JobSections, job_for
 from kiln.memory.planner import search
 from kiln.run.measure import measure_step
 
@@ -31,12 +31,13 @@ def test_lora_step_peak_within_5_percent_of_live_bytes_on_cpu(overrides):
     bf16 adapters with fp32 masters under bf16-master) measured as the full fine-tune's peak tests measure it:
     steady step and first step (no optimizer state yet)."""
     cfg = load_config(None, SMALL + overrides)
-    b = estimate(job_for(cfg, get_device("cpu")))
+    b = estimate(job_for(JobSections.of(cfg), get_device("cpu")))
     peaks = measure_step(cfg, torch.device("cpu"), steps=2).step_peaks
     assert peak_allocated(b) == pytest.approx(peaks[-1], rel=0.05)
     assert b.first_step_peak == pytest.approx(peaks[0], rel=0.05)
     # the full fine-tune of the same shape is not within 5%: the test can tell LoRA's accounting from it
-    full = estimate(job_for(load_config(None, SMALL + overrides + ["--lora.rank=0", "--lora.dropout=0"]),
+    full = estimate(job_for(JobSections.of(load_config(None, SMALL + overrides + ["--lora.rank=0",
+                                                                                  "--lora.dropout=0"])),
                             get_device("cpu")))
     assert peak_allocated(full) > 1.3 * peaks[-1]
 
@@ -51,7 +52,7 @@ def _qwen3_8b_adapters(r=16) -> int:
 
 def test_lora_model_state_by_hand():
     cfg = load_config(None, ["--model.preset=qwen3-8b", "--lora.rank=16", "--precision.mode=bf16"])
-    job = job_for(cfg, get_device("H100"))
+    job = job_for(JobSections.of(cfg), get_device("H100"))
     shapes = local_parameter_shapes(job)
     adapters = sum(math.prod(s) for n, s in shapes if trainable(job, n))
     base = sum(math.prod(s) for n, s in shapes if not trainable(job, n))
@@ -65,12 +66,12 @@ def test_lora_model_state_by_hand():
     b = estimate(job)
     assert b.components["master_weights"] == 0 and b.held()["gradients"] == 4 * adapters
     # bf16-master: bf16 adapters with fp32 masters; the base has none
-    master = estimate(job_for(load_config(None, ["--model.preset=qwen3-8b", "--lora.rank=16",
-                                                 "--precision.mode=bf16-master"]), get_device("H100")))
+    master = estimate(job_for(JobSections.of(load_config(None, ["--model.preset=qwen3-8b", "--lora.rank=16",
+                                                 "--precision.mode=bf16-master"])), get_device("H100")))
     assert master.model_state["master_weights"] == 4 * adapters
     assert master.model_state["parameters"] == 2 * base + 2 * adapters
     # against the full fine-tune: 16 bytes a parameter of model state, and autocast's copies of the weights
-    full = estimate(job_for(load_config(None, ["--model.preset=qwen3-8b", "--precision.mode=bf16"]),
+    full = estimate(job_for(JobSections.of(load_config(None, ["--model.preset=qwen3-8b", "--precision.mode=bf16"])),
                             get_device("H100")))
     assert full.held()["gradients"] == 4 * base and b.held()["weight_casts"] < full.held()["weight_casts"] / 100
 
@@ -85,9 +86,11 @@ def test_kiln_memory_and_plan_know_lora(capsys):
     # the planner searches with the adapters: LoRA on a 0.6B model fits a 4 GiB budget a full fine-tune cannot
     # (its model state alone is 10 bytes a parameter at best: bf16-master with 8-bit AdamW)
     args = ["--model.preset=qwen3-0.6b", "--data.seq_len=512", "--train.micro_batch_size=1"]
-    plan = search(load_config(None, args + ["--lora.rank=16"]), get_device("H100"), 4 * 2**30, 8 * 512, quick=True)
+    plan = search(JobSections.of(load_config(None, args + ["--lora.rank=16"])), get_device("H100"), 4 * 2**30,
+                  8 * 512, quick=True)
     assert plan.best is not None and plan.best.breakdown.job.lora is not None
-    assert search(load_config(None, args), get_device("H100"), 4 * 2**30, 8 * 512, quick=True).best is None
+    assert search(JobSections.of(load_config(None, args)), get_device("H100"), 4 * 2**30, 8 * 512,
+                  quick=True).best is None
 
 
 def test_unknown_lora_target_is_one_line(capsys):
@@ -104,7 +107,7 @@ def test_lora_step_time_skips_the_base_weight_gradients():
 
     h100 = get_device("H100")
     args = ["--model.preset=qwen3-8b", "--precision.mode=bf16", "--data.seq_len=2048", "--train.micro_batch_size=1"]
-    full = step_time(job_for(load_config(None, args), h100), h100)
-    lora = step_time(job_for(load_config(None, args + ["--lora.rank=16"]), h100), h100)
+    full = step_time(job_for(JobSections.of(load_config(None, args)), h100), h100)
+    lora = step_time(job_for(JobSections.of(load_config(None, args + ["--lora.rank=16"])), h100), h100)
     assert 0.5 * full["compute"] < lora["compute"] < 0.75 * full["compute"]
     assert lora["optimizer"] < full["optimizer"] / 50

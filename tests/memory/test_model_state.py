@@ -6,7 +6,7 @@ from kiln.config import load_config
 from kiln.memory.devices import get_device
 from kiln.memory.estimate import (BYTES_PER_PARAM, Job, estimate, kiln_bytes_per_param, korthikanti_layer_bytes,
                                   model_state_table, parameter_numels, recompute_plan, textbook_layer_bytes)
-from kiln.memory.levers import job_for
+from kiln.memory.levers import JobSections, job_for
 from kiln.run.measure import measure_step
 from kiln.models import PRESETS, ModelConfig, build_model, param_count
 
@@ -70,10 +70,11 @@ def test_gpt2_xl_on_a_v100():
 def test_model_state_measured_exactly(overrides):
     cfg = load_config(None, ["--model.n_layer=2", "--model.d_model=64", "--model.n_head=2", "--data.seq_len=32",
                              "--train.micro_batch_size=2", "--train.device=cpu"] + overrides)
-    predicted = estimate(job_for(cfg, get_device("cpu"))).model_state
+    predicted = estimate(job_for(JobSections.of(cfg), get_device("cpu"))).model_state
     measured = measure_step(cfg, torch.device("cpu"), steps=1).components
     for key in ("parameters", "gradients", "master_weights", "optimizer_states", "buffers"):
         want = predicted[key]
         if key == "gradients" and cfg.precision.mode == "bf16-master" and cfg.optim.offload == "none":
-            want = 4 * sum(n for _, n in parameter_numels(job_for(cfg, get_device("cpu")).model))  # on the masters
+            # on the masters
+            want = 4 * sum(n for _, n in parameter_numels(job_for(JobSections.of(cfg), get_device("cpu")).model))
         assert measured[key] == want, key

@@ -14,7 +14,7 @@ from kiln.cli.main import main
 from kiln.config import load_config
 from kiln.memory.devices import get_device
 from kiln.memory.estimate import Target, estimate, local_parameter_shapes, parameter_shapes, saved_tensors
-from kiln.memory.levers import for_rank, rank_jobs, resolved_model
+from kiln.memory.levers import JobSections, for_rank, rank_jobs
 from kiln.memory.planner import INTERCONNECTS, bubble_fraction, model_parallel_comm, search, step_time
 from kiln.models import build_model, family
 from kiln.parallel import ParallelConfig, init_world
@@ -33,7 +33,7 @@ def cfg_of(arch, *extra):
 
 def job_of(arch, precision="fp32", *extra, ranks=2):
     cfg = cfg_of(arch, *extra)
-    plan, jobs = rank_jobs(cfg, get_device("H100"), ranks)
+    plan, jobs = rank_jobs(JobSections.of(cfg), get_device("H100"), ranks)
     return plan, [replace(j, precision=precision) for j in jobs]
 
 
@@ -78,7 +78,8 @@ def test_pipeline_stages_hold_their_blocks_embeddings_first_head_last(tie):
     assert "embed.weight" in first and "head.weight" not in first and "norm.weight" not in first
     assert "norm.weight" in last and "embed.weight" not in last
     assert "head.weight" in last  # a tied embedding's copy on the last stage: two copies, gradients summed
-    whole = {n: s for n, s in parameter_shapes(resolved_model(cfg_of("llama", f"--model.tie_embeddings={str(tie).lower()}")))}
+    whole = {n: s for n, s in parameter_shapes(
+        JobSections.of(cfg_of("llama", f"--model.tie_embeddings={str(tie).lower()}")).resolved_model())}
     blocks = sum(math.prod(s) for n, s in whole.items() if n.startswith("blocks."))
     held = sum(math.prod(s) for j in (first, last) for n, s in j.items() if n.startswith("blocks."))
     assert held == blocks
@@ -107,7 +108,7 @@ def test_micro_batches_in_flight_per_schedule(schedule, in_flight):
     blocks — Korthikanti et al. 2022 §4.2.3: 1 + (p - 1)/(p·v) times 1F1B's p."""
     cfg = load_config(None, [*SMALL, *ARCHS["gpt2"], "--model.n_layer=8", "--parallel.pp=4",
                              f"--parallel.pp_schedule={schedule}", "--parallel.pp_microbatches=8"])
-    plan, jobs = rank_jobs(cfg, get_device("H100"), 4)
+    plan, jobs = rank_jobs(JobSections.of(cfg), get_device("H100"), 4)
     assert [j.in_flight() for j in jobs] == in_flight
     # a later backward (gradients alive): the k-th has at most m - k micro-batches in flight, so at most 7
     later = [min(n, 7) for n in in_flight]
@@ -139,7 +140,7 @@ def test_bubble_and_collectives_follow_the_papers():
 def test_pipeline_step_time_waits_out_the_bubble():
     cfg = load_config(None, [*SMALL, *ARCHS["gpt2"], "--model.n_layer=8", "--parallel.pp=4",
                              "--parallel.pp_microbatches=8", "--precision.mode=bf16"])
-    _, jobs = rank_jobs(cfg, get_device("H100"), 4)
+    _, jobs = rank_jobs(JobSections.of(cfg), get_device("H100"), 4)
     t = step_time(jobs[1], get_device("H100"))
     assert t["bubble"] == pytest.approx((t["compute"] - t["bubble"] - t["pp_communication"]) * 3 / 8)
 
@@ -172,7 +173,7 @@ def test_kiln_memory_lists_every_stage(capsys):
 def test_plan_searches_layouts_within_a_node():
     cfg = load_config(None, ["--model.preset=gpt2-124m", "--data.seq_len=1024", "--data.tokenizer=bpe",
                              "--data.vocab_size=50257"])
-    plan = search(cfg, get_device("H100"), 40 * 2**30, 1024 * 64, gpus=16, quick=True)
+    plan = search(JobSections.of(cfg), get_device("H100"), 40 * 2**30, 1024 * 64, gpus=16, quick=True)
     layouts = {(c.choice.tp, c.choice.pp, c.choice.cp) for c in plan.candidates}
     assert any(tp > 1 for tp, _, _ in layouts) and any(pp > 1 for _, pp, _ in layouts)
     assert all(tp <= 8 and 12 % tp == 0 for tp, _, _ in layouts)  # within a node, dividing the 12 heads

@@ -9,7 +9,7 @@ from kiln.cli.main import main
 from kiln.config import apply_overrides, checked, load_config
 from kiln.memory.devices import get_device
 from kiln.memory.estimate import COMPONENTS, data_parallel, estimate, parse_bytes, peak_allocated
-from kiln.memory.levers import job_for
+from kiln.memory.levers import JobSections, job_for
 from kiln.memory.planner import search
 from kiln.run.measure import measure_step
 
@@ -31,7 +31,7 @@ def test_predicted_peak_within_5_percent_of_live_bytes_on_cpu(overrides):
     """Not the GPU acceptance (3% of max_memory_allocated, see docs/benchmarks.md), but the same event model
     held against the CPU's live tensor bytes, steady state and first step."""
     cfg = load_config(None, SMALL + overrides)
-    b = estimate(job_for(cfg, get_device("cpu")))
+    b = estimate(job_for(JobSections.of(cfg), get_device("cpu")))
     m = measure_step(cfg, torch.device("cpu"), steps=2)
     assert peak_allocated(b) == pytest.approx(m.step_peaks[-1], rel=0.05)
     assert b.first_step_peak == pytest.approx(m.step_peaks[0], rel=0.05)
@@ -51,7 +51,7 @@ def gpt2_124m(extra=()):
 
 def test_planner_best_fits_and_is_fastest():
     cfg = gpt2_124m()
-    plan = search(cfg, get_device("H100"), parse_bytes("24GiB"))
+    plan = search(JobSections.of(cfg), get_device("H100"), parse_bytes("24GiB"))
     assert plan.best is not None and plan.best.total_bytes <= parse_bytes("24GiB")
     times = [c.step_s for c in plan.candidates]
     assert times == sorted(times)
@@ -59,21 +59,22 @@ def test_planner_best_fits_and_is_fastest():
         assert c.overrides["train.micro_batch_size"] * c.overrides["train.grad_accum_steps"] == 32
         assert c.fits
     # the planner's own estimate of its choice agrees with estimating the overridden config from scratch
-    again = estimate(job_for(apply_overrides(cfg, plan.best.overrides), get_device("H100")))
+    again = estimate(job_for(JobSections.of(apply_overrides(cfg, plan.best.overrides)), get_device("H100")))
     assert again.total_bytes == plan.best.total_bytes
     # the typed application (what --plan.memory trains) and the flags a user types give the same config
     assert len({c.choice.chunked_loss for c in plan.candidates}) > 1 and len(plan.candidates) > 10
     for c in plan.candidates:
-        assert checked(c.choice.on(cfg)) == apply_overrides(cfg, c.overrides), c.choice
+        on = replace(cfg, **c.choice.on(JobSections.of(cfg)).levers())  # the sections it sets, as a run records
+        assert checked(on) == apply_overrides(cfg, c.overrides), c.choice
     # a tighter budget forces a slower plan
-    tight = search(cfg, get_device("H100"), parse_bytes("6GiB"))
+    tight = search(JobSections.of(cfg), get_device("H100"), parse_bytes("6GiB"))
     assert tight.best is not None and tight.best.step_s >= plan.best.step_s
 
 
 def test_planner_says_what_is_missing():
     cfg = load_config(None, ["--model.preset=llama-7b", "--data.seq_len=4096", "--train.micro_batch_size=1",
                              "--data.tokenizer=bpe", "--data.vocab_size=32000"])
-    plan = search(cfg, get_device("L4"), parse_bytes("8GiB"))
+    plan = search(JobSections.of(cfg), get_device("L4"), parse_bytes("8GiB"))
     assert plan.best is None
     msg = plan.shortfall()
     assert "nothing fits in 8.00 GiB on L4" in msg and "more than available" in msg and "model state" in msg
@@ -138,7 +139,7 @@ def test_collective_bytes_follow_the_ring_formulas():
     cfg = load_config(None, ["--model.preset=gpt2-124m", "--data.seq_len=1024", "--train.grad_accum_steps=3",
                              "--precision.mode=bf16"])
     n = sum(k for _, k in parameter_numels(cfg.model.resolve()))
-    base = job_for(cfg, get_device("H100"))
+    base = job_for(JobSections.of(cfg), get_device("H100"))
     for N in (2, 8, 64):
         f = (N - 1) / N
         ddp = communication(replace(base, plan=data_parallel("ddp", N)), INTERCONNECTS["nvlink4"], 0.0)
@@ -154,8 +155,8 @@ def test_collective_bytes_follow_the_ring_formulas():
 
 def test_plan_for_several_gpus_searches_the_strategies():
     cfg = load_config(None, ["--model.preset=llama-1b", "--data.seq_len=2048"])
-    fast = search(cfg, get_device("H100"), parse_bytes("40GiB"), 2048 * 256, gpus=8, interconnect="nvlink4",
-                  model_parallel=False)
+    fast = search(JobSections.of(cfg), get_device("H100"), parse_bytes("40GiB"), 2048 * 256, gpus=8,
+                  interconnect="nvlink4", model_parallel=False)
     assert {c.choice.parallel for c in fast.candidates} == {"ddp", "zero1", "fsdp"}
     by = {}
     for c in fast.candidates:
@@ -164,8 +165,8 @@ def test_plan_for_several_gpus_searches_the_strategies():
     state = {k: sum(c.breakdown.components[x] for x in ("parameters", "gradients", "optimizer_states"))
              for k, c in by.items()}
     assert state["fsdp"] < state["zero1"] < state["ddp"]
-    slow = search(cfg, get_device("H100"), parse_bytes("40GiB"), 2048 * 256, gpus=8, interconnect="pcie4",
-                  model_parallel=False)
+    slow = search(JobSections.of(cfg), get_device("H100"), parse_bytes("40GiB"), 2048 * 256, gpus=8,
+                  interconnect="pcie4", model_parallel=False)
     assert slow.best.step_s > fast.best.step_s  # the same work over a slower link
     with pytest.raises(ValueError, match="cannot be shared by 3 GPUs"):
-        search(cfg, get_device("H100"), None, 2048 * 256, gpus=3, model_parallel=False)
+        search(JobSections.of(cfg), get_device("H100"), None, 2048 * 256, gpus=3, model_parallel=False)

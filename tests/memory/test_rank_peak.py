@@ -22,7 +22,7 @@ from kiln.config import load_config
 from kiln.memory.devices import get_device
 from kiln.memory.estimate import (_block_parameters, _comm_buffers, block_matmul_numel, estimate,
                                   local_parameter_shapes, peak_allocated)
-from kiln.memory.levers import rank_jobs
+from kiln.memory.levers import JobSections, rank_jobs
 
 ROOT = Path(__file__).resolve().parents[2]
 SHAPE = ["--model.preset=tiny", "--model.n_layer=3", "--model.d_model=128", "--model.n_head=4",
@@ -72,7 +72,7 @@ def test_rank_peak_matches_the_estimate(measured, name):
     tolerance, never fall short of it; so may the steady state when all four later steps carried one (fsdp bf16 in
     a clean-clone CI run, 2026-11-27: 7.52 MB each, 6.96 MB predicted)."""
     cfg = load_config(None, overrides(name))
-    plan, jobs = rank_jobs(cfg, get_device("cpu"), 2)
+    plan, jobs = rank_jobs(JobSections.of(cfg), get_device("cpu"), 2)
     for rank in (0, 1) if plan.pp > 1 else (0,):  # a pipeline's ranks differ; data parallel: rank 0, below
         job = jobs[plan.coords(rank)["pp"]]
         b = estimate(job)
@@ -93,7 +93,7 @@ def test_fsdp_bf16_makes_no_autocast_weight_copies(measured):
     """The accounting this replaces counted autocast's bf16 copy of every block's weights under FSDP2 bf16: that
     many more bytes than the rank holds."""
     cfg = load_config(None, overrides("fsdp bf16"))
-    _, (job,) = rank_jobs(cfg, get_device("cpu"), 2)
+    _, (job,) = rank_jobs(JobSections.of(cfg), get_device("cpu"), 2)
     copies = 2 * block_matmul_numel(job.model) * job.model.n_layer
     steady = min(measured[0]["fsdp bf16"][1:])
     assert peak_allocated(estimate(job)) + copies > steady * (1 + RTOL)

@@ -8,7 +8,7 @@ import torch
 from kiln.config import load_config
 from kiln.memory.devices import get_device
 from kiln.memory.estimate import Job, Target, estimate, peak_allocated, recompute_plan
-from kiln.memory.levers import job_for
+from kiln.memory.levers import JobSections, job_for
 from kiln.run.measure import measure_step
 
 from tests.memory.conftest import gpt2_cfg, llama_cfg
@@ -42,10 +42,10 @@ SMALL = ["--model.n_layer=1", "--model.d_model=64", "--model.n_head=4", "--data.
                                        ["--model.qk_norm=true"]], ids=lambda o: o[0])
 def test_predicted_peak_within_5_percent_of_live_bytes(overrides):
     cfg = load_config(None, SMALL + overrides)
-    b = estimate(job_for(cfg, get_device("cpu")))
+    b = estimate(job_for(JobSections.of(cfg), get_device("cpu")))
     m = measure_step(cfg, torch.device("cpu"), steps=2)
     assert peak_allocated(b) == pytest.approx(m.step_peaks[-1], rel=0.05)
     assert b.first_step_peak == pytest.approx(m.step_peaks[0], rel=0.05)
-    plain = estimate(job_for(load_config(None, SMALL), get_device("cpu")))
+    plain = estimate(job_for(JobSections.of(load_config(None, SMALL)), get_device("cpu")))
     if "softcap" in overrides[0]:  # the test can fail: without the cap's tensors the estimate is off by > 5%
         assert peak_allocated(plain) < 0.95 * m.step_peaks[-1]

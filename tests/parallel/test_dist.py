@@ -16,7 +16,7 @@ from safetensors.torch import load_file
 
 from kiln.parallel import ParallelConfig, init_world
 from kiln.memory.estimate import Target, data_parallel, rank_state
-from kiln.memory.levers import job_of
+from kiln.memory.levers import JobSections, job_of
 from kiln.run.lm import train
 from tests.parallel.scenarios import lm_config
 
@@ -175,7 +175,7 @@ def test_per_rank_state_bytes_equal_the_estimate(launched, strategy, source):
     cfg = lm_config(source, strategy, steps=10)
     model = cfg.model.resolve()
     model.vocab_size = 256
-    job = job_of(cfg, model, "fp32", Target("cpu"), world=2)
+    job = job_of(JobSections.of(cfg), model, "fp32", Target("cpu"), world=2)
     measured = json.loads((launched / "state_bytes.json").read_text())[strategy]
     assert measured == rank_state(job)
     if strategy != "ddp":  # sharding really saves: less than one replica's state

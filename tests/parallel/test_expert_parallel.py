@@ -24,7 +24,7 @@ from benchmarks.ep_rank_peaks import SCENARIOS, SHAPE
 from kiln.config import load_config
 from kiln.memory.devices import get_device
 from kiln.memory.estimate import estimate, peak_allocated
-from kiln.memory.levers import rank_jobs
+from kiln.memory.levers import JobSections, rank_jobs
 from kiln.models.registry import family
 from kiln.run.lm import train
 from tests.parallel.conftest import final_weights, one_thread, torchrun
@@ -183,7 +183,7 @@ def test_rank_peaks_match_the_estimate(ep_launched, scenario):
     -1.0%; the estimate before the experts were modelled as their own FSDP2 groups: fsdp +22.5% / +29.7%, bf16
     +16.6% / +23.4%, ddp's first step +25.0% (DDP's buckets: ep runs FSDP2's replicate)."""
     first, *later = json.loads((ep_launched / "ep_peaks.json").read_text())[0][scenario]
-    _, jobs = rank_jobs(load_config(None, SHAPE + SCENARIOS[scenario]), get_device("cpu"), 4)
+    _, jobs = rank_jobs(JobSections.of(load_config(None, SHAPE + SCENARIOS[scenario])), get_device("cpu"), 4)
     b = estimate(jobs[0])
     assert peak_allocated(b) == pytest.approx(min(later), rel=0.05)
     assert b.first_step_peak == pytest.approx(first, rel=0.05)

@@ -19,7 +19,7 @@ from safetensors.torch import load_file
 
 from kiln.memory.devices import get_device
 from kiln.memory.estimate import estimate, peak_allocated, rank_state
-from kiln.memory.levers import rank_jobs
+from kiln.memory.levers import JobSections, rank_jobs
 from kiln.models import ModelConfig, build_model
 from kiln.models.moe import moe_losses
 from kiln.models.registry import family
@@ -202,7 +202,7 @@ def test_fsdp_stage_bytes_are_the_estimators(pp_launched, arch):
     (event,) = [e for e in records(pp_launched / f"pp2dp2_fsdp_{arch}", "event") if e["event"] == "layout"]
     cfg = pp_config("", arch=arch, pp=2, dp=2, strategy="fsdp")
     cfg.model.vocab_size = 256  # the byte tokenizer's
-    plan, jobs = rank_jobs(cfg, get_device("H100"), 4)
+    plan, jobs = rank_jobs(JobSections.of(cfg), get_device("H100"), 4)
     predicted = [rank_state(jobs[plan.coords(r)["pp"]])["parameters"] for r in range(4)]
     assert event["param_bytes_per_rank"] == predicted
     (first, last), _ = stage_bytes(arch, tp=1)
@@ -217,7 +217,7 @@ def test_pp2_dp2_fsdp_rank_peaks_match_the_estimate(pp_launched, name):
     (fp32), and the last stage gathers its block again through gloo's staging copy in the second micro-batch's
     backward. The two copies of a stage hold the same."""
     measured = [json.loads((pp_launched / f"peaks_rank{r}.json").read_text())[name] for r in range(4)]
-    plan, jobs = rank_jobs(peak_config(name), get_device("cpu"), 4)
+    plan, jobs = rank_jobs(JobSections.of(peak_config(name)), get_device("cpu"), 4)
     for rank in range(4):
         b = estimate(jobs[plan.coords(rank)["pp"]])
         assert peak_allocated(b) == pytest.approx(min(measured[rank][1:]), rel=0.05), rank

@@ -9,7 +9,7 @@ import torch.nn as nn
 from kiln.config import load_config
 from kiln.memory.devices import get_device
 from kiln.memory.estimate import estimate
-from kiln.memory.levers import job_for, precision_for
+from kiln.memory.levers import JobSections, job_for, precision_for
 from kiln.memory.planner import _precisions
 from kiln.models import build_model
 from kiln.models.transformer import LMLoss
@@ -36,10 +36,10 @@ def test_fp8_is_in_the_estimator_and_the_planner():
     GPU suite measures its speed-up: the planner offers it where the device has fp8 tensor cores, and only there."""
     cfg = load_config(None, ["--model.preset=gpt2-124m", "--train.micro_batch_size=8"])
     h100 = get_device("H100")
-    fp8 = estimate(job_for(load_config(None, ["--model.preset=gpt2-124m", "--train.micro_batch_size=8",
-                                              "--precision.mode=fp8"]), h100))
-    bf16 = estimate(job_for(load_config(None, ["--model.preset=gpt2-124m", "--train.micro_batch_size=8",
-                                               "--precision.mode=bf16"]), h100))
+    fp8 = estimate(job_for(JobSections.of(load_config(None, ["--model.preset=gpt2-124m", "--train.micro_batch_size=8",
+                                              "--precision.mode=fp8"])), h100))
+    bf16 = estimate(job_for(JobSections.of(load_config(None, ["--model.preset=gpt2-124m", "--train.micro_batch_size=8",
+                                               "--precision.mode=bf16"])), h100))
     assert fp8.total_bytes == bf16.total_bytes and fp8.job.precision == "fp8"
     assert "fp8" in _precisions(h100) and "fp8" in _precisions(get_device("L4"))
     assert "fp8" not in _precisions(get_device("A100")) and cfg.precision.mode == "auto"

@@ -79,7 +79,8 @@ def rope_to_hf(cfg: ModelConfig) -> dict:
 def shape_from_hf(hf: dict, source: str, family: str) -> dict:
     """The ModelConfig fields every Llama-like config.json gives (llama, qwen3, qwen3_moe)."""
     if hf.get("attention_bias") or hf.get("mlp_bias"):
-        raise KilnError(f"{source}: biases in the attention or MLP are not in kiln's {family} block",
+        raise KilnError(f"{source}: biases in the attention or MLP (attention_bias, mlp_bias) are not in kiln's "
+                        f"{family} block",
                         key="attention_bias" if hf.get("attention_bias") else "mlp_bias", value=True,
                         fix="start from a checkpoint without attention or MLP biases")
     if hf.get("hidden_act", "silu") != "silu":

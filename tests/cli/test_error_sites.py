@@ -31,7 +31,7 @@ M = ["memory", "--out=", "--model.preset=tiny"]  # `kiln memory` validates the w
 P2 = [*M, "--ranks=2", "--parallel.strategy=fsdp"]
 T = ["train", "--model.preset=tiny", "--train.device=cpu", "--data.source=nowhere.txt"]  # refused before the data
 TD = ["train", "--model.preset=tiny", "--train.device=cpu", "--data.source=tiny.txt", "--data.seq_len=32",
-      "--train.max_steps=1"]  # the model is built (the error comes at it), no step runs
+      "--train.micro_batch_size=1", "--train.max_steps=1"]  # the model is built (the error comes at it), no step runs
 E = ["estimate", "--model.preset=tiny", "--device=H100"]
 
 
@@ -479,7 +479,7 @@ ALLOWED = {
                    "test_fit_tensor_parallel.py checks the lines)")
        for site in ["kiln/parallel/tensor.py:apply_tensor_parallel", "kiln/parallel/expert.py:shard_experts",
                     "kiln/parallel/user_plan.py:apply_user_plan", "kiln/parallel/user_plan.py:_hold"]},
-    "kiln/parallel/context.py:_shard_inputs.<locals>.hook": (
+    "kiln/parallel/context.py:_shard_inputs.hook": (
         ALL, "generation with a KV cache on a context-parallel model: a library caller (kiln sample builds a plain one)"),
     "kiln/parallel/pipeline.py:PipelineModel.forward": (
         ALL, "a library caller's forward of a pipeline-parallel model (kiln runs it through its schedule)"),

@@ -387,6 +387,9 @@ SITES = [
     ("kiln/parallel/config.py:ParallelConfig.validate", [*M, "--parallel.straggler_intervals=-1"],
      ["parallel.straggler_intervals ≥ 0 (got -1)"]),
     ("kiln/parallel/strategy.py:strategy", [*M, "--parallel.strategy=horovod"], ["parallel.strategy='horovod'"]),
+    # kiln/parallel/__init__.py: a model-parallel run started without torchrun
+    ("kiln/parallel/__init__.py:init_world", [*T, "--parallel.tp=2", "--parallel.strategy=fsdp"],
+     ["parallel.tp=2 × parallel.pp=1 splits the model over 2 processes", "--nproc_per_node=2"]),
 ]
 
 # Sites with fewer rows than raises, each with how many raises have no row (ALL: every one) and why.
@@ -479,6 +482,9 @@ ALLOWED = {
                    "test_fit_tensor_parallel.py checks the lines)")
        for site in ["kiln/parallel/tensor.py:apply_tensor_parallel", "kiln/parallel/expert.py:shard_experts",
                     "kiln/parallel/user_plan.py:apply_user_plan", "kiln/parallel/user_plan.py:_hold"]},
+    "kiln/parallel/__init__.py:init_world": (
+        2, "under torchrun only: an environment without torchrun's variables, or parallel.strategy=none over more "
+           "processes than tp × pp (a launch: kept out of this table's time)"),
     "kiln/parallel/context.py:_shard_inputs.hook": (
         ALL, "generation with a KV cache on a context-parallel model: a library caller (kiln sample builds a plain one)"),
     "kiln/parallel/pipeline.py:PipelineModel.forward": (

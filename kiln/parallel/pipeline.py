@@ -190,7 +190,8 @@ class PipelineModel(nn.Module):
         raise KilnError("a pipeline-parallel model runs through its schedule (PipelineModel.train_step, "
                         "evaluate_batch), not in one piece: gather it first (PipelineModel.whole_model, or "
                         "full_state_dict into a model built on one rank)", key="model",
-                        fix="gather it first (PipelineModel.whole_model)")
+                        fix="gather it first (PipelineModel.whole_model, or full_state_dict into a model built on one "
+                            "rank)")
 
     @property
     def duplicate(self) -> nn.Parameter | None:

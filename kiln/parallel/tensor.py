@@ -252,7 +252,7 @@ def apply_tensor_parallel(model: nn.Module, mesh, sequence_parallel: bool = Fals
         raise KilnError(f"parallel.tp={tp} computes the loss on vocabulary-sharded logits (1/tp of them per rank); "
                         f"the model's {type(model.loss).__name__} needs the whole head: keep the plain loss "
                         f"(ModelPlan.loss='plain', no --memory.chunked_loss)", key="parallel.tp", value=tp,
-                        fix="keep the plain loss (no --memory.chunked_loss)")
+                        fix="keep the plain loss")
     if model.loss.softcap:
         raise KilnError(f"parallel.tp={tp} computes the loss on vocabulary-sharded logits without a soft-cap; "
                         f"model.logit_softcap={model.loss.softcap:g} needs --parallel.tp=1 or logit_softcap=0",

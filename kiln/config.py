@@ -248,7 +248,7 @@ def _cross_checks(cfg: Config) -> None:
         raise ConfigError("train.kernels=triton already fuses the LM head and cross-entropy (the logits never exist "
                           "at once); memory.chunked_loss would replace it: drop --memory.chunked_loss, or use "
                           "--train.kernels=torch")
-    refused = document_mask_refusal(cfg.data, cfg.train.kernels, cfg.parallel.pp, cfg.parallel.cp)
+    refused = document_mask_refusal(cfg.data, cfg.train.kernels, cfg.parallel.pp)
     if refused:
         raise ConfigError(refused[0], key="data.document_mask", value=cfg.data.document_mask, fix=refused[1])
     if cfg.parallel.tp > 1 and cfg.memory.chunked_loss:
@@ -259,6 +259,9 @@ def _cross_checks(cfg: Config) -> None:
         raise ConfigError(f"optim.name=muon orthogonalises whole matrices and parallel.tp={cfg.parallel.tp} splits "
                           f"them across ranks: use --parallel.tp=1 (data parallelism with --parallel.strategy=ddp) "
                           f"with muon")
+    if cfg.lora.on and cfg.optim.name == "muon":  # found before the data (build_optimizer would, after it)
+        raise ConfigError(f"optim.name=muon orthogonalises the hidden matrices, and lora.rank={cfg.lora.rank} freezes "
+                          f"them and trains adapters only, which go to AdamW: use --optim.name=adamw with lora")
     if cfg.faults.any and compile_setting(cfg.train.compile) == "true":
         raise ConfigError("faults.* hook the eager model's modules, which torch.compile bypasses; set "
                           "--train.compile=false to inject faults")

@@ -22,15 +22,12 @@ LONG_FILES = {
                           "kiln/memory/adapters.py and experts.py (#38, #41)",
     "train/checkpoint.py": "667: one on-disk format written, verified, resumed and resharded across layouts",
     "memory/planner.py": "712: the step-time model and the search over levers and layouts (ep included)",
-    "data/__init__.py": "636: implementation in an __init__.py, to be split by #37",
     "data/prepare.py": "595: the corpus cut into pieces, tokenized by worker processes and resumed after a kill",
     "data/records.py": "526: a worker that imports nothing from kiln (no torch), reading every source format",
 }
 
 # package __init__.py under kiln/ -> why it holds more than re-exports
 INIT_IMPLEMENTATION = {
-    "data/__init__.py": "to be split by #37",
-    "parallel/__init__.py": "to be split by #37",
     "models/__init__.py": "build_model; to be split by #37",
     "kernels/__init__.py": "Triton is optional: its imports sit under `if HAS_TRITON`, else a __getattr__ that "
                            "names the fix",

@@ -57,7 +57,7 @@ def run(args, overrides) -> int:
     out = Console(soft_wrap=True, highlight=False)
     err = Console(stderr=True)
     out.print(f"model: {source.description} | window {max_length} tokens", markup=False)
-    prepared = [prepare(t, source.tokenizer, max_length, args.limit) for t in tasks]
+    prepared = [prepare(t, source.tokenizer, max_length, args.limit, source.prefix_id) for t in tasks]
     columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                TimeRemainingColumn())
     results = []

@@ -21,6 +21,8 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset, default_collate
 
+from kiln.errors import KilnError
+
 
 def map_tensors(batch, fn):
     """`fn` applied to every tensor of a batch (nested tuples, lists, dicts); other values as they are."""
@@ -52,10 +54,11 @@ class BatchLoader:
         self.dataset = is_dataset(data)
         if self.dataset:
             if not batch_size or batch_size < 1:
-                raise ValueError(f"a Dataset is batched by kiln: batch_size must be ≥ 1, got {batch_size}")
+                raise KilnError(f"a Dataset is batched by kiln: batch_size must be ≥ 1, got {batch_size}",
+                                key="batch_size", value=batch_size)
             self.n = len(data)
             if self.n == 0:
-                raise ValueError("the Dataset is empty: nothing to train on")
+                raise KilnError("the Dataset is empty: nothing to train on", key="train_data", value=0)
             self.batch_size = batch_size
             self.per_epoch = math.ceil(self.n / batch_size)
         elif not isinstance(data, Iterable):
@@ -79,9 +82,11 @@ class BatchLoader:
             return next(self._it)
         except StopIteration:
             if self._it is self.data or self.batches_served == 0:  # a one-shot iterator, or an empty iterable
-                raise ValueError(f"the training data ran out after {self.batches_served} batches and cannot be "
-                                 f"iterated again; pass a torch Dataset or a re-iterable (a DataLoader, a list), "
-                                 f"or lower train.max_steps") from None
+                raise KilnError(f"the training data ran out after {self.batches_served} batches and cannot be "
+                                f"iterated again; pass a torch Dataset or a re-iterable (a DataLoader, a list), "
+                                f"or lower train.max_steps", key="train_data",
+                                fix="pass a torch Dataset or a re-iterable (a DataLoader, a list), or lower "
+                                    "train.max_steps") from None
             self._it = iter(self.data)  # the next epoch
             return next(self._it)
 
@@ -110,18 +115,21 @@ class BatchLoader:
 
     def load_state_dict(self, state: dict) -> None:
         if state["seed"] != self.seed:
-            raise ValueError(f"the checkpoint's data order has seed {state['seed']}, this run {self.seed}; "
-                             f"resume with the same train.seed")
+            raise KilnError(f"the checkpoint's data order has seed {state['seed']}, this run {self.seed}; "
+                            f"resume with the same train.seed", key="train.seed", value=self.seed,
+                            fix="resume with the same train.seed")
         served = int(state["batches_served"]) * int(state.get("world", 1))  # batches of the stream, all ranks
         if served % self.world:
-            raise ValueError(f"the checkpoint was taken {served} batches into the data, which {self.world} ranks "
-                             f"cannot share evenly; resume with a world size that divides it")
+            raise KilnError(f"the checkpoint was taken {served} batches into the data, which {self.world} ranks "
+                            f"cannot share evenly; resume with a world size that divides it", key="world",
+                            value=self.world, fix="resume with a world size that divides it")
         if self.dataset:
             self.batches_served = served // self.world
             return
         if iter(self.data) is self.data:
-            raise ValueError("resuming replays the training data from its start, but it is a one-shot "
-                             "iterator; pass a torch Dataset or a re-iterable (a DataLoader, a list)")
+            raise KilnError("resuming replays the training data from its start, but it is a one-shot "
+                            "iterator; pass a torch Dataset or a re-iterable (a DataLoader, a list)", key="train_data",
+                            fix="pass a torch Dataset or a re-iterable (a DataLoader, a list)")
         self._it, self.batches_served = None, 0
         self.skip(served // self.world)
 

@@ -28,6 +28,8 @@ import jinja2
 from jinja2.ext import Extension
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
+from kiln.errors import KilnError
+
 SPECIAL_TOKENS = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
 REASONING = ("reasoning_content", "thinking", "reasoning")
 _TRACKING = threading.local()  # render_spans' (output blocks so far, spans found) while it renders
@@ -67,10 +69,12 @@ def special_tokens(directory: str | Path) -> dict[str, str]:
 def check_messages(messages, where: str) -> list[dict]:
     """`messages` as a conversation: a non-empty list of objects with a string "role"; else one ValueError."""
     if not isinstance(messages, list) or not messages:
-        raise ValueError(f"{where}: \"messages\" must be a non-empty list of {{\"role\": ..., \"content\": ...}}")
+        raise KilnError(f"{where}: \"messages\" must be a non-empty list of {{\"role\": ..., \"content\": ...}}",
+                        key=where, value=messages)
     for i, m in enumerate(messages):
         if not isinstance(m, dict) or not isinstance(m.get("role"), str):
-            raise ValueError(f"{where}: message {i} must be an object with a string \"role\" (and its \"content\")")
+            raise KilnError(f"{where}: message {i} must be an object with a string \"role\" (and its \"content\")",
+                            key=where, value=m)
     return messages
 
 
@@ -163,7 +167,8 @@ def _read(path: Path) -> dict:
     try:
         data = json.loads(path.read_text())
     except (json.JSONDecodeError, UnicodeDecodeError):
-        raise ValueError(f"{path} is not valid JSON; restore it from the model's source") from None
+        raise KilnError(f"{path} is not valid JSON; restore it from the model's source", key=str(path),
+                        fix="restore it from the model's source") from None
     return data if isinstance(data, dict) else {}
 
 

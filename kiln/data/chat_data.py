@@ -27,6 +27,7 @@ import numpy as np
 
 from kiln.data import records as _records
 from kiln.data.corpus import STDLIB, CorpusError, source_files
+from kiln.data.jsonl import JsonlError, jsonl_rows
 from kiln.data.packing import PackedWindows, pack
 from kiln.data.prepare import _write_json, cache_lock, entropy, file_kind
 from kiln.data.sft import ChatRecordError, chat_template_for, conversation, encode_sample
@@ -82,14 +83,11 @@ def _jsonl(path: Path, compression):
     except _records.BadRecord as e:
         raise CorpusError(str(e), key="data.source", value=str(path)) from None
     with io.BufferedReader(stream, 1 << 20) if not compression else stream as f:
-        for n, raw in enumerate(f, start=1):
-            if not raw.strip():
-                continue
-            try:
-                yield f"{path}:{n}", json.loads(raw)
-            except (json.JSONDecodeError, UnicodeDecodeError) as e:
-                yield f"{path}:{n}", ChatRecordError(f"{path}:{n}: not a JSON object ({getattr(e, 'msg', e)}); each "
-                                                     f"line must be one record, or set data.on_bad_record=skip")
+        for n, record in jsonl_rows(f, path, skip_bad=True):  # a binary file breaks at b"\n" only
+            if isinstance(record, JsonlError):
+                record = ChatRecordError(f"{path}:{n}: not a JSON object ({record.reason}); each line must be one "
+                                         f"record, or set data.on_bad_record=skip")
+            yield f"{path}:{n}", record
 
 
 def _table(path: Path, kind: str):

@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import torch
 
+from kiln.errors import KilnError
+
 IGNORE_INDEX = -100  # kiln.models.transformer.IGNORE_INDEX: data sits beside models and cannot import it (a test checks)
 
 
@@ -29,22 +31,23 @@ def document_separator(cfg, tokenizer) -> int | None:
     if not cfg.masks_documents or cfg.records != "text":
         return None
     if tokenizer.eot_id < 0:  # DataConfig.validate refuses this first; kept for a PreparedData built in code
-        raise ValueError("data.document_mask=true needs the tokenizer's end-of-text id, which this pre-tokenized "
-                         "corpus does not know; give --data.tokenizer=hf:DIR or set --data.document_mask=false")
+        raise KilnError("data.document_mask=true needs the tokenizer's end-of-text id, which this pre-tokenized "
+                        "corpus does not know; give --data.tokenizer=hf:DIR or set --data.document_mask=false",
+                        key="data.document_mask", value=cfg.document_mask,
+                        fix="give --data.tokenizer=hf:DIR or set --data.document_mask=false")
     return tokenizer.eot_id
 
 
-def document_mask_refusal(cfg, kernels: str, pp: int, cp: int) -> tuple[str, str] | None:
+def document_mask_refusal(cfg, kernels: str, pp: int) -> tuple[str, str] | None:
     """(the line, the fix) when the document mask is on (cfg: the DataConfig) with a lever that cannot carry it:
-    train.kernels=triton, pipeline or context parallelism; None otherwise. kiln.config raises it."""
+    train.kernels=triton or pipeline parallelism; None otherwise (context parallelism carries it:
+    kiln.parallel.context). kiln.config raises it."""
     if not cfg.masks_documents:
         return None
     if kernels == "triton":
         what, lever = "train.kernels=triton runs attention in FlashAttention, which takes no mask", "--train.kernels=torch"
     elif pp > 1:
         what, lever = f"parallel.pp={pp} sends the pipeline stages hidden states, not the documents", "--parallel.pp=1"
-    elif cp > 1:  # its shards' masks would come from kiln.models.documents.same_document; not built yet
-        what, lever = f"parallel.cp={cp} shards each sequence with a causal mask only", "--parallel.cp=1"
     else:
         return None
     fix = f"use {lever}, or set --data.document_mask=false"

@@ -18,6 +18,7 @@ from torch import Tensor
 from kiln.data.documents import with_documents
 from kiln.data.mix import Mixture
 from kiln.data.packing import PackedMixture, PackedWindows
+from kiln.errors import KilnError
 
 _POLL_S = 0.1  # how often a blocked producer re-checks its stop flag; bounds how long close() can wait
 
@@ -25,19 +26,20 @@ _POLL_S = 0.1  # how often a blocked producer re-checks its stop flag; bounds ho
 def _check_length(tokens: np.ndarray, seq_len: int, what: str) -> None:
     if isinstance(tokens, (PackedWindows, PackedMixture)):  # chat windows: packed at data.seq_len already
         if tokens.seq_len != seq_len:
-            raise ValueError(f"{what}: the chat windows were packed for seq_len {tokens.seq_len}, not {seq_len}")
+            raise KilnError(f"{what}: the chat windows were packed for seq_len {tokens.seq_len}, not {seq_len}",
+                            key="data.seq_len", value=seq_len)
         return
     if isinstance(tokens, Mixture):  # each source must hold a window
         tokens.check_length(seq_len, what)
     if tokens.ndim != 1:
-        raise ValueError(f"{what}: token array must be 1-D, got shape {tokens.shape}")
+        raise KilnError(f"{what}: token array must be 1-D, got shape {tokens.shape}", key="tokens",
+                        value=tuple(tokens.shape))
     if seq_len < 1:
-        raise ValueError(f"{what}: seq_len={seq_len} must be >= 1")
+        raise KilnError(f"{what}: seq_len={seq_len} must be >= 1", key="seq_len", value=seq_len)
     if len(tokens) < seq_len + 1:
-        raise ValueError(
-            f"{what}: {len(tokens)} tokens are fewer than seq_len + 1 = {seq_len + 1}; "
-            f"lower data.seq_len or use more text"
-        )
+        raise KilnError(f"{what}: {len(tokens)} tokens are fewer than seq_len + 1 = {seq_len + 1}; "
+                        f"lower data.seq_len or use more text", key="data.seq_len", value=seq_len,
+                        fix="lower data.seq_len or use more text")
 
 
 def _windows(tokens: np.ndarray, starts: np.ndarray, seq_len: int) -> tuple[np.ndarray, np.ndarray]:
@@ -116,9 +118,10 @@ class TokenLoader:
     ) -> None:
         _check_length(tokens, seq_len, what)
         if batch_size < 1:
-            raise ValueError(f"TokenLoader: batch_size={batch_size} must be >= 1")
+            raise KilnError(f"TokenLoader: batch_size={batch_size} must be >= 1", key="batch_size", value=batch_size)
         if prefetch < 0:
-            raise ValueError(f"TokenLoader: prefetch={prefetch} must be >= 0 (0 turns the background thread off)")
+            raise KilnError(f"TokenLoader: prefetch={prefetch} must be >= 0 (0 turns the background thread off)",
+                            key="prefetch", value=prefetch)
         self.tokens = tokens
         self.batch_size = batch_size
         self.seq_len = seq_len
@@ -180,20 +183,21 @@ class TokenLoader:
         mine = self.state_dict()
         for key in ("seed", "batch_size", "seq_len", "num_tokens"):
             if key in state and state[key] != mine[key]:
-                raise ValueError(
+                raise KilnError(
                     f"TokenLoader state has {key}={state[key]} but this loader has {key}={mine[key]}; "
-                    f"the data stream would differ from the saved run's. Resume with the same data and batch config."
-                )
+                    f"the data stream would differ from the saved run's. Resume with the same data and batch config.",
+                    key=key, value=mine[key], fix="Resume with the same data and batch config.")
         served = int(state["batches_served"]) * int(state.get("world", 1))  # batches of the stream, all ranks
         if served % self.world:
-            raise ValueError(f"the checkpoint was taken {served} batches into the data stream, which {self.world} "
-                             f"ranks cannot share evenly; resume with a world size that divides it")
+            raise KilnError(f"the checkpoint was taken {served} batches into the data stream, which {self.world} "
+                            f"ranks cannot share evenly; resume with a world size that divides it", key="world",
+                            value=self.world, fix="resume with a world size that divides it")
         self._seek(served // self.world)
 
     def skip(self, n: int) -> None:
         """Move past n batches without building them (e.g. a data window that produced a loss spike)."""
         if n < 0:
-            raise ValueError(f"TokenLoader.skip: n={n} must be >= 0")
+            raise KilnError(f"TokenLoader.skip: n={n} must be >= 0", key="n", value=n)
         self._seek(self.batches_served + n)
 
     def _seek(self, index: int) -> None:
@@ -263,7 +267,9 @@ def val_batches(
     """
     _check_length(tokens, seq_len, "val_batches")
     if batch_size < 1 or max_batches < 1:
-        raise ValueError(f"val_batches: batch_size={batch_size} and max_batches={max_batches} must be >= 1")
+        raise KilnError(f"val_batches: batch_size={batch_size} and max_batches={max_batches} must be >= 1",
+                        key="batch_size" if batch_size < 1 else "max_batches",
+                        value=batch_size if batch_size < 1 else max_batches)
     if isinstance(tokens, PackedWindows):  # chat windows: the first ones, in order
         wanted = min(tokens.windows, batch_size * max_batches)
         for first in range(0, wanted, batch_size):

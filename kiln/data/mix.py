@@ -96,8 +96,9 @@ class Mixture(ShardedTokens):
     def check_length(self, seq_len: int, what: str) -> None:
         for name, tokens in zip(self.names, self.arrays):
             if len(tokens) < seq_len + 1:
-                raise ValueError(f"{what}: source {name!r} holds {len(tokens)} tokens, fewer than seq_len + 1 = "
-                                 f"{seq_len + 1}; lower data.seq_len or give it more text")
+                raise KilnError(f"{what}: source {name!r} holds {len(tokens)} tokens, fewer than seq_len + 1 = "
+                                f"{seq_len + 1}; lower data.seq_len or give it more text", key="data.seq_len",
+                                value=seq_len, fix="lower data.seq_len or give it more text")
 
     def windows(self, seed: int, index: int, batch_size: int, seq_len: int) -> np.ndarray:
         """(batch_size, seq_len + 1) token windows of training batch `index`."""

@@ -51,9 +51,10 @@ class ShardWriter:
         self.path = Path(path)
         self.dtype = np.dtype(dtype).newbyteorder("<")
         if self.dtype.itemsize not in DTYPES:
-            raise ValueError(f"shard dtype must be uint8, uint16 or uint32, got {dtype}")
+            raise KilnError(f"shard dtype must be uint8, uint16 or uint32, got {dtype}", key="dtype", value=str(dtype))
         if len(fingerprint) != 16:
-            raise ValueError(f"tokenizer fingerprint must be 16 hex digits, got {fingerprint!r}")
+            raise KilnError(f"tokenizer fingerprint must be 16 hex digits, got {fingerprint!r}", key="fingerprint",
+                            value=fingerprint)
         self.fingerprint = fingerprint
         self.count = 0
         self._max_id = np.iinfo(self.dtype).max
@@ -70,7 +71,8 @@ class ShardWriter:
         ids = np.asarray(ids)
         if ids.dtype != self.dtype:  # the same dtype needs no check (and no copy)
             if ids.size and int(ids.max()) > self._max_id:
-                raise ValueError(f"token id {int(ids.max())} does not fit the shard dtype {self.dtype} of {self.path}")
+                raise KilnError(f"token id {int(ids.max())} does not fit the shard dtype {self.dtype} of {self.path}",
+                                key=str(self.path), value=int(ids.max()))
             ids = ids.astype(self.dtype)
         self._file.write(memoryview(np.ascontiguousarray(ids)))
         self.count += ids.size

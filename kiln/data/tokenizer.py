@@ -97,7 +97,8 @@ class BPETokenizer:
         self._tok.encode_special_tokens = True
         eot = tok.token_to_id(EOT_TEXT) if eot_id is None else eot_id
         if eot is None:
-            raise ValueError(f"BPE tokenizer has no {EOT_TEXT!r} token; it was not trained by kiln")
+            raise KilnError(f"BPE tokenizer has no {EOT_TEXT!r} token; it was not trained by kiln",
+                            key="tokenizer.json", fix="it was not trained by kiln")
         self.eot_id: int = eot
         self.vocab_size: int = tok.get_vocab_size()
         model = json.loads(tok.to_str())
@@ -147,8 +148,9 @@ class BPETokenizer:
             eos = json.loads(config.read_text()).get("eos_token_id")
             eot = eos[0] if isinstance(eos, list) else eos
         if eot is None:
-            raise ValueError(f"{directory}: its tokenizer has no {EOT_TEXT!r} and config.json no eos_token_id; kiln "
-                             f"needs one to mark where documents end")
+            raise KilnError(f"{directory}: its tokenizer has no {EOT_TEXT!r} and config.json no eos_token_id; kiln "
+                            f"needs one to mark where documents end", key=str(directory),
+                            fix="kiln needs one to mark where documents end")
         return cls(tok, eot)
 
     def encode(self, text: str) -> list[int]:
@@ -160,6 +162,16 @@ class BPETokenizer:
         self._tok.encode_special_tokens = False
         try:
             return self._tok.encode(text, add_special_tokens=False).ids
+        finally:
+            self._tok.encode_special_tokens = True
+
+    def encode_as_transformers(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """What transformers' tokenizer.encode(text) gives with its defaults (lm-evaluation-harness's tok_encode,
+        kiln.evaluate.encoding): the special tokens written in `text` are their ids, and tokenizer.json's
+        post-processor adds its own (a Llama's BOS) unless add_special_tokens is False."""
+        self._tok.encode_special_tokens = False
+        try:
+            return self._tok.encode(text, add_special_tokens=add_special_tokens).ids
         finally:
             self._tok.encode_special_tokens = True
 
@@ -202,8 +214,9 @@ class IdsTokenizer:
         self.fingerprint = _fingerprint("ids", str(vocab_size))
 
     def encode(self, text: str) -> list[int]:
-        raise ValueError("this run reads pre-tokenized files without a tokenizer, so it cannot encode text; give "
-                         "data.tokenizer=hf:DIR (the files' tokenizer) to sample from a prompt")
+        raise KilnError("this run reads pre-tokenized files without a tokenizer, so it cannot encode text; give "
+                        "data.tokenizer=hf:DIR (the files' tokenizer) to sample from a prompt", key="data.tokenizer",
+                        fix="give data.tokenizer=hf:DIR (the files' tokenizer) to sample from a prompt")
 
     def encode_chat(self, text: str) -> list[int]:
         return self.encode(text)
@@ -235,9 +248,11 @@ def load_tokenizer(run_dir: Path) -> Tokenizer:
         payload = json.loads(path.read_text())
     except (json.JSONDecodeError, UnicodeDecodeError) as e:  # binary bytes are damage too
         why = getattr(e, "msg", "binary bytes, not UTF-8")
-        raise ValueError(f"{path} is not valid JSON ({why}); delete it and re-run prepare to rebuild") from None
+        raise KilnError(f"{path} is not valid JSON ({why}); delete it and re-run prepare to rebuild", key=str(path),
+                        fix="delete it and re-run prepare to rebuild") from None
     if not isinstance(payload, dict):
-        raise ValueError(f"{path} is JSON but not a tokenizer; delete it and re-run prepare to rebuild")
+        raise KilnError(f"{path} is JSON but not a tokenizer; delete it and re-run prepare to rebuild", key=str(path),
+                        fix="delete it and re-run prepare to rebuild")
     if payload.get("kind") == "bytes":
         return ByteTokenizer()
     if payload.get("kind") == "ids":
@@ -247,7 +262,7 @@ def load_tokenizer(run_dir: Path) -> Tokenizer:
         if eot.is_file():
             return BPETokenizer(BPETokenizer.from_file(path)._tok, json.loads(eot.read_text())["eot_id"])
         return BPETokenizer.from_file(path)
-    raise ValueError(f"{path} is neither a kiln bytes tokenizer nor a `tokenizers` BPE file")
+    raise KilnError(f"{path} is neither a kiln bytes tokenizer nor a `tokenizers` BPE file", key=str(path))
 
 
 def build_tokenizer(kind: str, train_texts: Iterable[str], vocab_size: int) -> Tokenizer:

@@ -8,22 +8,24 @@
 A pair is scored as the harness's HFLM._loglikelihood_tokens scores it: the row (context + continuation) keeps its
 last max_length + 1 tokens (a longer context loses its start: counted as truncated), the model reads all but the
 last, and the log-softmax over the true vocabulary (kiln's padding rows excluded) is summed at the continuation's
-positions. `model` is anything that maps ids (B, T) to logits (B, T, V ≥ vocab): kiln's Transformer, or one
-wrapped for data parallelism.
+positions. `model` is kiln's Transformer (maybe wrapped for data parallelism, or split by tp or cp) or a
+pipeline's PipelineModel: the rows run through the validation pass's forward with a scoring head in the loss's
+place (kiln.evaluate.forward).
 
 Under data parallelism (`world`, kiln.parallel's World) each copy scores every dp_size-th row, padded so that all
 run the same number of forwards (FSDP needs every rank in each one), and the log-likelihoods are summed over the
-copies: every rank returns all of them.
+copies (and over a row's cp ranks and pipeline stages): every rank returns all of them.
 """
 from __future__ import annotations
 
-import contextlib
 import math
 from dataclasses import dataclass
 from typing import Callable
 
 import torch
-import torch.nn.functional as F
+
+from kiln.evaluate.forward import row_loglikelihoods, scoring_head, width_multiple
+from kiln.models.parts import IGNORE_INDEX
 
 from kiln.errors import KilnError
 
@@ -34,13 +36,15 @@ class Pair:
     continuation: tuple[int, ...]  # never empty
 
 
-def encode_pair(encode: Callable[[str], list[int]], context: str, continuation: str, prefix_id: int) -> Pair:
+def encode_pair(encode: Callable[[str], list[int]], context: str, continuation: str, prefix_id: int,
+                bare: Callable[[str], list[int]] | None = None) -> Pair:
     """The harness's tokenization of one request: trailing whitespace of the context moves to the continuation,
     the continuation's tokens are those of encode(context + continuation) after the first len(encode(context)) —
     so a merge across the boundary is scored as the model would see the whole text. An empty context is
-    `prefix_id` (the end-of-text id), unless the continuation already starts with it."""
+    `prefix_id`, unless the continuation already starts with it; that continuation is encoded by `bare` (the
+    harness's add_special_tokens=False, kiln.evaluate.encoding; default: encode)."""
     if not context:
-        tokens = tuple(encode(continuation))
+        tokens = tuple((bare or encode)(continuation))
         if tokens and tokens[0] == prefix_id:
             return Pair(tokens[:1], tokens[1:])
         return Pair((prefix_id,), tokens)
@@ -89,10 +93,12 @@ def loglikelihoods(model, pairs: list[Pair], vocab: int, max_length: int, batch_
                    advance: Callable[[int], None] | None = None) -> tuple[torch.Tensor, int]:
     """(summed log-likelihood of each pair's continuation, float64 on the CPU; how many contexts were truncated
     from the left). autocast: a context manager factory for the forward (training's precision); advance(n): called
-    after each batch with the rows this rank finished (a progress bar)."""
+    after each batch with the rows this rank finished (a progress bar); world: kiln.parallel's World of a run under
+    torchrun (its layout: kiln.evaluate.forward)."""
     rows = [_row(p, max_length) for p in pairs]
     truncated = sum(t for _, _, t in rows)
     rank, size = (world.dp_rank, world.dp_size) if world is not None else (0, 1)
+    plan = world.plan if world is not None else None
     mine = list(range(rank, len(rows), size))
     per_rank = math.ceil(len(rows) / size) if rows else 0
     mine += [-1] * (per_rank - len(mine))  # a dummy row (row 0, result dropped): the same forwards on every rank
@@ -101,38 +107,49 @@ def loglikelihoods(model, pairs: list[Pair], vocab: int, max_length: int, batch_
     was_training = getattr(model, "training", False)
     model.eval()
     try:
-        with torch.no_grad():
+        with torch.no_grad(), scoring_head(model, vocab, model_softcap(model)) as head:
             for start in range(0, len(mine), batch_size):
                 batch = mine[start:start + batch_size]
-                scored = _score_batch(model, [rows[max(i, 0)] for i in batch], vocab, device, autocast)
-                for i, ll in zip(batch, scored):
+                ids, targets = _batch([rows[max(i, 0)] for i in batch], plan, batch_size, max_length)
+                sums = row_loglikelihoods(model, head, ids.to(device), targets.to(device), autocast,
+                                          plan.cp if plan is not None else 1)
+                for i, ll in zip(batch, sums):
                     if i >= 0:
                         out[i] = ll
                 if advance is not None:
                     advance(sum(i >= 0 for i in batch))
     finally:
         model.train(was_training)
-    if world is not None and size > 1:
-        world.all_reduce(out, dim="dp")  # each row was scored by one copy, zeros elsewhere
+    if world is not None and world.size > 1:  # each row scored by one copy (zeros elsewhere), its sum complete on
+        for dim in ("dp", "cp", "pp"):  # the last pipeline stage (zeros on the others), over its positions' cp ranks
+            world.all_reduce(out, dim=dim)
     return out.cpu(), truncated
 
 
-def _score_batch(model, rows, vocab: int, device, autocast) -> torch.Tensor:
-    width = max(len(tokens) for tokens, _, _ in rows) - 1
-    ids = torch.zeros(len(rows), width, dtype=torch.long)  # right padding: a causal model never reads it
-    for b, (tokens, _, _) in enumerate(rows):
-        ids[b, :len(tokens) - 1] = torch.tensor(tokens[:-1])
-    with autocast() if autocast is not None else contextlib.nullcontext():
-        logits = model(ids.to(device))  # (B, T, V)
-    sums = torch.empty(len(rows), dtype=torch.float64, device=logits.device)
+def model_softcap(model) -> float:
+    """model.logit_softcap of kiln's Transformer (or its pipeline), 0 for another model."""
+    cfg = getattr(getattr(model, "module", model), "cfg", None)
+    return getattr(cfg, "logit_softcap", 0.0) or 0.0
+
+
+def _batch(rows, plan, batch_size: int, max_length: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """ids (B, W) and targets (B, W) of a batch of rows, right-padded (a causal model never reads the padding; its
+    targets are ignored), each row's scored tokens its only valid targets. W is the longest row's input, rounded up
+    to a multiple of 2·cp under context parallelism (each cp rank holds 2 equal chunks) and of tp under sequence
+    parallelism; under pipeline parallelism to a power of two and B to batch_size, since the pipeline builds an
+    evaluation schedule for each batch shape (a dozen shapes at most, not one per row length)."""
+    longest = max(len(tokens) for tokens, _, _ in rows) - 1
+    B, multiple = len(rows), width_multiple(plan)
+    if plan is not None and plan.pp > 1:
+        B, longest = max(B, batch_size), 1 << (longest - 1).bit_length()
+    width = min(-(-longest // multiple) * multiple, max_length)  # (kiln.evaluate.score checked max_length divides)
+    ids = torch.zeros(B, width, dtype=torch.long)
+    targets = torch.full((B, width), IGNORE_INDEX, dtype=torch.long)
     for b, (tokens, n, _) in enumerate(rows):
         end = len(tokens) - 1  # positions end - n .. end - 1 predict the last n tokens
-        row = logits[b, end - n:end, :vocab]
-        # at least fp32 (a bf16 / fp16 forward's logits are widened); an fp64 model keeps its fp64
-        logp = F.log_softmax(row.float() if row.element_size() < 4 else row, dim=-1)  # (n, vocab)
-        target = torch.tensor(tokens[-n:], device=logp.device)
-        sums[b] = logp.gather(1, target[:, None]).sum().double()
-    return sums
+        ids[b, :end] = torch.tensor(tokens[:-1])
+        targets[b, end - n:end] = torch.tensor(tokens[-n:])
+    return ids, targets
 
 
 def rolling_loglikelihoods(model, documents: list[list[int]], prefix_id: int, vocab: int, max_length: int,

@@ -13,6 +13,9 @@ from typing import Callable
 
 import torch
 
+from kiln.errors import KilnError
+from kiln.evaluate.encoding import HarnessEncoding
+from kiln.evaluate.forward import width_multiple
 from kiln.evaluate.loglik import encode_pair, loglikelihoods, rolling_windows
 from kiln.evaluate.metrics import NA, choice_scores, multiple_choice_results, perplexity_results
 from kiln.evaluate.tasks import Task, TaskError, load_tasks
@@ -53,19 +56,22 @@ class Prepared:
         return sum(len(p.context) + len(p.continuation) > self.max_length + 1 for p in self.pairs)
 
 
-def prepare(task: Task, tokenizer, max_length: int, limit: int = 0) -> Prepared:
-    """`task`'s first `limit` items (0: all) as the pairs whose log-likelihoods score them."""
+def prepare(task: Task, tokenizer, max_length: int, limit: int = 0, prefix_id: int | None = None) -> Prepared:
+    """`task`'s first `limit` items (0: all) as the pairs whose log-likelihoods score them, tokenized as the harness
+    tokenizes them (kiln.evaluate.encoding; prefix_id: its prefix token, default the end-of-text id)."""
     items = list(task.items[:limit] if limit else task.items)
-    encode = functools.lru_cache(maxsize=1024)(lambda text: tokenizer.encode(text))  # a context, once per choice
+    harness = HarnessEncoding(tokenizer, prefix_id)
+    encode = functools.lru_cache(maxsize=1024)(harness)  # a context, once per choice
     pairs, sizes = [], []
     for item in items:
         if task.kind == "perplexity":
-            windows = rolling_windows(encode(item.text), tokenizer.eot_id, max_length)
+            windows = rolling_windows(encode(item.text), harness.prefix_id, max_length)
             pairs += windows
             sizes.append(len(windows))
             continue
         for i, choice in enumerate(item.choices):
-            pair = encode_pair(encode, item.context, " " + choice, tokenizer.eot_id)
+            pair = encode_pair(encode, item.context, " " + choice, harness.prefix_id,
+                               bare=functools.partial(harness, special=False))
             if not pair.continuation or len(pair.continuation) > max_length:
                 raise TaskError(f"{item.where}: choice {i} is {len(pair.continuation)} tokens; it must be 1 to "
                                 f"{max_length} (the window, --max-length)")
@@ -94,17 +100,20 @@ def score_task(model, prepared: Prepared, *, vocab: int, max_length: int, batch_
     return TaskResult(task.name, task.kind, len(items), truncated, {"alias": task.name, **results})
 
 
-def training_tasks(tc, tokenizer, max_seq_len: int, model_parallel: bool, log: Callable[[str], None]
-                   ) -> list[Prepared]:
+def training_tasks(tc, tokenizer, max_seq_len: int, plan, log: Callable[[str], None]) -> list[Prepared]:
     """train.eval_tasks (tc: the train section) read and tokenized before the first step: a bad row stops the run
     before it trains. One line per task says what is scored, and how many contexts lose their start to the model's
-    window. model_parallel: the run splits its model or its sequences (tp, pp or cp), which the scoring's forward
-    cannot take yet."""
+    window. plan: the run's ParallelPlan (None: one process); every layout scores through the validation pass's
+    forward (kiln.evaluate.forward), whose batches are padded to a multiple of 2·cp (and of tp under sequence
+    parallelism) — which the window must be, so that its longest rows still fit."""
     if not tc.eval_tasks:
         return []
-    if model_parallel:
-        raise ValueError("train.eval_tasks is scored under data parallelism only (ddp, fsdp, zero): parallel.tp, "
-                         "parallel.pp and parallel.cp split the forward it needs; score the checkpoints with `kiln eval` instead")
+    multiple = width_multiple(plan)
+    if max_seq_len % multiple:
+        raise KilnError(f"train.eval_tasks pads each batch to a multiple of {multiple} tokens (2·parallel.cp, and "
+                        f"parallel.tp under sequence parallelism), which model.max_seq_len={max_seq_len} is not: "
+                        f"pick a multiple of {multiple}", key="model.max_seq_len", value=max_seq_len,
+                        fix=f"pick a model.max_seq_len divisible by {multiple}")
     tasks = [prepare(t, tokenizer, max_seq_len, tc.eval_task_limit) for t in load_tasks(tc.eval_tasks)]
     for p in tasks:
         cut = f"; {p.truncated} context(s) longer than model.max_seq_len={max_seq_len} lose their start " \

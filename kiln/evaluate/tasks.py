@@ -16,11 +16,11 @@ Every problem with a row is a TaskError naming FILE:LINE, what is wrong and the 
 """
 from __future__ import annotations
 
-import json
 import re
 from dataclasses import dataclass
 from pathlib import Path
 
+from kiln.data.jsonl import JsonlError, jsonl_rows
 from kiln.errors import KilnError
 
 TEXT_PREFIX = "text:"
@@ -91,15 +91,10 @@ def _read(path: Path) -> str:
 def _rows(path: Path, parse):
     """parse(row, where) for every non-blank line of a JSONL file; a file without rows is an error."""
     count = 0
-    # split at \n only: str.splitlines also splits at U+2028/U+2029, which JSON strings may hold unescaped
-    for number, line in enumerate(_read(path).split("\n"), 1):
-        if not line.strip():
-            continue
+    for number, row in jsonl_rows(_read(path), path, skip_bad=True):  # lines break at \n only (kiln.data.jsonl)
         where = f"{path}:{number}"
-        try:
-            row = json.loads(line)
-        except json.JSONDecodeError as e:
-            raise TaskError(f"{where}: not valid JSON ({e.msg} at column {e.colno})") from None
+        if isinstance(row, JsonlError):
+            raise TaskError(f"{where}: not valid JSON ({row.reason} at column {row.column})")
         if not isinstance(row, dict):
             raise TaskError(f"{where}: a row is a JSON object, got {type(row).__name__}")
         count += 1

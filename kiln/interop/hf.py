@@ -22,6 +22,7 @@ from safetensors.torch import load_file, save_file
 
 from kiln.errors import KilnError
 from kiln.models import ModelConfig, family
+from kiln.models.config import with_training_fields
 from kiln.models.registry import by_hf_model_type
 
 INDEX = "model.safetensors.index.json"
@@ -78,11 +79,15 @@ def _take(tensors: dict, name: str, shape: tuple, source: str) -> torch.Tensor:
     return t
 
 
-def read_hf(directory: str | Path) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
-    """kiln's model config and state dict from a Hugging Face model directory."""
+def read_hf(directory: str | Path, mine: ModelConfig | None = None) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
+    """kiln's model config and state dict from a Hugging Face model directory. mine: the run's model section, whose
+    training fields the config takes and whose recipe parts are checked against the checkpoint's
+    (with_training_fields), before any tensor is read."""
     directory = Path(directory)
     hf = _read_json(directory / "config.json")
     cfg = kiln_config(hf, str(directory / "config.json"))
+    if mine is not None:
+        cfg = with_training_fields(cfg, mine)
     tensors = _read_tensors(directory)
     src = str(directory)
     fam = family(cfg.arch)

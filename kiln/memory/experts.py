@@ -139,7 +139,7 @@ def worst_case_note(job) -> str | None:
 def ep_degrees(parallel, world: int, model) -> list[int]:
     """The expert-parallel degrees > 1 the planner tries for a resolved model on `world` ranks split as `parallel`
     (a ParallelConfig with tp, pp, cp and a strategy): every one the runtime's own check passes
-    (kiln.parallel.layout.check_degrees: ep divides dp and the experts, an MoE, no pp); none for a dense model."""
+    (kiln.parallel.layout.check_degrees: ep divides dp and the experts, an MoE, no ZeRO-1); none for a dense model."""
     if not _moe_blocks(model) or "ep" not in ParallelPlan.__dataclass_fields__:  # the layout object holds ep (#41)
         return []
     fam, dp = family(model.arch), world // (parallel.tp * parallel.pp * parallel.cp)

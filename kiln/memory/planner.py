@@ -541,7 +541,7 @@ def search(cfg, device, memory: int | None = None, global_batch_tokens: int = 0,
     (benchmarks/parallel_table.py). context: also the (modelled-only) context-parallel layouts. expert: for a
     mixture of experts, also every expert-parallel degree ep > 1 that divides the data-parallel ranks and the
     experts (kiln.memory.experts.ep_degrees), each layout's smaller set of levers; a layout the runtime refuses
-    (kiln.parallel.layout.check_degrees: ep with pp or ZeRO-1) is skipped."""
+    (kiln.parallel.layout.check_degrees: ep with ZeRO-1) is skipped."""
     for name in (interconnect, inter_node):
         if name not in INTERCONNECTS:
             raise KilnError(f"interconnect {name!r} is unknown; use one of {', '.join(INTERCONNECTS)}",

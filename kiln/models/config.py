@@ -17,7 +17,9 @@ from kiln.util import closest
 # What a preset keeps when `model.arch` switches it to another family; every other field is the family's.
 SIZE_FIELDS = ("n_layer", "n_head", "d_model", "vocab_size", "max_seq_len", "dropout", "init")
 # How a model trains rather than what it is: a Hugging Face checkpoint (model.init) sets the rest, the user these.
-TRAINING_FIELDS = ("dropout", "moe_aux_coef", "moe_z_coef")
+# The soft cap is one of them: it holds no weights, and a Hub model fine-tuned under a cap is a model of its own
+# (Gemma 2 caps at 30). The other recipe parts are refused with model.init (with_training_fields, check).
+TRAINING_FIELDS = ("dropout", "moe_aux_coef", "moe_z_coef", "logit_softcap")
 
 
 @dataclass
@@ -49,7 +51,7 @@ class ModelConfig:
     # The recipe's parts (docs/models.md, "Recipe parts"): each overrides the family's own for this run.
     mlp: str = ""  # "" = the family's | gelu (tanh GELU) | relu2 (squared ReLU, modded-nanogpt) | swiglu
     qk_norm: bool | None = None  # RMSNorm over each head of q and k before attention (none = the family's)
-    zero_init_proj: bool = False  # attention's and the MLP's output projections start at zero
+    zero_init_proj: bool = False  # attention's and the MLP's output projections start at zero (not with model.init)
     logit_softcap: float = 0.0  # logits become cap·tanh(logits/cap) before the loss and sampling (0 = off)
     init: str = ""  # hf:DIR: start from a Hugging Face checkpoint (its config.json sets the family and shape)
 
@@ -98,6 +100,11 @@ class ModelConfig:
             raise KilnError(f"model.init={self.init!r}; write hf:DIR, a local directory saved by save_pretrained",
                             key="model.init", value=self.init,
                             fix="write hf:DIR, a local directory saved by save_pretrained")
+        if self.init and self.zero_init_proj:  # the weights come from the checkpoint: nothing would start at 0
+            fix = "drop --model.zero_init_proj (set it false) with model.init"
+            raise KilnError(f"model.zero_init_proj=true starts the output projections at 0, and model.init={self.init} "
+                            f"loads them from the checkpoint; {fix}",
+                            key="model.zero_init_proj", value=True, fix=fix)
         if not 0.0 <= self.dropout < 1.0:
             raise KilnError(f"model.dropout must be in [0, 1), got {self.dropout}",
                             key="model.dropout", value=self.dropout, fix="give a value in [0, 1) (0 = off)")
@@ -128,6 +135,21 @@ def param_count(cfg: ModelConfig) -> int:
 
 
 def with_training_fields(shape: ModelConfig, mine: ModelConfig) -> ModelConfig:
-    """A checkpoint's shape with the training fields the user set (dropout, the MoE's loss coefficients)."""
+    """A checkpoint's shape with the training fields the user set (dropout, the MoE's loss coefficients, the logit
+    soft cap). A model.mlp or model.qk_norm other than the checkpoint's is refused: its weights were trained
+    through its own MLP and attention, and another would compute another function of them (QK-norm's gains would
+    start untrained; SwiGLU's fc would not even fit GELU's)."""
+    fam = family(shape.arch)
+    theirs = fam.mlp_of(shape).name
+    if mine.mlp and fam.mlp_of(replace(shape, mlp=mine.mlp)).name != theirs:
+        fix = f"drop --model.mlp (or give {theirs!r}) with model.init, or train from scratch without model.init"
+        raise KilnError(f"model.mlp={mine.mlp!r} with model.init={mine.init}: the checkpoint's MLP is {theirs!r} and "
+                        f"its weights were trained through it; {fix}", key="model.mlp", value=mine.mlp, fix=fix)
+    if mine.qk_norm is not None and bool(mine.qk_norm) != fam.qk_norm_of(shape):
+        has = fam.qk_norm_of(shape)
+        fix = "drop --model.qk_norm with model.init, or train from scratch without model.init"
+        raise KilnError(f"model.qk_norm={str(bool(mine.qk_norm)).lower()} with model.init={mine.init}: the "
+                        f"checkpoint's {shape.arch} {'has' if has else 'has no'} QK-norm and its weights were trained "
+                        f"{'with' if has else 'without'} it; {fix}", key="model.qk_norm", value=mine.qk_norm, fix=fix)
     return replace(shape, **{name: getattr(mine, name) for name in TRAINING_FIELDS
                              if name == "dropout" or getattr(mine, name) is not None})

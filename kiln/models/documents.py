@@ -6,7 +6,9 @@ samples of a chat set). From doc alone, with no host sync:
 
     positions(doc)             (B, T) long: t minus the first position of its document (RoPE's and GPT-2's table row)
     document_mask(doc)         (B, 1, T, T) bool: key j is seen by query i when j ≤ i and both are in one document
-    same_document(doc)         the rule as flex_attention's mask_mod (context parallel builds its shards' masks)
+    packed(doc, idx)           (positions, document_mask) of token ids idx: Transformer.documents, the seam where
+                               context parallelism puts its sequence shard's (kiln.parallel.context)
+    same_document(doc)         the rule as flex_attention's mask_mod
     document_block_mask(doc)   the same rule as flex_attention's BlockMask (CUDA)
 
 Attention with the boolean mask goes through SDPA, measured on CPU against flex_attention and a per-document split
@@ -38,9 +40,16 @@ def document_mask(doc: torch.Tensor) -> torch.Tensor:
     return ((doc[:, :, None] == doc[:, None, :]) & causal)[:, None]
 
 
+def packed(doc: torch.Tensor, idx: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(positions (B, T), document_mask (B, 1, T, T)) of the documents doc (B, T) of token ids idx (B, T): what the
+    Transformer reads of them (its `documents`, replaced under context parallelism by the shard's own)."""
+    check_doc(doc, idx)
+    return positions(doc), document_mask(doc)
+
+
 def same_document(doc: torch.Tensor):
     """flex_attention's mask_mod of the rule: (b, h, q, kv) -> q ≥ kv and one document (q, kv: positions of doc's
-    windows; a context-parallel shard offsets its q before calling it)."""
+    windows)."""
 
     def mask_mod(b, h, q, kv):
         return (q >= kv) & (doc[b, q] == doc[b, kv])

@@ -16,7 +16,7 @@ from kiln.errors import KilnError
 from kiln.models.cache import KVCache
 from kiln.models.config import ModelConfig
 from kiln.models.costs import make_norm
-from kiln.models.documents import check_doc, document_mask, positions as document_positions
+from kiln.models.documents import packed
 from kiln.models.moe import ExpertLinear, MoE, moe_losses
 from kiln.models.parts import (IGNORE_INDEX, SDPA, LMLoss, RMSNorm, Rotary, SwiGLU, at_least_fp32,  # noqa: F401
                                Window, llama3_frequencies, rope_cache, soft_cap)
@@ -42,6 +42,7 @@ class Transformer(nn.Module):
             self.register_buffer("rope_sin", sin, persistent=False)
         self.moe = [m for m in self.modules() if isinstance(m, MoE)]  # a plain list: not registered twice
         self.moe_aux_loss: torch.Tensor | None = None  # the last training forward's load-balancing loss
+        self.documents = packed  # doc, idx -> (positions, mask): a context-parallel shard puts its own here
         self.apply(self._init_weights)
 
     def init_std(self, module: nn.Module) -> float:
@@ -82,8 +83,7 @@ class Transformer(nn.Module):
         x = self.embed(idx)  # (B, T, C)
         mask = None
         if doc is not None:
-            check_doc(doc, idx)
-            positions, mask = document_positions(doc), document_mask(doc)  # (B, T), (B, 1, T, T)
+            positions, mask = self.documents(doc, idx)  # (B, T), (B, 1, T, T)
         else:
             positions = torch.arange(T, device=idx.device) if cache is None else cache.positions(T, idx.device)
         rope = None

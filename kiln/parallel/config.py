@@ -30,11 +30,12 @@ class ParallelConfig:
     sequence_parallel: bool = False  # tp: norms and dropout on 1/tp of the sequence between the TP regions
     cp: int = 1  # context parallel: each sequence split over cp ranks (2 chunks each, load-balanced), k and v
     # all-gathered for attention (kiln.parallel.context); trains with strategy fsdp, tp = pp = 1, a dense family and
-    # data.seq_len divisible by 2·cp; `kiln memory` and `kiln plan` model it with tp and pp too
+    # data.seq_len divisible by 2·cp (data.document_mask too); `kiln memory` and `kiln plan` model it with tp and pp
     ep: int = 1  # expert parallel (MoE families): each of ep ranks holds n_experts/ep whole experts, the tokens go
     # to them and back by all-to-all (kiln.parallel.expert). Carved out of the data-parallel ranks: ep divides
     # dp = world/(tp·pp·cp) and n_experts; the rest stays data-parallel over all dp ranks, each expert over dp/ep.
-    # Composes with tp (attention split over tp, experts over ep); strategy fsdp or ddp; pp = 1
+    # Composes with tp (attention split over tp, experts over ep) and pp (each stage's experts over the ep ranks of
+    # its dp group); strategy fsdp or ddp
 
     def validate(self):
         data = strategy(self.strategy)

@@ -3,7 +3,8 @@ style with the keys and values all-gathered (the flex_attention path of torch.di
 
     check_context_parallel(cfg, ...)        what training with parallel.cp > 1 is built for, or one line
     apply_context_parallel(model, cp_mesh)  in place, before FSDP2 shards the model over dp × cp
-    SequenceShard                           this rank's positions of a sequence (head-tail load-balanced order)
+    SequenceShard                           this rank's positions of a sequence (head-tail load-balanced order), and
+                                            of the documents packed in it (SequenceShard.documents)
     ContextAttention                        the attention core each Attention calls: local q against all k, v
 
 A cp rank holds 2 of the 2·cp equal chunks of each sequence, chunk r and chunk 2·cp-1-r (torch's
@@ -15,6 +16,12 @@ seam kiln.models.parts.Attention.core, by ContextAttention. torch's `_ContextPar
 applied by parallelize_module to each core, as torchtitan applies it to its inner attention) puts a pre-hook on it that all-gathers k and v over the cp ranks (cplib::flex_cp_allgather; its backward
 reduce-scatters their gradients), and the core computes this rank's queries against every key with the causal mask
 written in global positions: query i sees key j when position(i) ≥ position(j).
+
+Packed documents (data.document_mask: a batch's doc (B, T)): the pre-hook leaves doc whole, and the model's
+`documents` seam (kiln.models.documents.packed in one process) becomes SequenceShard.documents, which gives this rank's
+tokens their positions within their documents (RoPE's whole tables and the learned table are then read at those, not
+remapped) and its queries' rows of the mask against the gathered keys: causal in global positions and within one
+document, (B, 1, T/cp, T) booleans.
 
 The kernel. torch's own flex_attention refuses a backward on a CPU (torch 2.13: "FlexAttention does not support
 backward on CPU", torch.nn.attention.flex_attention._validate_device), and the SDPA path (context_parallel()'s ring
@@ -37,6 +44,7 @@ import torch.nn.functional as F
 
 from kiln.errors import KilnError
 from kiln.parallel.strategy import strategy
+from kiln.models.documents import check_doc, positions as document_positions
 from kiln.models.parts import Attention
 
 
@@ -71,6 +79,7 @@ class SequenceShard:
     def __init__(self, cp: int, rank: int):
         self.cp, self.rank, self.length = cp, rank, None
         self.positions = self.gathered = self.mask = None
+        self.packed = False  # this forward carries its documents (doc): positions and mask come from them
 
     def set_length(self, T: int, device) -> None:
         if T == self.length:
@@ -94,6 +103,17 @@ class SequenceShard:
         self.set_length(t.shape[1], t.device)
         return t.index_select(1, self.positions)
 
+    def documents(self, doc: torch.Tensor, idx: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The Transformer's `documents` under cp (kiln.models.documents.packed for this rank's tokens): doc (B, T),
+        the whole window's, idx (B, T/cp), this rank's tokens -> their positions within their documents (B, T/cp)
+        and their queries' mask against the gathered keys (B, 1, T/cp, T): causal in global positions, and within
+        one document."""
+        self.set_length(doc.shape[1], doc.device)
+        mine = doc.index_select(1, self.positions)  # (B, T/cp)
+        check_doc(mine, idx)
+        same = mine[:, :, None] == doc.index_select(1, self.gathered)[:, None, :]  # (B, T/cp, T)
+        return document_positions(doc).index_select(1, self.positions), (same & self.mask).unsqueeze(1)
+
 
 class ContextAttention(nn.Module):
     """Causal attention of this rank's queries (B, H, T/cp, D) against every rank's keys and values (B, KV, T, D),
@@ -103,10 +123,10 @@ class ContextAttention(nn.Module):
         super().__init__()
         self.shard, self.dropout = shard, dropout
 
-    def forward(self, q, k, v):  # q (B, H, T/cp, D); k, v (B, KV, T, D)
+    def forward(self, q, k, v, mask=None):  # q (B, H, T/cp, D); k, v (B, KV, T, D); mask (B, 1, T/cp, T) documents
         p = self.dropout if self.training else 0.0
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=self.shard.mask, dropout_p=p,
-                                              enable_gqa=k.shape[1] != q.shape[1])
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=self.shard.mask if mask is None else mask,
+                                              dropout_p=p, enable_gqa=k.shape[1] != q.shape[1])
 
 
 def apply_context_parallel(model: nn.Module, cp_mesh) -> SequenceShard:
@@ -128,7 +148,9 @@ def apply_context_parallel(model: nn.Module, cp_mesh) -> SequenceShard:
     if getattr(model, "rope_cos", None) is not None:
         _read_rope_at(model, shard)
     if getattr(model, "pos_embed", None) is not None:  # the model looks up arange(T/cp): this rank's positions
-        model.pos_embed.register_forward_pre_hook(lambda module, args: (shard.positions[args[0]],))
+        model.pos_embed.register_forward_pre_hook(lambda module, args: None if shard.packed else
+                                                  (shard.positions[args[0]],))  # (packed: the documents' already)
+    model.documents = shard.documents  # packed documents: this rank's positions in them, its rows of their mask
     return shard
 
 
@@ -137,8 +159,8 @@ def _read_rope_at(model: nn.Module, shard: SequenceShard) -> None:
     shards its freqs_cis buffer the same way), from the whole tables kept here."""
     tables = (model.rope_cos, model.rope_sin)
 
-    def rows(module, args, kwargs):
-        module.rope_cos, module.rope_sin = (t[shard.positions] for t in tables)
+    def rows(module, args, kwargs):  # packed documents: the model reads the whole tables at their positions
+        module.rope_cos, module.rope_sin = tables if shard.packed else (t[shard.positions] for t in tables)
 
     model.register_forward_pre_hook(rows, with_kwargs=True)
 
@@ -149,6 +171,7 @@ def _shard_inputs(shard: SequenceShard):
             raise KilnError("a context-parallel model does not generate with a KV cache: sample from a plain copy",
                             key="cache", fix="sample from a plain copy")
         args = tuple(shard.take(a) if i < 2 and a is not None else a for i, a in enumerate(args))
+        shard.packed = kwargs.get("doc") is not None  # doc stays whole: SequenceShard.documents reads every key's
         if kwargs.get("targets") is not None:
             kwargs = kwargs | {"targets": shard.take(kwargs["targets"])}
         return args, kwargs

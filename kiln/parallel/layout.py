@@ -280,9 +280,6 @@ def _check_ep(cfg, ep: int, data: Strategy, world_size: int) -> None:
                         f"would treat each rank's own experts as copies of one another): use "
                         f"--parallel.strategy=fsdp or ddp", key="parallel.strategy", value=data.name,
                         fix="use --parallel.strategy=fsdp or ddp")
-    if cfg.pp > 1:
-        raise KilnError(f"parallel.ep={ep} with parallel.pp={cfg.pp} is not built: use --parallel.pp=1",
-                        key="parallel.ep", value=ep, fix="use --parallel.pp=1")
 
 
 def _check_model(tp: int, stages: int, model: ModelConfig, family, schedule: str) -> None:

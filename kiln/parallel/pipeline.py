@@ -20,7 +20,10 @@ its blocks' routing sums (routed counts, probability and z sums, tokens: kiln.mo
 vector that travels with the hidden states (a second stage output), and the last stage computes the loss from the
 total, as Transformer.forward adds it. Its backward reaches every stage's routing probabilities through that same
 vector's gradient, sent back by the schedule with the hidden states': no collective of its own, and exact to one
-process. The record's moe_aux_loss and load shares are over every stage (PipelineModel.moe_metrics).
+process. The record's moe_aux_loss and load shares are over every stage (PipelineModel.moe_metrics). With expert
+parallelism (parallel.ep) each stage's experts split over the ep ranks of its dp group (mesh["ep"] stays inside a
+stage), wrapped per stage as kiln.parallel.parallelize wraps a whole model; a stage's ep ranks run the same schedule,
+so their all-to-alls meet.
 
 Tied embeddings (GPT-2: head weight = embedding weight): the first and the last stage each hold the weight; after
 the backward their gradients are summed over a group of those two ranks, so both copies take the same update.
@@ -31,7 +34,8 @@ head, as torchtitan composes them). torch's PipelineStage reduces the gradients 
 backward (DDP's reducer readied by hand; FSDP2's reduce-scatter run by the schedule's post-backward). The loss
 runs outside the stage's forward (it applies the head, fused or chunked), so the last stage's head weight is the
 gathered one: the stage (FSDP2's root of its group) keeps its own parameters gathered from its forward to the end
-of the step's backward. ZeRO-1 is refused by ParallelPlan.build.
+of the step's backward. ZeRO-1 is refused by ParallelPlan.build. The gradient norm takes the gradients of each
+DTensor mesh apart (ep: the experts' and the others').
 
 Tensor parallelism composes inside each stage (tp × pp, and tp × pp × dp): kiln.parallel.tensor splits the
 whole model over mesh["tp"] first, then it is split into stages (with dp copies, each stage then takes FSDP2 over
@@ -55,7 +59,8 @@ from kiln.models import build_model
 from kiln.models.lora import adapter_layout, add_adapters
 from kiln.models.moe import MoE, losses_of, moe_metrics, routing_sums
 from kiln.models.transformer import moe_penalty
-from kiln.parallel import shard_blocks
+from kiln.parallel.apply import shard_blocks
+from kiln.parallel.expert import shard_experts, wrap_experts
 from kiln.parallel.layout import ParallelPlan
 from kiln.parallel.tensor import apply_tensor_parallel, canonical, fused_rows
 
@@ -133,6 +138,8 @@ class PipelineModel(nn.Module):
         mesh = mesh if mesh is not None else plan.device_mesh(device.type)
         if plan.tp > 1:  # torchtitan's order: tensor parallel on the whole model, then the split into stages
             apply_tensor_parallel(model, mesh["tp"], plan.sequence_parallel)
+        if plan.ep > 1:  # each stage's experts split over its ep ranks (kiln.parallel.expert), as without pp
+            shard_experts(model, mesh["ep"])
         self.cfg = model.cfg  # what kiln.parallel.tensor.fused_rows reads (the checkpoint's TP row order)
         self.adapters = adapter_layout(model)  # LoRA's, for whole_model's copy
         self.pp_group, self.dp_group = mesh["pp"].get_group(), mesh["dp"].get_group()
@@ -154,7 +161,7 @@ class PipelineModel(nn.Module):
         self.moe_aux_loss: torch.Tensor | None = None  # the last stage's last micro-batch's (a mixture of experts)
         self.tie_group = _tie_group(plan, rank) if self.tied else None
         self.dp = plan.dp
-        self.dp_mesh = mesh["dp"]
+        self.dp_mesh, self.mesh = mesh["dp"], mesh
         wrapped = [self._data_parallel(st, device, fsdp or {}) for st in self.stages]
         self.device = device
         pipelining = _pipelining()
@@ -170,12 +177,19 @@ class PipelineModel(nn.Module):
     def _data_parallel(self, stage: Stage, device, fsdp: dict) -> nn.Module:
         if self.plan.dp == 1:
             return stage
+        ep = self.plan.ep > 1  # the stage's experts first, over mesh["dp_mod_ep"] (kiln.parallel.expert.wrap_experts)
         if self.plan.dp_strategy.shards_parameters:  # the stage itself becomes the FSDP2 module (in place)
+            if ep:
+                from torch.distributed.fsdp import fully_shard  # lazy: fsdp only
+
+                wrap_experts(stage, self.mesh, fully_shard, fsdp)
             shard_blocks(stage, stage.blocks.values(), self.dp_mesh, fsdp, keep_root=True)
             return stage
-        if self.plan.tp > 1:  # ddp × tp: DDP cannot reduce DTensors; FSDP2's replicate can (as kiln.parallel.parallelize)
-            from torch.distributed._composable.replicate_with_fsdp import replicate  # lazy: ddp × tp × pp only
+        if self.plan.tp > 1 or ep:  # DDP cannot reduce DTensors; FSDP2's replicate can (as kiln.parallel.parallelize)
+            from torch.distributed._composable.replicate_with_fsdp import replicate  # lazy: ddp × (tp or ep) × pp
 
+            if ep:
+                wrap_experts(stage, self.mesh, replicate, fsdp)
             replicate(stage, mesh=self.dp_mesh, **fsdp)
             return stage
         ids = [device.index] if device.type == "cuda" else None
@@ -259,13 +273,18 @@ class PipelineModel(nn.Module):
             skip.add(id(self.duplicate))
             if masters is not None:
                 skip.add(id(masters.by_model_param[id(self.duplicate)]))
-        grads = [p.grad for p in params if p.grad is not None and id(p) not in skip]
-        local = torch.nn.utils.get_total_norm(grads, foreach=True) if grads else torch.zeros((), device=self.device)
-        if isinstance(local, DTensor):  # TP: split gradients' squares summed over the tp ranks, replicated ones once
-            local = local.full_tensor()
-        sq = local.double() ** 2
+        groups: dict = {}  # by the gradients' DTensor mesh (ep: the experts' differs), each normed over its ranks
+        for p in params:
+            if p.grad is not None and id(p) not in skip:
+                groups.setdefault(getattr(p.grad, "device_mesh", None), []).append(p.grad)
+        sq = torch.zeros((), dtype=torch.float64, device=self.device)
+        for grads in groups.values():  # the same meshes in the same order on the ranks of a stage
+            local = torch.nn.utils.get_total_norm(grads, foreach=True)
+            if isinstance(local, DTensor):  # TP: split gradients' squares summed over the tp ranks, replicated once
+                local = local.full_tensor()
+            sq = sq + local.double() ** 2
         dist.all_reduce(sq, group=self.pp_group)
-        return sq.sqrt().to(local.dtype)
+        return sq.sqrt().to(next(iter(groups.values()))[0].dtype if groups else torch.float32)
 
     def moe_metrics(self) -> dict[str, float]:
         """kiln.models.moe_metrics over every stage's blocks: the load-balancing loss the last stage computed from

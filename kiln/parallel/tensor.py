@@ -5,6 +5,7 @@
     fused_rows(model)                     {parameter name: (part rows, ...)} of the fused linears
     canonical(tensor, parts, tp)          a fused weight (or its optimizer state) back in the model's own row order
     from_canonical(tensor, parts, tp)     and into the tensor-parallel order
+    vocab_parallel_log_likelihood(h, weight, targets, vocab)   log p(target) per row on the split head (scoring)
 
 Each block linear's role comes from `Family.linears(cfg)`: "column" linears (attn.qkv, mlp.fc) are ColwiseParallel
 (output features split, this rank's heads or MLP width), "row" linears (attn.proj, mlp.proj) RowwiseParallel (input
@@ -28,7 +29,8 @@ each rank its rows of the head's gradient. The sum over valid targets (ignore_in
 step's normalisation by the global batch's count is unchanged. kiln's LM loss has no label smoothing to carry
 over. The chunked loss and the fused Triton loss compute the whole vocabulary's logits per chunk:
 memory.chunked_loss is refused with tp > 1 (kiln.config), and train.kernels=triton keeps the plain loss's place
-for this one (kiln.run.lm). Evaluation runs the same loss; sampling and exports read the consolidated weights
+for this one (kiln.run.lm). Evaluation runs the same loss (task scoring, kiln.evaluate.forward, puts
+vocab_parallel_log_likelihood in its place: the same ops, each target's log-probability instead of the sum); sampling and exports read the consolidated weights
 (kiln.train.checkpoint gathers the shards, one whole tensor at a time).
 
 Sequence parallel (parallel.sequence_parallel): between the TP regions the residual stream is split along the
@@ -70,7 +72,7 @@ from kiln.errors import KilnError
 from kiln.models.parts import IGNORE_INDEX, LMLoss, at_least_fp32
 from kiln.models.registry import family
 
-_SUM = get_enum("sum")  # nll_loss's reduction argument
+_SUM, _NONE = get_enum("sum"), get_enum("none")  # nll_loss's reduction argument
 
 
 class Held(ParallelStyle):
@@ -162,6 +164,23 @@ class VocabParallelLoss(nn.Module):
         h, targets = (DTensor.from_local(t, mesh, [Replicate()], run_check=False) for t in (h, targets))
         logits = at_least_fp32(F.linear(h, weight))  # (N, V/tp) on this rank: Shard(-1)
         return _ShardedCrossEntropy.apply(logits, targets).to_local()
+
+
+def vocab_parallel_log_likelihood(h, weight, targets, vocab: int) -> torch.Tensor:
+    """log p(target) of each row of h (N, C), replicated over tp, with the softmax over the first `vocab` rows of a
+    head weight sharded over the padded vocabulary (Shard(0)): VocabParallelLoss's ops (log_softmax, nll_loss under
+    loss_parallel(): three [N] vectors reduced over tp, never the logits) with kiln's padding columns at -inf, as a
+    model exported without them has none (kiln.evaluate, task scoring). (N,) fp32 or wider, the same on every rank."""
+    mesh = weight.device_mesh
+    local = at_least_fp32(F.linear(h, weight.to_local()))  # (N, V/tp): this rank's columns of the logits
+    first = mesh.get_local_rank() * local.shape[1]
+    padding = torch.arange(first, first + local.shape[1], device=local.device) >= vocab
+    logits = DTensor.from_local(local.masked_fill(padding, float("-inf")), mesh, [Shard(-1)], run_check=False)
+    targets = DTensor.from_local(targets, mesh, [Replicate()], run_check=False)
+    with loss_parallel():
+        logp = torch.log_softmax(logits, dim=-1)
+        nll, _ = torch.ops.aten.nll_loss_forward(logp, targets, None, _NONE, IGNORE_INDEX)
+    return -nll.to_local()
 
 
 def _gather_sequence(module, args):

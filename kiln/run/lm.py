@@ -31,7 +31,6 @@ from kiln.memory.estimate import fmt_bytes, parse_bytes
 from kiln.memory.levers import runtime_job, sections
 from kiln.memory.planner import search
 from kiln.models import ModelConfig, Transformer, build_model
-from kiln.models.config import with_training_fields
 from kiln.models.generate import Sampling
 from kiln.models.lora import apply_lora
 from kiln.models.registry import family
@@ -232,9 +231,9 @@ class LMParts:
         model, data_cfg = cfg.model, cfg.data
         if model.init:  # a Hugging Face checkpoint: its shape, its weights and (unless told) its tokenizer
             directory = Path(model.init.removeprefix("hf:"))
-            shape, self.initial = read_hf(directory)
+            shape, self.initial = read_hf(directory, model)  # the user's training fields; recipe parts checked
             self.base = base_reference(model.init) if cfg.lora.on else None  # LoRA checkpoints refer to it
-            model = replace(with_training_fields(shape, model), init=model.init)
+            model = replace(shape, init=model.init)
             if data_cfg.tokenizer == "bytes" and (directory / "tokenizer.json").is_file():
                 data_cfg = replace(data_cfg, tokenizer=model.init)
         if self.with_data:  # data.cache_per_node: each node's local rank 0 prepares its own disk's cache too
@@ -299,8 +298,7 @@ class LMParts:
                              f"fewer than one sequence of data.seq_len + 1 = {cfg.data.seq_len + 1}; raise "
                              f"data.val_fraction, lower data.seq_len, or use more text")
         self.tasks = [] if data is None else training_tasks(
-            cfg.train, data.tokenizer, cfg.model.max_seq_len, world.plan.model_parallel or world.plan.cp > 1,
-            self.log if world.main else lambda msg: None)
+            cfg.train, data.tokenizer, cfg.model.max_seq_len, world.plan, self.log if world.main else lambda msg: None)
         return loader
 
     def levers(self, cfg: Config, model, precision: str, device, plan: ParallelPlan) -> ModelPlan:

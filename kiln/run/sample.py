@@ -8,11 +8,11 @@ for one prompt or a JSONL file of them, as plain text or as a chat through the m
 """
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 from kiln.config import load_config
 from kiln.data.chat import chat_template, check_messages, render, special_tokens
+from kiln.data.jsonl import JsonlError, jsonl_rows
 from kiln.run.lm import generate_text
 from kiln.run.source import HF_PREFIX, STEP_DIR, load_source
 
@@ -35,17 +35,13 @@ def read_prompt_file(path: Path) -> list[dict]:
     path = Path(path)
     rows = []
     try:
-        lines = path.read_text(encoding="utf-8").split("\n")  # not splitlines: U+2028 may sit in a JSON string
+        text = path.read_text(encoding="utf-8")
     except UnicodeDecodeError:
         raise ValueError(f"{path} is not UTF-8 text; a prompt file holds one JSON object per line") from None
-    for n, line in enumerate(lines, 1):
-        if not line.strip():
-            continue
+    for n, row in jsonl_rows(text, path, skip_bad=True):
         where = f"{path}:{n}"
-        try:
-            row = json.loads(line)
-        except json.JSONDecodeError as e:
-            raise ValueError(f"{where}: not a JSON object ({e.msg}); write one object per line") from None
+        if isinstance(row, JsonlError):
+            raise ValueError(f"{where}: not a JSON object ({row.reason}); write one object per line")
         if isinstance(row, dict) and isinstance(row.get("prompt"), str):
             rows.append(row)
         elif isinstance(row, dict) and "messages" in row:

@@ -24,6 +24,7 @@ from pathlib import Path
 import torch
 
 from kiln.config import load_config
+from kiln.data.chat import special_tokens
 from kiln.data.tokenizer import TOKENIZER_FILE, BPETokenizer, ByteTokenizer, Tokenizer, load_tokenizer
 from kiln.errors import KilnError
 from kiln.interop.hf import read_hf
@@ -54,6 +55,9 @@ class ModelSource:
     eos_ids: tuple[int, ...]  # ids that end generation: eot_id, and for hf: every eos_token_id the directory names
     description: str  # one line: what was loaded, from where
     device: torch.device
+    # lm-evaluation-harness's prefix token (an empty context; the first rolling window): for hf: the bos_token of
+    # tokenizer_config.json, else its eos_token, as transformers reads them; else (and for a run) eot_id
+    prefix_id: int | None = None
 
     @property
     def max_seq_len(self) -> int:
@@ -145,7 +149,21 @@ def _from_hf(directory: Path, dev: torch.device, dtype: torch.dtype) -> ModelSou
             if int(i) not in eos:
                 eos.append(int(i))
     return ModelSource(model, tokenizer, model_cfg, None, tokenizer.eot_id, tuple(eos),
-                       _describe(f"{HF_PREFIX}{directory}", model_cfg), dev)
+                       _describe(f"{HF_PREFIX}{directory}", model_cfg), dev, _prefix_id(directory, tokenizer))
+
+
+def _prefix_id(directory: Path, tokenizer) -> int | None:
+    """The id of the directory's bos_token, else of its eos_token (tokenizer_config.json, else
+    special_tokens_map.json): the prefix token lm-evaluation-harness's HFLM takes. None when neither names one
+    token of the tokenizer."""
+    named = special_tokens(directory)
+    for key in ("bos_token", "eos_token"):
+        text = named.get(key)
+        ids = tokenizer.encode_as_transformers(text, add_special_tokens=False) if text and \
+            hasattr(tokenizer, "encode_as_transformers") else []
+        if len(ids) == 1:
+            return ids[0]
+    return None
 
 
 def _describe(what: str, cfg: ModelConfig) -> str:

@@ -74,9 +74,6 @@ def test_default_and_separator():
     (["--data.records=chat", "--data.chat_template=chatml", "--parallel.pp=2"],
      "parallel.pp=2 sends the pipeline stages hidden states, not the documents, and data.document_mask is on "
      "(records=chat); use --parallel.pp=1, or set --data.document_mask=false"),
-    (["--data.document_mask=true", "--parallel.cp=2", "--parallel.strategy=fsdp"],
-     "parallel.cp=2 shards each sequence with a causal mask only, and data.document_mask is on (records=text); use "
-     "--parallel.cp=1, or set --data.document_mask=false"),
     (["--data.format=tokens", "--data.document_mask=true"],
      "data.document_mask=true finds documents by their end-of-text id, which data.format=tokens does not know "
      "without the files' tokenizer; give --data.tokenizer=hf:DIR or set --data.document_mask=false"),
@@ -85,6 +82,13 @@ def test_refusals(args, line):
     with pytest.raises(ConfigError) as e:
         load_config(None, args)
     assert str(e.value) == line
+
+
+def test_context_parallelism_carries_the_document_mask():
+    """parallel.cp > 1 shards the documents' positions and mask rows (kiln.parallel.context; the 2-rank run against
+    one process is in tests/parallel/test_context_parallel.py): no refusal."""
+    cfg = load_config(None, ["--data.document_mask=true", "--parallel.cp=2", "--parallel.strategy=fsdp"])
+    assert cfg.data.masks_documents and cfg.parallel.cp == 2
 
 
 def test_training_run_with_document_mask(tmp_path):

@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 
 import kiln.data as data
+import kiln.data.prepared as prepared  # prepare_data calls build from there
 from kiln.data import DataConfig, ShardError, load_tokenizer, prepare_data
 from kiln.data.tokenizer import BYTES_EOT
 
@@ -50,7 +51,7 @@ def test_bytes_corpus_builds_then_reuses_cache(tmp_path, monkeypatch):
     def no_rebuild(*args, **kwargs):
         raise AssertionError("the cache should have been reused")
 
-    monkeypatch.setattr(data, "_build", no_rebuild)
+    monkeypatch.setattr(prepared, "build", no_rebuild)
     second = prepare_data(cfg, log=log)
     assert "cached at" in log[-1] and second.cache_dir == first.cache_dir
     assert shard.stat().st_mtime_ns == mtime
@@ -85,7 +86,7 @@ def test_bpe_corpus_trains_once_and_saves_tokenizer_to_run_dir(tmp_path, monkeyp
     saved = load_tokenizer(tmp_path / "run")
     assert saved.fingerprint == tok.fingerprint
 
-    monkeypatch.setattr(data, "_build", lambda *a, **k: pytest.fail("BPE was retrained"))
+    monkeypatch.setattr(prepared, "build", lambda *a, **k: pytest.fail("BPE was retrained"))
     second = prepare_data(cfg, log=Log())
     assert second.tokenizer.fingerprint == tok.fingerprint  # the cached tokenizer matches the shard headers
     np.testing.assert_array_equal(second.val, first.val)

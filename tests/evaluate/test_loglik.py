@@ -4,6 +4,7 @@ import pytest
 import torch
 
 from kiln.evaluate.loglik import Pair, encode_pair, loglikelihoods, rolling_loglikelihoods, rolling_windows
+from kiln.parallel.layout import ParallelPlan
 from kiln.run.source import load_source
 
 
@@ -92,10 +93,11 @@ def test_rolling_loglikelihood_is_the_direct_sum(exported, hf):
 
 
 class Copy:
-    """A data-parallel copy in one process: its rank, and an all-reduce that leaves its share as it is."""
+    """A data-parallel copy in one process: its rank, its layout (dp only), and an all-reduce that leaves its share
+    as it is."""
 
     def __init__(self, rank, size):
-        self.dp_rank, self.dp_size = rank, size
+        self.dp_rank, self.dp_size, self.size, self.plan = rank, size, size, ParallelPlan(size)
 
     def all_reduce(self, t, dim=None):
         return t
@@ -107,17 +109,13 @@ def test_split_over_copies_gives_every_row_once_with_equal_forwards(exported):
     pairs = [encode_pair(enc, f"x{i} = {i} * {'y' * i}", f" {i}", source.eot_id) for i in range(7)]
     whole, _ = loglikelihoods(source.model, pairs, source.model_cfg.vocab_size, 32, batch_size=2)
     calls = []
-
-    def counted(ids):
-        calls[-1] += 1
-        return source.model(ids)
-
-    counted.eval, counted.train = source.model.eval, source.model.train
+    counting = source.model.register_forward_pre_hook(lambda module, args: calls.__setitem__(-1, calls[-1] + 1))
     shares = []
     for rank in range(3):  # 7 rows over 3 copies: 3, 2 + a dummy, 2 + a dummy; two forwards of 2 each
         calls.append(0)
-        shares.append(loglikelihoods(counted, pairs, source.model_cfg.vocab_size, 32, batch_size=2,
+        shares.append(loglikelihoods(source.model, pairs, source.model_cfg.vocab_size, 32, batch_size=2,
                                      world=Copy(rank, 3))[0])
+    counting.remove()
     assert calls == [2, 2, 2]
     assert sum(shares).tolist() == pytest.approx(whole.tolist(), abs=1e-12, rel=0)
     assert [int((s != 0).sum()) for s in shares] == [3, 2, 2]

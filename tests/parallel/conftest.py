@@ -12,7 +12,7 @@ from safetensors.torch import load_file
 
 from kiln.run import lm
 from kiln.run.lm import train
-from tests.parallel.scenarios import MaskedLoader, fit_run, lm_config, lora_config, moe_config, tp_config
+from tests.parallel.scenarios import MaskedLoader, fit_run, lm_config, lora_config, moe_config, muon_config, tp_config
 from tests.train.test_golden_curve import corpus_text
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -72,6 +72,16 @@ def moe_reference(tmp_path_factory, source, kiln_cache):
     out = tmp_path_factory.mktemp("single-moe") / "moe"
     with one_thread():
         train(moe_config(source, "none"), out)
+    return out
+
+
+@pytest.fixture(scope="session")
+def muon_reference(tmp_path_factory, source, kiln_cache):
+    """tests/parallel/worker.py's Muon run (scenarios.muon_config) in this one process, on one thread as each
+    torchrun rank runs."""
+    out = tmp_path_factory.mktemp("single-muon") / "muon"
+    with one_thread():
+        train(muon_config(source, "none"), out)
     return out
 
 

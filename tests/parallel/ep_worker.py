@@ -49,6 +49,9 @@ if rank == 0:
 train(ep_config(source, "ddp", ep=2, tp=2), out / "ep2_tp2")
 train(ep_config(source, "fsdp", ep=2, tp=2, sequence_parallel=True), out / "one_to_ep2_tp2", resume=True)
 
+# ep2 with pp2 (dp2, FSDP2): each stage's experts split over the 2 ranks of its dp group
+train(ep_config(source, "fsdp", ep=2, pp=2), out / "ep2_pp2")
+
 # Each rank's step peaks (the CPU allocator from before the model is built) for benchmarks/ep_rank_peaks.py's ep2
 # scenarios over dp4 (dp/ep = 2: the experts FSDP2-sharded over 2 ranks): test_expert_parallel.py holds rank 0's
 # against the estimate

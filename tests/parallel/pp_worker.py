@@ -10,6 +10,7 @@ import torch
 
 from kiln.run.measure import measure_rank_peaks
 from tests.parallel.pp_scenarios import NAN_AT, PEAKS, SAMPLE, peak_config, pp_config, pp_run, with_lora
+from tests.parallel.task_scenarios import score_after, with_tasks
 
 out, source = Path(sys.argv[1]), sys.argv[2]
 rank = int(os.environ["RANK"])
@@ -17,9 +18,14 @@ rank = int(os.environ["RANK"])
 held = {}
 # 2 stages × 2 data-parallel copies, 1F1B: GPT-2 (tied embeddings) under DDP and under FSDP2 (saved at step 3 for a
 # resume on one process; then sampled from the stages' weights gathered), Llama under FSDP2
+# (GPT-2 under DDP also scores train.eval_tasks at its evaluation and after it: tests/parallel/task_scenarios.py)
 for arch, strategy, interval in (("gpt2", "ddp", 0), ("gpt2", "fsdp", 3), ("llama", "fsdp", 0)):
-    state = pp_run(pp_config(source, arch=arch, pp=2, dp=2, strategy=strategy, interval=interval),
-                   out / f"pp2dp2_{strategy}_{arch}", sample=SAMPLE if interval else 0)
+    cfg = pp_config(source, arch=arch, pp=2, dp=2, strategy=strategy, interval=interval)
+    run = f"pp2dp2_{strategy}_{arch}"
+    tasks = (arch, strategy) == ("gpt2", "ddp")
+    state = pp_run(with_tasks(cfg, out) if tasks else cfg, out / run, sample=SAMPLE if interval else 0)
+    if tasks:
+        score_after(state, out, out / run)
     held[arch] = sorted(state.model.state_dict())
 (out / f"held_rank{rank}.json").write_text(json.dumps(held))
 # LoRA on Llama, pp2 × dp2 fsdp: each stage's frozen blocks and adapters sharded over its copies

@@ -45,6 +45,14 @@ def moe_config(source: str, strategy: str):
     return cfg
 
 
+def muon_config(source: str, strategy: str):
+    """lm_config's GPT for 6 steps with optim.name=muon: torch's Muon on the 8 hidden matrices (qkv, proj, fc, proj
+    of both blocks), AdamW on the tied embedding, norms and biases, each at its own peak (muon_lr 0.05, lr 3e-3)."""
+    cfg = lm_config(source, strategy, steps=6)
+    cfg.optim.name, cfg.optim.lr, cfg.optim.muon_lr = "muon", 3e-3, 0.05
+    return cfg
+
+
 def lora_config(source: str, strategy: str, mode: str = "fp32"):
     """lm_config's GPT with rank-4 adapters on every block linear (the base frozen), 6 steps at a LoRA-sized lr;
     mode bf16 stores the frozen base in bf16 beside fp32 adapters (FSDP2 shards both)."""
@@ -172,13 +180,15 @@ def rewound(run: Path, copy: Path, step: int = 3) -> Path:
 
 
 def ep_config(source: str, strategy: str, ep: int = 1, tp: int = 1, steps: int = 10, interval: int = 0,
-              sequence_parallel: bool = False):
+              sequence_parallel: bool = False, pp: int = 1):
     """moe_config's Qwen3-MoE nano for `steps` steps of the global batch of 8 in micro-batches of 2 (each of dp4's
-    ranks takes 1, each of dp2's 2, one process 4), saved every `interval` steps (0: at the end) and kept: the
-    expert-parallel runs (tests/parallel/ep_worker.py) and their one-process reference."""
+    ranks takes 1, each of dp2's 2 — under pp2 as 2 pipeline micro-batches —, one process 4), saved every
+    `interval` steps (0: at the end) and kept: the expert-parallel runs (tests/parallel/ep_worker.py) and their
+    one-process reference."""
     cfg = moe_config(source, strategy)
     cfg.train.max_steps, cfg.train.micro_batch_size = steps, 2
     cfg.parallel.ep, cfg.parallel.tp, cfg.parallel.sequence_parallel = ep, tp, sequence_parallel
+    cfg.parallel.pp = pp
     cfg.checkpoint.interval, cfg.checkpoint.keep_last = interval, 10
     # AdamW's eps at 1e-6, not 1e-8: an expert's rows are batched differently at ep > 1 (its pairs from every ep
     # rank in one product), which moves the last bits of gradients, and m/√v turns a last-bit difference of a

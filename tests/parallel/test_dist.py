@@ -93,6 +93,20 @@ def test_a_mixture_of_experts_trains_as_one_process(launched, moe_reference, str
                                                                  rel=1e-5)
 
 
+def test_muon_under_ddp_trains_as_one_process(launched, muon_reference):
+    """optim.name=muon under DDP (tests/parallel/scenarios.muon_config, 6 steps): every rank holds whole matrices
+    and the same all-reduced gradient, so torch's Muon orthogonalises the same matrix on each; losses, the Muon
+    groups' lr and the final weights equal one process's at the data-parallel tolerance (its bf16 Newton-Schulz
+    would turn a last-bit gradient difference into a bf16 rounding, ~1e-5 of a weight: the tolerance catches that
+    too). ZeRO-1, FSDP2 and tp refuse Muon (tests/train/test_muon.py)."""
+    run = launched / "muon_ddp"
+    assert_close_curves(losses(run), losses(muon_reference))
+    got, want = records(run, "train"), records(muon_reference, "train")
+    assert [r["muon_lr"] for r in got] == pytest.approx([r["muon_lr"] for r in want], rel=1e-12)
+    assert all(r["muon_lr"] == pytest.approx(r["lr"] * 0.05 / 3e-3, rel=1e-12) for r in got)
+    assert_close_weights(run, muon_reference)
+
+
 def test_resume_on_another_world_size_and_strategy(launched, reference, source):
     """fsdp × 2 for 5 steps, then ddp × 1 (one process, no torchrun) to step 10: the straight run's curve."""
     run_dir = launched / "resume_fsdp"

@@ -1,6 +1,7 @@
 """Expert parallelism on CPU with gloo: 4 processes (one torchrun launch, tests/parallel/ep_worker.py) as ep2 over
-dp4 (FSDP2) and ep2 with tp2 (dp2, DDP as FSDP2's replicate; with sequence parallelism under FSDP2 in the resume)
-against 1 process, Qwen3-MoE nano (8 experts, 2 per
+dp4 (FSDP2), ep2 with tp2 (dp2, DDP as FSDP2's replicate; with sequence parallelism under FSDP2 in the resume) and
+ep2 with pp2 (dp2, FSDP2; each stage's experts over its dp group, 1F1B over 2 pipeline micro-batches) against 1
+process, Qwen3-MoE nano (8 experts, 2 per
 token, the load-balancing loss on), the same global batch and seed, fp32, 10 steps; checkpoints resharded between
 the layouts and one process; the all-to-all's split sizes against a hand count; the host syncs of a step; each
 rank's step peaks (benchmarks/ep_rank_peaks.py's ep2 scenarios) against the memory estimate.
@@ -75,7 +76,7 @@ def assert_same_run(got_dir, want_dir):
         torch.testing.assert_close(wg[key], ww[key], rtol=RTOL, atol=ATOL, msg=key)
 
 
-@pytest.mark.parametrize("run", ["ep2", "ep2_tp2"])
+@pytest.mark.parametrize("run", ["ep2", "ep2_tp2", "ep2_pp2"])
 def test_expert_parallel_trains_as_one_process(ep_launched, ep_reference, run):
     assert_same_run(ep_launched / run, ep_reference)
 
@@ -94,10 +95,10 @@ def test_an_ep2_checkpoint_resumes_in_one_process(ep_launched, ep_reference, sou
     assert_same_run(run_dir, ep_reference)
 
 
-def expected_bytes(ep: int, tp: int, fsdp_shards: int) -> int:
+def expected_bytes(ep: int, tp: int, fsdp_shards: int, keep=lambda name: True) -> int:
     """One rank's parameter bytes: each expert weight 1/ep (whole experts), attention's split linears and the
     vocabulary 1/tp, the rest whole; FSDP then holds 1/fsdp_shards of that (the experts' dp_mod_ep = the others'
-    dp / ep)."""
+    dp / ep). keep(name): the parameters the rank holds (a pipeline stage's)."""
     cfg = ep_config("", "none").model
     cfg.vocab_size = 256
     cfg = cfg.resolve()
@@ -105,6 +106,8 @@ def expected_bytes(ep: int, tp: int, fsdp_shards: int) -> int:
     roles = {lin.name: lin.tp for lin in fam.linears(cfg)}
     total = 0
     for name, shape in fam.parameter_shapes(cfg):
+        if not keep(name):
+            continue
         numel = torch.Size(shape).numel()
         module = name.split(".", 2)[-1].rpartition(".")[0] if name.startswith("blocks.") else name.rpartition(".")[0]
         if roles.get(module) == "expert":
@@ -121,6 +124,17 @@ def test_the_layout_record_shows_ep(ep_launched, run, tp, fsdp_shards):
     event, = [e for e in records(ep_launched / run, "event") if e["event"] == "layout"]
     assert event["mesh"] == {"pp": 1, "dp": 4 // tp, "tp": tp, "ep": 2}
     assert event["param_bytes_per_rank"] == [expected_bytes(2, tp, fsdp_shards)] * 4
+    assert event["param_bytes_unsharded"] == expected_bytes(1, 1, 1)
+
+
+def test_the_layout_record_of_ep2_with_pp2(ep_launched):
+    """Ranks 0 and 1 (stage 0: the embedding and block 0) and 2 and 3 (stage 1: block 1, the norm and the head)
+    each hold 4 of their blocks' 8 experts and half of the rest (FSDP2 over dp2)."""
+    event, = [e for e in records(ep_launched / "ep2_pp2", "event") if e["event"] == "layout"]
+    assert event["mesh"] == {"pp": 2, "dp": 2, "tp": 1, "ep": 2}
+    last = ("blocks.1.", "norm.", "head.")
+    first, second = (expected_bytes(2, 1, 2, keep=lambda n, s=s: n.startswith(last) == s) for s in (False, True))
+    assert event["param_bytes_per_rank"] == [first, first, second, second]
     assert event["param_bytes_unsharded"] == expected_bytes(1, 1, 1)
 
 

@@ -27,9 +27,10 @@ from kiln.parallel import ParallelConfig
 from kiln.parallel.layout import ParallelPlan
 from kiln.numerics.trace import REPORT_FILE
 from kiln.parallel.pipeline import PipelineModel
-from tests.parallel.conftest import torchrun
+from tests.parallel.conftest import one_thread, torchrun
 from tests.parallel.pp_scenarios import NAN_AT, PEAKS, SAMPLE, latest, peak_config, pp_config, pp_run, with_lora
 from tests.parallel.scenarios import rewound
+from tests.parallel.task_scenarios import assert_tasks_score_as_one_process
 
 ROOT = Path(__file__).resolve().parents[2]
 RTOL = 1e-5
@@ -88,6 +89,14 @@ def test_pp2_dp2_1f1b_trains_as_one_process(pp_launched, single, strategy, arch)
     assert_same_weights(run, single / arch)
     got, want = records(run, "eval")[-1]["val_loss"], records(single / arch, "eval")[-1]["val_loss"]
     assert got == pytest.approx(want, rel=RTOL)  # evaluation through the schedule's forward-only path
+
+
+def test_eval_tasks_through_the_pipeline_score_as_one_process(pp_launched):
+    """train.eval_tasks under pp2 × dp2: each copy's rows through the schedule's forward-only path, the
+    log-likelihoods from the last stage; the scores of the final checkpoint in one process."""
+    run = pp_launched / "pp2dp2_ddp_gpt2"
+    with one_thread():
+        assert_tasks_score_as_one_process(pp_launched, run, records(run, "eval")[-1])
 
 
 def test_lora_under_pp2_dp2_fsdp_trains_as_one_process(pp_launched, single):

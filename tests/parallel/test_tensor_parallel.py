@@ -16,8 +16,9 @@ import torch
 from kiln.models.registry import family
 from kiln.run import lm
 from kiln.run.lm import train
-from tests.parallel.conftest import final_weights
+from tests.parallel.conftest import final_weights, one_thread
 from tests.parallel.scenarios import MaskedLoader, rewound, tp_config
+from tests.parallel.task_scenarios import assert_tasks_score_as_one_process
 from tests.parallel.test_dist import losses, records
 
 RTOL = 1e-5
@@ -44,6 +45,15 @@ def test_tp2_dp2_trains_as_one_process(tp_launched, tp_reference, run, arch):
     assert_same_run(tp_launched / run, tp_reference / arch)
     got, want = records(tp_launched / run, "eval"), records(tp_reference / arch, "eval")
     assert got[-1]["val_loss"] == pytest.approx(want[-1]["val_loss"], rel=RTOL)  # evaluation over dp, not tp
+
+
+@pytest.mark.parametrize("run", ["gpt2_ddp_sp", "llama_dp2_cp2"])
+def test_eval_tasks_score_as_one_process(tp_launched, run):
+    """train.eval_tasks through the validation forward of tp2 × dp2 with sequence parallelism (the head's vocabulary
+    split over the tp ranks) and of dp2 × cp2 (each row's positions over the cp ranks): the scores of the final
+    checkpoint in one process."""
+    with one_thread():
+        assert_tasks_score_as_one_process(tp_launched, tp_launched / run, records(tp_launched / run, "eval")[-1])
 
 
 def test_the_reference_sees_uneven_valid_counts(source, kiln_cache, tmp_path):

@@ -11,6 +11,7 @@ import torch.distributed as dist
 from kiln.run import lm
 from kiln.run.lm import train
 from tests.parallel.scenarios import MaskedLoader, fit_tp_run, rewound, tp_config
+from tests.parallel.task_scenarios import score_after, with_tasks
 
 out, source = Path(sys.argv[1]), sys.argv[2]
 lm.TokenLoader = MaskedLoader  # uneven valid-token counts across the data-parallel ranks (the reference's too)
@@ -18,8 +19,10 @@ lm.TokenLoader = MaskedLoader  # uneven valid-token counts across the data-paral
 # tp2 × dp2 under FSDP2: llama (GQA, SwiGLU: both fused weights split by part), saved at step 3 for the resumes
 train(tp_config(source, "llama", "fsdp", tp=2, steps=6, interval=3), out / "llama_fsdp")
 # tp2 × dp2 with sequence parallelism, under DDP (FSDP2's replicate over mesh["dp"]): gpt2 (LayerNorm, learned
-# positions, tied embeddings)
-train(tp_config(source, "gpt2", "ddp", tp=2, steps=6, sequence_parallel=True), out / "gpt2_ddp_sp")
+# positions, tied embeddings); train.eval_tasks scored at its evaluation and after it (tests/parallel/task_scenarios.py)
+state = train(with_tasks(tp_config(source, "gpt2", "ddp", tp=2, steps=6, sequence_parallel=True), out),
+              out / "gpt2_ddp_sp").state
+score_after(state, out, out / "gpt2_ddp_sp")
 # a mixture of experts in tp2 × dp2 with sequence parallelism, under FSDP2: attention split, router and experts whole
 # on each tp rank, the sequence gathered for them and split again
 train(tp_config(source, "qwen3_moe", "fsdp", tp=2, steps=6, sequence_parallel=True), out / "moe_fsdp_sp")
@@ -30,7 +33,8 @@ train(tp_config(source, "llama", "fsdp", tp=2, steps=6), out / "fsdp_to_tp", res
 # split over 2 cp ranks, the valid counts uneven across the copies
 llama_cp = tp_config(source, "llama", "fsdp", tp=1, steps=6)
 llama_cp.parallel.cp = 2
-train(llama_cp, out / "llama_dp2_cp2")
+state = train(with_tasks(llama_cp, out), out / "llama_dp2_cp2").state  # and train.eval_tasks, as the gpt2 run's
+score_after(state, out, out / "llama_dp2_cp2")
 
 # kiln.fit on a model of the user's own with the user's plan (tests/parallel/test_fit_tensor_parallel.py): tp2 × dp2
 # under FSDP2, saved at step 3; under DDP (FSDP2's replicate over mesh["dp"]); and the FSDP2 run's step-3 checkpoint

@@ -7,9 +7,11 @@ import sys
 import time
 from pathlib import Path
 
-from tests.parallel.cp_scenarios import cp_config, model_parity
-from tests.parallel.scenarios import fit_run, lm_config, lora_config, measured_state_bytes, moe_config
+from tests.parallel.cp_scenarios import cp_config, cp_documents_config, model_parity
+from tests.parallel.scenarios import (MaskedLoader, fit_run, lm_config, lora_config, measured_state_bytes, moe_config,
+                                      muon_config)
 from kiln.parallel.watchdog import CollectiveError
+from kiln.run import lm
 from kiln.run.lm import train
 from kiln.train import loop
 from kiln.train.loop import Trainer
@@ -41,6 +43,7 @@ if os.environ["RANK"] == "0":
     (out / "state_bytes.json").write_text(json.dumps(measured))
 for strategy in ("ddp", "fsdp"):  # a mixture of experts (every expert replicated, or sharded by FSDP2)
     train(moe_config(source, strategy), out / f"moe_{strategy}")
+train(muon_config(source, "ddp"), out / "muon_ddp")  # Muon: whole matrices on each rank, the reduced gradient
 train(lm_config(source, "fsdp", steps=5), out / "resume_fsdp")  # resumed by one process with ddp
 for mode in ("fp32", "bf16"):  # LoRA: a frozen base (bf16: stored in bf16) and fp32 adapters, both sharded
     state = train(lora_config(source, "fsdp", mode), out / f"lora_fsdp_{mode}").state
@@ -62,6 +65,9 @@ levers.faults.slow_forward_ms, levers.faults.rank = 80.0, 1
 train(levers, out / "levers")
 train(cp_config(source), out / "lm_cp")  # context parallel (tests/parallel/test_context_parallel.py)
 train(cp_config(source, steps=4, recompute="full"), out / "lm_cp_recompute")
+plain, lm.TokenLoader = lm.TokenLoader, MaskedLoader  # documents that end at each newline, as tp_reference's
+train(cp_documents_config(source), out / "gpt2_documents_cp")
+lm.TokenLoader = plain
 model_parity(out)
 train(lm_config(source, "ddp", steps=8, nan_forward="blocks.1.attn@4", nan_rank=1, trace=True), out / "nan")
 try:

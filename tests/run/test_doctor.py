@@ -80,17 +80,19 @@ def test_data_finite_keeps_the_rotary_cache_of_a_llama_model(small_config, tmp_p
 
 def test_weight_std_takes_the_zero_initialised_projections_expected_std(small_config, tmp_path):
     """model.zero_init_proj: the output projections start at 0 (the model's init_std says so); the check passes
-    them at 0 and names one that is not."""
+    them at 0 and names one that is not. With the recipe's other parts on (relu2, QK-norm gains at 1, a cap)."""
     import torch
 
     from kiln.run.doctor import Doctor
     from kiln.run.lm import build_lm
 
-    lm = build_lm(small_config(model={"zero_init_proj": True}), tmp_path, log=lambda msg: None)
+    parts = {"zero_init_proj": True, "mlp": "relu2", "qk_norm": True, "logit_softcap": 15.0}
+    lm = build_lm(small_config(model=parts), tmp_path, log=lambda msg: None)
     try:
         doctor = Doctor(lm, None)
         status, value, _ = doctor.weight_std()
         assert status == "pass", value
+        assert doctor.model.blocks[0].attn.q_norm is not None  # the parts are on: their gains were checked too
         with torch.no_grad():
             doctor.model.blocks[0].mlp.proj.weight.fill_(0.5)
         status, value, _ = doctor.weight_std()

@@ -1,6 +1,7 @@
 """optim.name=muon: one kiln step equals torch.optim.Muon and AdamW stepped by hand on the documented split; a
 withheld step changes nothing; resume is exact; the estimator counts what the optimizer holds; refusals."""
 import copy
+import math
 import json
 
 import pytest
@@ -11,6 +12,15 @@ from kiln.memory.estimate import muon_state_bytes, parameter_shapes
 from kiln.run.lm import build_lm, train
 from kiln.train.muon import MuonAdamW
 from kiln.train.step import train_step
+from tests.parallel.conftest import one_thread
+
+@pytest.fixture(autouse=True)
+def _one_thread():
+    """One thread: torch's Muon runs many small bf16 products, which stalled on 2 threads of the 2 busy cores (the
+    resume test took 32 s with 2 threads, 2.3 s with one, on the 2-core Xeon with AMX at load ~12)."""
+    with one_thread():
+        yield
+
 
 HIDDEN = ("attn.qkv.weight", "attn.proj.weight", "mlp.fc.weight", "mlp.proj.weight")  # docs/training.md's split
 
@@ -85,9 +95,9 @@ def test_resume_is_bit_identical_and_records_both_lrs(small_config, tmp_path):
     n = 2
     sections = dict(train={"max_steps": 2 * n, "grad_accum_steps": 2}, schedule={"total_steps": 2 * n},
                     optim={"name": "muon", "muon_lr": 0.04})
-    straight = train(small_config(**sections), tmp_path / "straight")
     first = small_config(**sections)
     first.train.max_steps = n
+    straight = train(small_config(**sections), tmp_path / "straight")
     train(first, tmp_path / "resumed")
     resumed = train(small_config(**sections), tmp_path / "resumed", resume=True)
     a, b = straight.state.model.state_dict(), resumed.state.model.state_dict()
@@ -116,7 +126,7 @@ def test_estimator_counts_what_the_optimizer_holds():
                                          if not g.get("muon") for p in g["params"])
 
 
-@pytest.mark.parametrize("extra,message", [
+REFUSALS = [
     (["--parallel.strategy=zero1"], "optim.name=muon orthogonalises whole matrices and parallel.strategy=zero1 shards "
                                     "them across ranks: use --parallel.strategy=ddp with muon"),
     (["--parallel.strategy=fsdp"], "optim.name=muon orthogonalises whole matrices and parallel.strategy=fsdp shards "
@@ -125,6 +135,12 @@ def test_estimator_counts_what_the_optimizer_holds():
                           "use --parallel.tp=1 (data parallelism with --parallel.strategy=ddp) with muon"),
     (["--optim.offload=host"], "optim.offload=host runs AdamW or AdamW8bit on the host and optim.name=muon keeps "
                                "torch's Muon on the device: use --optim.offload=none with muon"),
+    (["--lora.rank=4"], "optim.name=muon orthogonalises the hidden matrices, and lora.rank=4 freezes them and "
+                        "trains adapters only, which go to AdamW: use --optim.name=adamw with lora"),
+]
+
+
+@pytest.mark.parametrize("extra,message", REFUSALS + [
     (["--train.stop_at_val_loss=1.5"], "train.stop_at_val_loss=1.5 is checked at each evaluation, and "
                                        "train.eval_interval=0 evaluates only at the end: set --train.eval_interval=N"),
 ])
@@ -132,3 +148,43 @@ def test_refusals(extra, message):
     with pytest.raises(ConfigError) as e:
         load_config(None, ["--optim.name=muon", *extra])
     assert str(e.value) == message
+
+
+@pytest.mark.parametrize("extra,message", REFUSALS)
+def test_kiln_train_refuses_in_one_line(extra, message, tmp_path, capsys):
+    """The same lines, word for word, from `kiln train` (exit 2, one stderr line, no traceback), before any data
+    is read or any process group is made."""
+    from kiln.cli.main import main
+
+    code = main(["train", "--optim.name=muon", "--train.device=cpu", "--data.source=nowhere.txt",
+                 f"--run-dir={tmp_path / 'run'}", *extra])
+    err = capsys.readouterr().err
+    assert (code, err) == (2, f"kiln train: error: {message}\n")
+    assert not (tmp_path / "run").exists()
+
+
+def test_lr_scaling_and_a_rollbacks_lr_cut_multiply_each_groups_own_peak(small_config, tmp_path):
+    """optim.lr_scaling=linear at twice the reference batch doubles both peaks; a real spike (scrambled targets at
+    step 9) rolled back to the in-memory snapshot of step 8 under Muon: both groups' lr run at
+    numerics.rollback_lr_factor × their own peak for rollback_lr_steps, then at their peaks again; the restored
+    optimizer state trains on (every loss finite)."""
+    from kiln.train.schedule import lr_factor
+
+    lr, muon_lr, spike = 3e-3, 0.04, 9
+    cfg = small_config(train={"max_steps": 14}, schedule={"total_steps": 14},
+                       optim={"name": "muon", "lr": lr, "muon_lr": muon_lr, "lr_scaling": "linear",
+                              "reference_batch_tokens": 64},  # the batch is 4 × 32 = 128 tokens: × 2
+                       numerics={"spike_policy": "rollback", "snapshot_interval": 4, "spike_min_history": 5,
+                                 "spike_window": 8, "rollback_lr_factor": 0.5, "rollback_lr_steps": 3},
+                       faults={"spike": spike})
+    summary = train(cfg, tmp_path / "run")
+    records = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    rollback, = [r for r in records if r.get("event") == "rollback"]
+    assert rollback["to_step"] == 8
+    last = {r["step"]: r for r in records if r["kind"] == "train"}  # the last record of a step: after the rollback
+    for step in range(1, 15):
+        cut = 0.5 if 8 < step <= 11 else 1.0
+        scheduled = 2 * lr_factor(cfg.schedule, step - 1, 14)
+        assert last[step]["lr"] == pytest.approx(lr * scheduled * cut, rel=1e-12), step
+        assert last[step]["muon_lr"] == pytest.approx(muon_lr * scheduled * cut, rel=1e-12), step
+    assert summary.step == 14 and all(math.isfinite(r["loss"]) for r in last.values())

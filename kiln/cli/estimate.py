@@ -77,7 +77,7 @@ def run(args, overrides) -> int:
     sections = JobSections.of(cfg)
     model = sections.resolved_model()
     params = param_count(model)
-    tokens = CHINCHILLA_TOKENS_PER_PARAM * params if args.chinchilla else parse_count(args.tokens)
+    tokens = CHINCHILLA_TOKENS_PER_PARAM * params if args.chinchilla else parse_count(args.tokens, "--tokens")
     peak = device.flops(precision)
     if args.mfu is not None:
         mfu, mfu_from = args.mfu, "given (--mfu)"
@@ -93,7 +93,7 @@ def run(args, overrides) -> int:
         mfu, mfu_from = DEFAULT_MFU, "assumed (give --mfu, or --from-run RUN_DIR for a measured one)"
     recompute = job_for(sections, device).recompute
     if mfu is None:  # --gpu-hours: what the reported run implies
-        gpu_hours = parse_count(args.gpu_hours)
+        gpu_hours = parse_count(args.gpu_hours, "--gpu-hours")
         flops = training_estimate(model, params, cfg.data.seq_len, tokens, args.gpus, peak, 1.0).flops
         mfu, mfu_from = implied_mfu(flops, gpu_hours, peak), f"implied by {gpu_hours:,.0f} GPU-hours (--gpu-hours)"
     e = training_estimate(model, params, cfg.data.seq_len, tokens, args.gpus, peak, mfu, device.power_w, args.pue,

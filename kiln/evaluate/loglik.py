@@ -27,6 +27,8 @@ import torch
 from kiln.evaluate.forward import row_loglikelihoods, scoring_head, width_multiple
 from kiln.models.parts import IGNORE_INDEX
 
+from kiln.errors import KilnError
+
 
 @dataclass(frozen=True)
 class Pair:
@@ -60,7 +62,8 @@ def rolling_windows(tokens: list[int], prefix_id: int, max_length: int) -> list[
     later one predicts up to max_length tokens after the one token before them, and the last (shorter) one reads
     as many earlier tokens as fill its window."""
     if max_length < 1:
-        raise ValueError(f"max_length={max_length} must be ≥ 1")
+        raise KilnError(f"max_length={max_length} must be ≥ 1", key="max_length", value=max_length,
+                        fix="give a window of at least one token")
     if not tokens:
         return []
     first = min(max_length, len(tokens))
@@ -78,8 +81,9 @@ def rolling_windows(tokens: list[int], prefix_id: int, max_length: int) -> list[
 def _row(pair: Pair, max_length: int) -> tuple[list[int], int, bool]:
     """(tokens of the row, how many at its end are scored, whether the context lost its start)."""
     if len(pair.continuation) > max_length:
-        raise ValueError(f"a continuation of {len(pair.continuation)} tokens does not fit the model's window of "
-                         f"{max_length}")
+        raise KilnError(f"a continuation of {len(pair.continuation)} tokens does not fit the model's window of "
+                        f"{max_length}", key="model.max_seq_len", value=max_length,
+                        fix="score it with a model of a longer window, or shorten the task's answers")
     whole = list(pair.context) + list(pair.continuation)
     return whole[-(max_length + 1):], len(pair.continuation), len(whole) > max_length + 1
 

@@ -35,7 +35,8 @@ def _read_json(path: Path) -> dict:
     try:
         return json.loads(path.read_text())
     except json.JSONDecodeError as e:
-        raise ValueError(f"{path} is not valid JSON ({e.msg})") from None
+        raise KilnError(f"{path} is not valid JSON ({e.msg})", key=str(path), value=f"line {e.lineno}",
+                        fix="write it again (save_pretrained)") from None
 
 
 def kiln_config(hf: dict, source: str = "config.json") -> ModelConfig:
@@ -56,8 +57,8 @@ def _read_tensors(directory: Path) -> dict[str, torch.Tensor]:
         try:
             tensors.update(load_file(str(f)))
         except (SafetensorError, OSError) as e:
-            raise ValueError(f"{f} does not load as safetensors ({e}); the file is damaged or truncated: copy it "
-                             f"again") from None
+            raise KilnError(f"{f} does not load as safetensors ({e}); the file is damaged or truncated: copy it "
+                            f"again", key=str(f), fix="the file is damaged or truncated: copy it again") from None
     return tensors
 
 
@@ -69,10 +70,12 @@ def _take(tensors: dict, name: str, shape: tuple, source: str) -> torch.Tensor:
     if name not in tensors and name.split(".", 1)[-1] in tensors:  # saved without the wrapper ("transformer.")
         name = name.split(".", 1)[-1]
     if name not in tensors:
-        raise ValueError(f"{source}: no tensor {name!r}; the checkpoint does not match its config.json")
+        raise KilnError(f"{source}: no tensor {name!r}; the checkpoint does not match its config.json", key=source,
+                        value=name, fix="save config.json and the weights together (save_pretrained)")
     t = tensors.pop(name)
     if tuple(t.shape) != tuple(shape):
-        raise ValueError(f"{source}: {name} has shape {tuple(t.shape)}, config.json implies {tuple(shape)}")
+        raise KilnError(f"{source}: {name} has shape {tuple(t.shape)}, config.json implies {tuple(shape)}",
+                        key=source, value=name, fix="save config.json and the weights together (save_pretrained)")
     return t
 
 
@@ -109,8 +112,9 @@ def read_hf(directory: str | Path, mine: ModelConfig | None = None) -> tuple[Mod
     tensors.pop("lm_head.weight", None)  # a tied head saved anyway
     left = [k for k in tensors if not k.endswith((".attn.bias", ".attn.masked_bias", "rotary_emb.inv_freq"))]
     if left:
-        raise ValueError(f"{src}: tensors kiln has no place for: {', '.join(sorted(left)[:5])}"
-                         + (" ..." if len(left) > 5 else ""))
+        raise KilnError(f"{src}: tensors kiln has no place for: {', '.join(sorted(left)[:5])}"
+                        + (" ..." if len(left) > 5 else ""), key=src, value=sorted(left)[0],
+                        fix="start from a checkpoint of a family kiln builds, as save_pretrained wrote it")
     return cfg, out
 
 

@@ -13,6 +13,7 @@ import torch
 import torch.nn as nn
 
 import kiln.kernels as ops
+from kiln.errors import KilnError
 from kiln.perf.hardware import resolve_kernels
 from kiln.models.transformer import IGNORE_INDEX, SDPA, LMLoss, RMSNorm, Rotary, SwiGLU
 
@@ -51,9 +52,10 @@ def apply_kernels(model: nn.Module, kernels: str = "triton", device: torch.devic
         return []
     dropout = [n for n, m in model.named_modules() if type(m) is SDPA and m.dropout > 0]
     if dropout:
-        raise ValueError(f"kernels='triton' replaces attention with FlashAttention, which has no dropout, but "
-                         f"{dropout[0]} has dropout {model.get_submodule(dropout[0]).dropout}; set model.dropout=0 "
-                         f"or use kernels='torch'")
+        p = model.get_submodule(dropout[0]).dropout
+        raise KilnError(f"kernels='triton' replaces attention with FlashAttention, which has no dropout, but "
+                        f"{dropout[0]} has dropout {p}; set model.dropout=0 or use kernels='torch'",
+                        key="model.dropout", value=p, fix="set model.dropout=0 or use kernels='torch'")
     swapped = []
     for parent_name, parent in list(model.named_modules()):
         for name, child in list(parent.named_children()):

@@ -14,6 +14,7 @@ import torch.nn as nn
 import triton
 import triton.language as tl
 
+from kiln.errors import KilnError
 from kiln.kernels.utils import check_device, gpu_tiles
 
 REDUCTIONS = ("mean", "sum")
@@ -84,7 +85,8 @@ def cross_entropy_rows(logits: torch.Tensor, target: torch.Tensor, loss: torch.T
     """
     N, V = logits.shape
     if logits.stride(-1) != 1:
-        raise ValueError("cross_entropy: logits need a unit stride along the vocabulary")
+        raise KilnError("cross_entropy: logits need a unit stride along the vocabulary", key="logits",
+                        value=tuple(logits.stride()), fix="pass logits.contiguous()")
     block = block_v or vocab_block(V, logits.device)
     _cross_entropy_fwd_kernel[(N,)](
         logits, logits.stride(0), grad if grad is not None else logits, grad.stride(0) if grad is not None else 0,
@@ -95,12 +97,16 @@ def cross_entropy_rows(logits: torch.Tensor, target: torch.Tensor, loss: torch.T
 def _check(logits, target, label_smoothing, reduction):
     check_device(logits, target, kernel=_cross_entropy_fwd_kernel)
     if logits.dim() != 2 or target.shape != logits.shape[:1]:
-        raise ValueError(f"cross_entropy: logits (N, V) and target (N,), got {tuple(logits.shape)} and "
-                         f"{tuple(target.shape)}")
+        raise KilnError(f"cross_entropy: logits (N, V) and target (N,), got {tuple(logits.shape)} and "
+                        f"{tuple(target.shape)}", key="logits" if logits.dim() != 2 else "target",
+                        value=tuple(logits.shape) if logits.dim() != 2 else tuple(target.shape),
+                        fix="give logits (N, V) and target (N,)")
     if not 0.0 <= label_smoothing <= 1.0:
-        raise ValueError(f"cross_entropy: label_smoothing must be in [0, 1], got {label_smoothing}")
+        raise KilnError(f"cross_entropy: label_smoothing must be in [0, 1], got {label_smoothing}",
+                        key="label_smoothing", value=label_smoothing, fix="give a value in [0, 1]")
     if reduction not in REDUCTIONS:
-        raise ValueError(f"cross_entropy: reduction={reduction!r}; use one of {REDUCTIONS}")
+        raise KilnError(f"cross_entropy: reduction={reduction!r}; use one of {REDUCTIONS}", key="reduction",
+                        value=reduction, fix=f"use one of {REDUCTIONS}")
 
 
 def valid_count(target: torch.Tensor, ignore_index: int) -> torch.Tensor:

@@ -21,6 +21,7 @@ import torch.nn as nn
 import triton
 import triton.language as tl
 
+from kiln.errors import KilnError
 from kiln.kernels.utils import autocast_dtype, check_device, dot_precision, gpu_tiles
 
 LOG2E = 1.4426950408889634  # exp(x) = exp2(x · log2 e): exp2 is the native instruction
@@ -206,12 +207,15 @@ def _unit_last(*tensors):
 def _check(q, k, v):
     check_device(q, k, v, kernel=_flash_attention_fwd_kernel)
     if q.dim() != 4 or k.dim() != 4 or v.shape != k.shape:
-        raise ValueError(f"flash_attention: q (B, H, T, D), k and v (B, KV, T, D); got {tuple(q.shape)}, "
-                         f"{tuple(k.shape)}, {tuple(v.shape)}")
+        raise KilnError(f"flash_attention: q (B, H, T, D), k and v (B, KV, T, D); got {tuple(q.shape)}, "
+                        f"{tuple(k.shape)}, {tuple(v.shape)}", key="q" if q.dim() != 4 else "k",
+                        value=tuple(q.shape) if q.dim() != 4 else tuple(k.shape),
+                        fix="give q (B, H, T, D) and k, v of one shape (B, KV, T, D)")
     B, H, T, D = q.shape
     if k.shape[0] != B or k.shape[2:] != (T, D) or H % k.shape[1]:
-        raise ValueError(f"flash_attention: k/v {tuple(k.shape)} do not match q {tuple(q.shape)} (same B, T, D; "
-                         f"H a multiple of the key/value heads)")
+        raise KilnError(f"flash_attention: k/v {tuple(k.shape)} do not match q {tuple(q.shape)} (same B, T, D; "
+                        f"H a multiple of the key/value heads)", key="k", value=tuple(k.shape),
+                        fix="same B, T, D; H a multiple of the key/value heads")
     if not (q.dtype == k.dtype == v.dtype):
         raise TypeError(f"flash_attention: q, k, v dtypes differ: {q.dtype}, {k.dtype}, {v.dtype}")
 
@@ -291,8 +295,9 @@ class FlashAttention(nn.Module):
 
     def forward(self, q, k, v):
         if self.training and self.dropout > 0:
-            raise ValueError(f"kiln.kernels.FlashAttention has no attention dropout (model.dropout={self.dropout}); "
-                             f"train with model.dropout=0 or model.kernels='torch'")
+            raise KilnError(f"kiln.kernels.FlashAttention has no attention dropout (model.dropout={self.dropout}); "
+                            f"train with model.dropout=0 or model.kernels='torch'", key="model.dropout",
+                            value=self.dropout, fix="train with model.dropout=0 or model.kernels='torch'")
         return flash_attention(q, k, v, self.causal)
 
     def extra_repr(self) -> str:

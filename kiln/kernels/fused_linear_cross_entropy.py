@@ -14,6 +14,7 @@ import torch
 import torch.nn as nn
 import triton
 
+from kiln.errors import KilnError
 from kiln.kernels.cross_entropy import (REDUCTIONS, _cross_entropy_fwd_kernel, cross_entropy_reference,
                                         cross_entropy_rows, valid_count)
 from kiln.kernels.utils import autocast_dtype, check_device
@@ -30,10 +31,12 @@ def fused_linear_cross_entropy_forward(x, weight, target, bias, ignore_index, la
     """(fp32 loss, dx, dW, db) with the gradients None when not needed; gradients in the inputs' dtypes."""
     check_device(x, weight, target, bias, kernel=_cross_entropy_fwd_kernel)
     if x.dim() != 2 or weight.dim() != 2 or x.shape[1] != weight.shape[1] or target.shape != x.shape[:1]:
-        raise ValueError(f"fused_linear_cross_entropy: x (N, C), weight (V, C), target (N,); got "
-                         f"{tuple(x.shape)}, {tuple(weight.shape)}, {tuple(target.shape)}")
+        raise KilnError(f"fused_linear_cross_entropy: x (N, C), weight (V, C), target (N,); got "
+                        f"{tuple(x.shape)}, {tuple(weight.shape)}, {tuple(target.shape)}", key="x",
+                        value=tuple(x.shape), fix="give x (N, C), weight (V, C) and target (N,)")
     if reduction not in REDUCTIONS:
-        raise ValueError(f"fused_linear_cross_entropy: reduction={reduction!r}; use one of {REDUCTIONS}")
+        raise KilnError(f"fused_linear_cross_entropy: reduction={reduction!r}; use one of {REDUCTIONS}",
+                        key="reduction", value=reduction, fix=f"use one of {REDUCTIONS}")
     N, C = x.shape
     V = weight.shape[0]
     dx_needed, dw_needed, db_needed = needs_grad

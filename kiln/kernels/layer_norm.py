@@ -13,6 +13,7 @@ import torch.nn as nn
 import triton
 import triton.language as tl
 
+from kiln.errors import KilnError
 from kiln.kernels.utils import as_rows, check_device, partial_programs, row_tile
 
 
@@ -139,7 +140,9 @@ class LayerNorm(nn.Module):
     def from_torch(cls, module: nn.LayerNorm) -> "LayerNorm":
         """A kernel LayerNorm holding `module`'s own Parameter objects (optimizer and state_dict keys unchanged)."""
         if len(module.normalized_shape) != 1 or module.weight is None:
-            raise ValueError("kiln.kernels.LayerNorm replaces LayerNorms over one dimension with a weight")
+            raise KilnError("kiln.kernels.LayerNorm replaces LayerNorms over one dimension with a weight",
+                            key="module", value=tuple(module.normalized_shape),
+                            fix="keep this LayerNorm on kernels='torch'")
         with torch.device("meta"):
             new = cls(module.normalized_shape[0], module.eps, bias=False)
         new.weight, new.bias = module.weight, module.bias

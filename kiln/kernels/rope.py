@@ -13,6 +13,7 @@ import torch.nn as nn
 import triton
 import triton.language as tl
 
+from kiln.errors import KilnError
 from kiln.kernels.utils import check_device, gpu_tiles
 
 
@@ -55,13 +56,17 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, backward: boo
 def _check(x, cos, sin):
     check_device(x, cos, sin, kernel=_rope_kernel)
     if x.dim() != 4 or x.shape[-1] % 2:
-        raise ValueError(f"rope: x must be (B, H, T, D) with D even, got {tuple(x.shape)}")
+        raise KilnError(f"rope: x must be (B, H, T, D) with D even, got {tuple(x.shape)}", key="x",
+                        value=tuple(x.shape), fix="give x of shape (B, H, T, D) with D even")
     T, half = x.shape[2], x.shape[3] // 2
     if cos.shape != (T, half) or sin.shape != (T, half):
-        raise ValueError(f"rope: cos and sin must be (T, D/2) = ({T}, {half}), got {tuple(cos.shape)}, "
-                         f"{tuple(sin.shape)}")
+        raise KilnError(f"rope: cos and sin must be (T, D/2) = ({T}, {half}), got {tuple(cos.shape)}, "
+                        f"{tuple(sin.shape)}", key="cos" if cos.shape != (T, half) else "sin",
+                        value=tuple(cos.shape) if cos.shape != (T, half) else tuple(sin.shape),
+                        fix=f"give cos and sin of shape ({T}, {half})")
     if cos.requires_grad or sin.requires_grad:
-        raise ValueError("rope: cos and sin are constants here; the kernel computes no gradient for them")
+        raise KilnError("rope: cos and sin are constants here; the kernel computes no gradient for them",
+                        key="cos" if cos.requires_grad else "sin", fix="pass cos and sin detached (.detach())")
 
 
 def rope_forward(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

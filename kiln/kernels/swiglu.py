@@ -13,6 +13,7 @@ import torch.nn as nn
 import triton
 import triton.language as tl
 
+from kiln.errors import KilnError
 from kiln.kernels.utils import as_rows, check_device, elementwise_tile
 
 
@@ -46,7 +47,8 @@ def _swiglu_bwd_kernel(G, U, DY, DG, DU, stride_g, stride_u, stride_dy, stride_d
 def swiglu_forward(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     check_device(gate, up, kernel=_swiglu_fwd_kernel)
     if gate.shape != up.shape:
-        raise ValueError(f"swiglu: gate {tuple(gate.shape)} and up {tuple(up.shape)} differ in shape")
+        raise KilnError(f"swiglu: gate {tuple(gate.shape)} and up {tuple(up.shape)} differ in shape", key="up",
+                        value=tuple(up.shape), fix="give gate and up of one shape")
     g2, u2 = as_rows(gate), as_rows(up)
     M, N = g2.shape
     y = torch.empty((M, N), dtype=torch.promote_types(gate.dtype, up.dtype), device=gate.device)

@@ -21,7 +21,8 @@ def check_device(*tensors: torch.Tensor | None, kernel=None) -> None:
     device = tensors[0].device
     for t in tensors[1:]:
         if t.device != device:
-            raise ValueError(f"kiln.kernels: all tensors must be on one device, got {device} and {t.device}")
+            raise KilnError(f"kiln.kernels: all tensors must be on one device, got {device} and {t.device}",
+                            key="device", value=str(t.device), fix=f"move every tensor to {device}")
     if device.type == "cuda":
         return
     if device.type == "cpu" and interpret_env():
@@ -54,7 +55,8 @@ def row_tile(n: int, device: torch.device) -> tuple[int, int, int]:
     block_n = next_power_of_2(n)
     if block_n > 65536:
         # Beyond 64k fp32 values a row no longer fits the registers of one program.
-        raise ValueError(f"kiln.kernels: rows of {n} elements exceed the 65536 a row kernel holds")
+        raise KilnError(f"kiln.kernels: rows of {n} elements exceed the 65536 a row kernel holds",
+                        key="model.d_model", value=n, fix="use train.kernels='torch' for rows this wide")
     if gpu_tiles(device):
         # Tiles of at least 2048 elements: one row per program from hidden 2048 up, several rows below it so a
         # program still moves enough bytes to hide its launch; one warp per 256 elements (8 fp32 per thread).

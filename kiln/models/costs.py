@@ -24,6 +24,7 @@ from dataclasses import dataclass
 
 import torch.nn as nn
 
+from kiln.errors import KilnError
 from kiln.models import parts
 from kiln.models.config import ModelConfig
 
@@ -50,8 +51,8 @@ class Linear:
 def part(table: dict, kind: str, where: str):
     """table[kind], or an error that names the part, the kind and the known ones."""
     if kind not in table:
-        raise ValueError(f"{where}={kind!r} is not a part kiln knows; known: {', '.join(table)} "
-                         f"(a new kind is one class in kiln/models/costs.py, docs/models.md)")
+        raise KilnError(f"{where}={kind!r} is not a part kiln knows; known: {', '.join(table)} "
+                        f"(a new kind is one class in kiln/models/costs.py, docs/models.md)", key=where, value=kind)
     return table[kind]
 
 
@@ -134,8 +135,8 @@ class MLP:
 
     def check(self, cfg: ModelConfig, family: str) -> None:
         if cfg.n_experts:
-            raise ValueError(f"model.n_experts={cfg.n_experts} needs a mixture-of-experts family "
-                             f"(model.arch=qwen3_moe); {family} has one MLP per block")
+            raise KilnError(f"model.n_experts={cfg.n_experts} needs a mixture-of-experts family (model.arch="
+                            f"qwen3_moe); {family} has one MLP per block", key="model.n_experts", value=cfg.n_experts)
 
     def linears(self, cfg: ModelConfig) -> list[Linear]:
         """The MLP's matmuls, in forward order; the last is its output projection."""
@@ -261,11 +262,11 @@ class MoEMLP(MLP):
 
     def check(self, cfg, family):
         if cfg.n_experts < 1 or not 1 <= cfg.n_experts_active <= cfg.n_experts or cfg.moe_d_ff < 1:
-            raise ValueError(f"model.n_experts={cfg.n_experts}, model.n_experts_active={cfg.n_experts_active}, "
-                             f"model.moe_d_ff={cfg.moe_d_ff}: a mixture of experts needs 1 ≤ active ≤ experts "
-                             f"and an expert width ≥ 1")
-        if (cfg.moe_aux_coef or 0) < 0 or (cfg.moe_z_coef or 0) < 0:
-            raise ValueError("model.moe_aux_coef and model.moe_z_coef must be ≥ 0")
+            raise KilnError(f"model.n_experts={cfg.n_experts}, model.n_experts_active={cfg.n_experts_active}, "
+                            f"model.moe_d_ff={cfg.moe_d_ff}: a mixture of experts needs 1 ≤ active ≤ experts "
+                            f"and an expert width ≥ 1", key="model.n_experts_active", value=cfg.n_experts_active)
+        if bad := [k for k in ("moe_aux_coef", "moe_z_coef") if (getattr(cfg, k) or 0) < 0]:
+            raise KilnError("model.moe_aux_coef and model.moe_z_coef must be ≥ 0", key=f"model.{bad[0]}")
 
     def linears(self, cfg):
         d, E, K, F = cfg.d_model, cfg.n_experts, cfg.n_experts_active, cfg.moe_d_ff
@@ -375,9 +376,8 @@ class RotaryPositions(Positions):
 
     def check(self, cfg):
         if cfg.head_dim % 2:
-            raise ValueError(f"RoPE needs an even head dimension; model.head_dim = {cfg.head_dim}")
-        if cfg.rope_theta <= 0:
-            raise ValueError(f"model.rope_theta={cfg.rope_theta}: RoPE needs a base frequency > 0, e.g. 10000")
+            raise KilnError(f"RoPE needs an even head dimension; model.head_dim = {cfg.head_dim}",
+                            key="model.head_dim", value=cfg.head_dim)  # (rope_theta: check_values, first)
 
     def parameters(self, cfg):
         return []

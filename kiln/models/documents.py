@@ -19,6 +19,8 @@ from __future__ import annotations
 
 import torch
 
+from kiln.errors import KilnError
+
 
 def positions(doc: torch.Tensor) -> torch.Tensor:
     """(B, T) long: each position's offset from the first position of its document."""
@@ -68,6 +70,8 @@ def document_block_mask(doc: torch.Tensor, block_size: int = 128):
 def check_doc(doc: torch.Tensor, idx: torch.Tensor) -> None:
     """Shape and dtype of doc against the token ids (cheap: no values are read, so no host sync)."""
     if doc.shape != idx.shape:
-        raise ValueError(f"doc must have the token ids' shape {tuple(idx.shape)}, got {tuple(doc.shape)}")
+        raise KilnError(f"doc must have the token ids' shape {tuple(idx.shape)}, got {tuple(doc.shape)}",
+                        key="doc", value=tuple(doc.shape), fix=f"give doc of shape {tuple(idx.shape)}")
     if doc.is_floating_point() or doc.dtype == torch.bool:
-        raise ValueError(f"doc must hold integer document indices, got {doc.dtype}")
+        raise KilnError(f"doc must hold integer document indices, got {doc.dtype}", key="doc", value=doc.dtype,
+                        fix="give doc as an integer tensor (torch.long)")

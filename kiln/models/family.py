@@ -121,8 +121,9 @@ class Family:
             cfg.n_kv_head = cfg.n_head
         if cfg.head_dim == 0 and cfg.n_head > 0:
             if cfg.d_model % cfg.n_head:
-                raise ValueError(f"model.d_model={cfg.d_model} must be divisible by model.n_head={cfg.n_head} "
-                                 f"(or set model.head_dim)")
+                raise KilnError(f"model.d_model={cfg.d_model} must be divisible by model.n_head={cfg.n_head} "
+                                f"(or set model.head_dim)", key="model.d_model", value=cfg.d_model,
+                                fix="or set model.head_dim")
             cfg.head_dim = cfg.d_model // cfg.n_head
         if cfg.d_ff == 0:
             cfg.d_ff = self.d_ff(cfg.d_model)
@@ -131,12 +132,16 @@ class Family:
     def check(self, cfg: ModelConfig) -> None:
         self.check_parts(cfg)
         if not self.gqa and cfg.n_kv_head != cfg.n_head:
-            raise ValueError(f"model.n_kv_head applies to grouped-query families; {self.name} attention uses "
-                             f"n_head key/value heads (set model.n_kv_head=0)")
+            raise KilnError(f"model.n_kv_head applies to grouped-query families; {self.name} attention uses "
+                            f"n_head key/value heads (set model.n_kv_head=0)", key="model.n_kv_head",
+                            value=cfg.n_kv_head, fix="set model.n_kv_head=0")
         self.positions_part.check(cfg)
         if cfg.rope_scaling and (len(cfg.rope_scaling) != 4 or not self.rope_scaling):
-            raise ValueError(f"model.rope_scaling={cfg.rope_scaling!r}: Llama 3's scaling takes (factor, "
-                             f"low_freq_factor, high_freq_factor, original_max_len), arch='llama' only")
+            raise KilnError(f"model.rope_scaling={cfg.rope_scaling!r}: Llama 3's scaling takes (factor, "
+                            f"low_freq_factor, high_freq_factor, original_max_len), arch='llama' only",
+                            key="model.rope_scaling", value=cfg.rope_scaling,
+                            fix="give four numbers (factor, low_freq_factor, high_freq_factor, original_max_len) "
+                                "with arch='llama', or none")
         self.mlp_of(cfg).check(cfg, self.name)
         if self.extra_check is not None:
             self.extra_check(cfg)
@@ -191,5 +196,6 @@ class Family:
 
     def hf_tensors(self, cfg: ModelConfig) -> list[HFTensor]:
         if self.hf_names is None:
-            raise ValueError(f"model.arch={self.name!r} has no Hugging Face mapping")
+            raise KilnError(f"model.arch={self.name!r} has no Hugging Face mapping", key="model.arch", value=self.name,
+                            fix="export a family that has one (hf_names in its kiln/models/<family>.py)")
         return self.hf_names(cfg)

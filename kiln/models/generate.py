@@ -19,6 +19,7 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
+from kiln.errors import KilnError
 from kiln.models.cache import KVCache
 from kiln.models.parts import soft_cap
 
@@ -37,7 +38,9 @@ class Sampling:
 
     def __post_init__(self):
         if not self.temperature >= 0 or self.top_k < 0 or not 0 <= self.top_p <= 1:
-            raise ValueError(f"sampling needs temperature ≥ 0, top_k ≥ 0 and 0 ≤ top_p ≤ 1; got {self}")
+            key = ("temperature" if not self.temperature >= 0 else "top_k" if self.top_k < 0 else "top_p")
+            raise KilnError(f"sampling needs temperature ≥ 0, top_k ≥ 0 and 0 ≤ top_p ≤ 1; got {self}", key=key,
+                            value=getattr(self, key), fix="give temperature ≥ 0, top_k ≥ 0 and 0 ≤ top_p ≤ 1")
 
 
 @dataclass
@@ -102,7 +105,8 @@ def generate(model, prompts: list[list[int]], max_new_tokens: int, sampling: Sam
     (cached) when model.max_seq_len positions are filled. A prompt longer than max_seq_len keeps its last
     max_seq_len tokens. keep_logits: every step's logits over the vocabulary (below vocab_limit), for comparisons."""
     if any(not p for p in prompts):
-        raise ValueError("every prompt needs at least one token")
+        raise KilnError("every prompt needs at least one token", key="prompts",
+                        fix="give each prompt at least one token")
     window = model.cfg.max_seq_len
     prompts = [list(p[-window:]) for p in prompts]
     was_training = model.training

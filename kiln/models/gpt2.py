@@ -5,6 +5,7 @@ mapping of GPT2LMHeadModel (Conv1D stores matrices as (in, out); kiln's Linear a
 """
 from __future__ import annotations
 
+from kiln.errors import KilnError
 from kiln.models.catalog import family
 from kiln.models.config import ModelConfig
 from kiln.models.costs import make_norm
@@ -46,15 +47,17 @@ class GPT2Block(PreNormBlock):
 
 def _check(cfg: ModelConfig) -> None:
     if cfg.head_dim * cfg.n_head != cfg.d_model:
-        raise ValueError(f"model.d_model={cfg.d_model} must be n_head × head_dim ({cfg.n_head} × {cfg.head_dim}) "
-                         f"for gpt2; leave model.head_dim at 0")
+        raise KilnError(f"model.d_model={cfg.d_model} must be n_head × head_dim ({cfg.n_head} × {cfg.head_dim}) "
+                        f"for gpt2; leave model.head_dim at 0", key="model.head_dim", value=cfg.head_dim,
+                        fix="leave model.head_dim at 0")
 
 
 def from_hf(hf: dict, source: str) -> ModelConfig:
     act = hf.get("activation_function", "gelu_new")
     if act not in ("gelu_new", "gelu_pytorch_tanh", "relu2"):
-        raise ValueError(f"{source}: activation_function={act!r}; kiln's GPT-2 uses the tanh GELU (gelu_new) or "
-                         f"the squared ReLU (relu2, model.mlp=relu2)")
+        raise KilnError(f"{source}: activation_function={act!r}; kiln's GPT-2 uses the tanh GELU (gelu_new) or "
+                        f"the squared ReLU (relu2, model.mlp=relu2)", key="activation_function", value=act,
+                        fix="start from a checkpoint with gelu_new, gelu_pytorch_tanh or relu2")
     d = hf["n_embd"]
     return ModelConfig(preset="gpt2-124m", arch="gpt2", n_layer=hf["n_layer"], n_head=hf["n_head"],
                        n_kv_head=hf["n_head"], d_model=d, d_ff=hf.get("n_inner") or 4 * d,

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import math
 
+from kiln.errors import KilnError
 from kiln.models.catalog import family
 from kiln.models.config import ModelConfig
 from kiln.models.costs import make_norm
@@ -59,8 +60,9 @@ def rope_from_hf(hf: dict, source: str) -> tuple[float, tuple]:
     scaling = hf.get("rope_scaling") or rope
     kind = scaling.get("rope_type", scaling.get("type")) if scaling else None
     if kind not in (None, "default", "llama3"):
-        raise ValueError(f"{source}: rope_scaling of type {kind!r} is not one kiln's RoPE has (it has plain "
-                         f"rope_theta and Llama 3's 'llama3')")
+        raise KilnError(f"{source}: rope_scaling of type {kind!r} is not one kiln's RoPE has (it has plain "
+                        f"rope_theta and Llama 3's 'llama3')", key="rope_scaling", value=kind,
+                        fix="start from a checkpoint with plain or 'llama3' RoPE")
     llama3 = (float(scaling["factor"]), float(scaling["low_freq_factor"]), float(scaling["high_freq_factor"]),
               float(scaling["original_max_position_embeddings"])) if kind == "llama3" else ()
     return float(theta), llama3
@@ -77,9 +79,13 @@ def rope_to_hf(cfg: ModelConfig) -> dict:
 def shape_from_hf(hf: dict, source: str, family: str) -> dict:
     """The ModelConfig fields every Llama-like config.json gives (llama, qwen3, qwen3_moe)."""
     if hf.get("attention_bias") or hf.get("mlp_bias"):
-        raise ValueError(f"{source}: biases in the attention or MLP are not in kiln's {family} block")
+        raise KilnError(f"{source}: biases in the attention or MLP (attention_bias, mlp_bias) are not in kiln's "
+                        f"{family} block",
+                        key="attention_bias" if hf.get("attention_bias") else "mlp_bias", value=True,
+                        fix="start from a checkpoint without attention or MLP biases")
     if hf.get("hidden_act", "silu") != "silu":
-        raise ValueError(f"{source}: hidden_act={hf['hidden_act']!r}; kiln's {family} MLP is SwiGLU (silu)")
+        raise KilnError(f"{source}: hidden_act={hf['hidden_act']!r}; kiln's {family} MLP is SwiGLU (silu)",
+                        key="hidden_act", value=hf["hidden_act"], fix="start from a checkpoint with hidden_act silu")
     d, H = hf["hidden_size"], hf["num_attention_heads"]
     theta, scaling = rope_from_hf(hf, source)
     return dict(arch=family, n_layer=hf["num_hidden_layers"], n_head=H, n_kv_head=hf.get("num_key_value_heads") or H,

@@ -119,7 +119,8 @@ class LoraLinear(nn.Linear):
         self.training = base.training
         self.weight, self.bias = base.weight, base.bias
         if sum(pieces.values()) != self.out_features:
-            raise ValueError(f"pieces {pieces} do not cover the {self.out_features} output rows")
+            raise KilnError(f"pieces {pieces} do not cover the {self.out_features} output rows", key="pieces",
+                            value=dict(pieces), fix=f"give pieces whose rows sum to {self.out_features}")
         self.pieces = dict(pieces)  # piece -> rows, in row order
         self.rank, self.scale = rank, alpha / rank
         self.fan_in_fan_out = fan_in_fan_out  # the Hub stores this base transposed (GPT-2's Conv1D): PEFT's flag

@@ -13,6 +13,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from kiln.errors import KilnError
 from kiln.models.config import ModelConfig
 
 IGNORE_INDEX = -100
@@ -85,7 +86,8 @@ class SDPA(nn.Module):
         if isinstance(mask, torch.Tensor):
             return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=p, enable_gqa=gqa)
         if p:
-            raise ValueError("flex_attention has no dropout: set model.dropout=0 to attend with a block mask")
+            raise KilnError("flex_attention has no dropout: set model.dropout=0 to attend with a block mask",
+                            key="model.dropout", value=p, fix="set model.dropout=0 to attend with a block mask")
         from torch.nn.attention.flex_attention import flex_attention  # lazy: only a BlockMask (GPU, context parallel)
         return flex_attention(q, k, v, block_mask=mask, enable_gqa=gqa)
 

@@ -6,6 +6,7 @@ mapping of Qwen3ForCausalLM (Llama's names plus self_attn.q_norm and k_norm).
 """
 from __future__ import annotations
 
+from kiln.errors import KilnError
 from kiln.models import llama
 from kiln.models.catalog import family
 from kiln.models.config import ModelConfig
@@ -42,7 +43,8 @@ class Qwen3Block(PreNormBlock):
 
 def check_window(hf: dict, source: str) -> None:
     if hf.get("use_sliding_window"):
-        raise ValueError(f"{source}: use_sliding_window=true; kiln's attention is full causal attention")
+        raise KilnError(f"{source}: use_sliding_window=true; kiln's attention is full causal attention",
+                        key="use_sliding_window", value=True, fix="start from a checkpoint without a sliding window")
 
 
 def from_hf(hf: dict, source: str) -> ModelConfig:

@@ -12,6 +12,7 @@ gives each of `ep` ranks n_experts / ep whole experts: Linear.tp == "expert".
 """
 from __future__ import annotations
 
+from kiln.errors import KilnError
 from kiln.models import llama, qwen3
 from kiln.models.catalog import family
 from kiln.models.config import ModelConfig
@@ -56,8 +57,9 @@ class Qwen3MoeBlock(PreNormBlock):
 def from_hf(hf: dict, source: str) -> ModelConfig:
     qwen3.check_window(hf, source)
     if hf.get("mlp_only_layers") or hf.get("decoder_sparse_step", 1) != 1:
-        raise ValueError(f"{source}: mlp_only_layers / decoder_sparse_step make some blocks dense; every block of "
-                         f"kiln's qwen3_moe has experts")
+        raise KilnError(f"{source}: mlp_only_layers / decoder_sparse_step make some blocks dense; every block of "
+                        f"kiln's qwen3_moe has experts", key="mlp_only_layers" if hf.get("mlp_only_layers")
+                        else "decoder_sparse_step", fix="start from a checkpoint whose every block has experts")
     return ModelConfig(preset="qwen3-moe-30b-a3b", d_ff=hf.get("intermediate_size") or 3 * hf["hidden_size"],
                        n_experts=hf.get("num_experts") or hf["num_local_experts"],
                        n_experts_active=hf["num_experts_per_tok"], moe_d_ff=hf["moe_intermediate_size"],

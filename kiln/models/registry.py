@@ -6,6 +6,7 @@ To add a family: write kiln/models/<family>.py (docs/models.md, "adding a family
 """
 from __future__ import annotations
 
+from kiln.errors import KilnError
 from kiln.models import catalog, gpt2, llama, qwen3, qwen3_moe
 from kiln.models.catalog import FAMILIES, PRESETS, family  # noqa: F401  (the lookups, re-exported)
 from kiln.models.family import Family
@@ -20,4 +21,5 @@ def by_hf_model_type(model_type: str | None, source: str) -> Family:
         if f.hf_model_type and f.hf_model_type == model_type:
             return f
     known = ", ".join(repr(f.hf_model_type) for f in FAMILIES.values() if f.hf_model_type)
-    raise ValueError(f"{source}: model_type={model_type!r} is not one kiln reads; it reads {known}")
+    raise KilnError(f"{source}: model_type={model_type!r} is not one kiln reads; it reads {known}",
+                    key="model_type", value=model_type, fix=f"it reads {known}")

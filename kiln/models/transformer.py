@@ -12,6 +12,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from kiln.errors import KilnError
 from kiln.models.cache import KVCache
 from kiln.models.config import ModelConfig
 from kiln.models.costs import make_norm
@@ -73,9 +74,12 @@ class Transformer(nn.Module):
         document's first token and attention stays inside the document, so each computes what it would alone."""
         B, T = idx.shape
         if T > self.cfg.max_seq_len:
-            raise ValueError(f"sequence length {T} exceeds model.max_seq_len={self.cfg.max_seq_len}")
+            raise KilnError(f"sequence length {T} exceeds model.max_seq_len={self.cfg.max_seq_len}",
+                            key="model.max_seq_len", value=T,
+                            fix=f"give at most {self.cfg.max_seq_len} tokens per row, or a larger model.max_seq_len")
         if doc is not None and cache is not None:
-            raise ValueError("a document mask is for training windows; generation with the KV cache takes none")
+            raise KilnError("a document mask is for training windows; generation with the KV cache takes none",
+                            key="doc", fix="pass doc=None with a cache")
         x = self.embed(idx)  # (B, T, C)
         mask = None
         if doc is not None:

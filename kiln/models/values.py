@@ -3,7 +3,7 @@
     check_values(cfg)                       after the preset is filled in: values no family can train with
     refuse_replaced(cfg, given, presets)    an explicit `--model.key=<sentinel>` that the preset would override
 
-Both raise ValueError naming the key, the value and the fix (kiln.config turns it into a ConfigError).
+Both raise a KilnError naming the key, the value and the fix (kiln.config turns it into a ConfigError).
 """
 from __future__ import annotations
 

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn as nn
 
+from kiln.errors import KilnError
 from kiln.models import IGNORE_INDEX
 from kiln.util import closest
 
@@ -37,10 +38,12 @@ class FaultsConfig:
                 parse_spec(getattr(self, key), f"faults.{key}")
         for key in ("spike", "oom"):
             if getattr(self, key) < 0:
-                raise ValueError(f"faults.{key} must be a step ≥ 1 (0: off), got {getattr(self, key)}")
+                raise KilnError(f"faults.{key} must be a step ≥ 1 (0: off), got {getattr(self, key)}",
+                                key=f"faults.{key}", value=getattr(self, key), fix="give a step ≥ 1, or 0 for off")
         for key in ("data_delay_ms", "slow_forward_ms"):
             if getattr(self, key) < 0:
-                raise ValueError(f"faults.{key} must be ≥ 0 (0: off), got {getattr(self, key)}")
+                raise KilnError(f"faults.{key} must be ≥ 0 (0: off), got {getattr(self, key)}",
+                                key=f"faults.{key}", value=getattr(self, key), fix="give a value ≥ 0, or 0 for off")
 
     @property
     def any(self) -> bool:
@@ -52,11 +55,13 @@ def parse_spec(spec: str, key: str = "fault") -> tuple[str, int, int]:
     """'blocks.2.mlp@20' -> ('blocks.2.mlp', 20, 20); 'blocks.2.mlp@5-9' -> ('blocks.2.mlp', 5, 9)."""
     m = _SPEC.fullmatch(spec.strip())
     if not m:
-        raise ValueError(f"{key}={spec!r}; write MODULE@STEP or MODULE@FIRST-LAST, e.g. blocks.2.mlp@20")
+        raise KilnError(f"{key}={spec!r}; write MODULE@STEP or MODULE@FIRST-LAST, e.g. blocks.2.mlp@20", key=key,
+                        value=spec, fix="write MODULE@STEP or MODULE@FIRST-LAST, e.g. blocks.2.mlp@20")
     first = int(m.group(2))
     last = int(m.group(3) or first)
     if first < 1 or last < first:
-        raise ValueError(f"{key}={spec!r}: steps are 1-based and FIRST ≤ LAST")
+        raise KilnError(f"{key}={spec!r}: steps are 1-based and FIRST ≤ LAST", key=key, value=spec,
+                        fix="steps are 1-based and FIRST ≤ LAST")
     return m.group(1), first, last
 
 
@@ -64,7 +69,8 @@ def _module(model: nn.Module, name: str, key: str) -> nn.Module:
     modules = dict(model.named_modules())
     if name not in modules:
         hint = closest(name, [n for n in modules if n])
-        raise ValueError(f"{key}: the model has no module {name!r}" + (f"; did you mean {hint!r}?" if hint else ""))
+        raise KilnError(f"{key}: the model has no module {name!r}" + (f"; did you mean {hint!r}?" if hint else ""),
+                        key=key, value=name, fix=f"did you mean {hint!r}?" if hint else "name a module of the model")
     return modules[name]
 
 
@@ -96,9 +102,11 @@ class FaultInjector:
         """vocab_size: the data's token ids (kiln's language-model batches); None for other models, which then
         take the module faults only. rank: this process's, for faults.rank."""
         if vocab_size is None and (cfg.spike or cfg.unshifted_labels):
-            raise ValueError("faults.spike and faults.unshifted_labels rewrite language-model targets (token ids); "
-                             "this model trains on other data: use the module faults (nan_forward, inf_backward, "
-                             "frozen_module, skip_zero_grad)")
+            raise KilnError("faults.spike and faults.unshifted_labels rewrite language-model targets (token ids); "
+                            "this model trains on other data: use the module faults (nan_forward, inf_backward, "
+                            "frozen_module, skip_zero_grad)",
+                            key="faults.spike" if cfg.spike else "faults.unshifted_labels",
+                            fix="use the module faults (nan_forward, inf_backward, frozen_module, skip_zero_grad)")
         self.cfg, self.model, self.vocab_size = cfg, model, vocab_size
         self.step = 0
         self.spiked = False  # the spike batch is served once: a rollback that replays step `spike` gets clean data
@@ -117,8 +125,10 @@ class FaultInjector:
             name, first, last = parse_spec(cfg.inf_backward, "faults.inf_backward")
             module = _module(model, name, "faults.inf_backward")
             if isinstance(module, nn.Embedding):
-                raise ValueError(f"faults.inf_backward={cfg.inf_backward!r}: {name} takes token ids, which have no "
-                                 f"gradient; pick a module with a floating-point input such as blocks.1.attn")
+                raise KilnError(f"faults.inf_backward={cfg.inf_backward!r}: {name} takes token ids, which have no "
+                                f"gradient; pick a module with a floating-point input such as blocks.1.attn",
+                                key="faults.inf_backward", value=cfg.inf_backward,
+                                fix="pick a module with a floating-point input such as blocks.1.attn")
             self._handles.append(module.register_full_backward_hook(self._inf_grad_input(first, last)))
         if cfg.frozen_module:
             module = _module(model, cfg.frozen_module, "faults.frozen_module")

@@ -21,6 +21,7 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
+from kiln.errors import KilnError
 from kiln.parallel import World
 from kiln.numerics.config import NumericsConfig
 from kiln.numerics.faults import FaultInjector, FaultsConfig
@@ -78,7 +79,8 @@ class Numerics:
         self.faults = None
         if faults.any:
             if handles.compiled:
-                raise ValueError("faults.* hook the eager model; set --train.compile=false to inject faults")
+                raise KilnError("faults.* hook the eager model; set --train.compile=false to inject faults",
+                                key="train.compile", value=True, fix="set --train.compile=false to inject faults")
             self.faults = FaultInjector(faults, handles.model, handles.vocab_size, handles.world.rank)
         telemetry = None
         if self.loss_scaling and cfg.fp16_telemetry_interval:

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from kiln.errors import KilnError
 from kiln.parallel.strategy import strategy
 
 BACKENDS = ("auto", "nccl", "gloo")
@@ -39,11 +40,16 @@ class ParallelConfig:
     def validate(self):
         data = strategy(self.strategy)
         if self.backend not in BACKENDS:
-            raise ValueError(f"parallel.backend={self.backend!r} is unknown; use one of {BACKENDS}")
+            raise KilnError(f"parallel.backend={self.backend!r} is unknown; use one of {BACKENDS}",
+                            key="parallel.backend", value=self.backend, fix=f"use one of {BACKENDS}")
         if self.cpu_offload and not data.shards_parameters:
-            raise ValueError("parallel.cpu_offload is FSDP2's CPU offload: it needs --parallel.strategy=fsdp")
+            raise KilnError("parallel.cpu_offload is FSDP2's CPU offload: it needs --parallel.strategy=fsdp",
+                            key="parallel.cpu_offload", value=True, fix="--parallel.strategy=fsdp")
         if not self.timeout > 0:
-            raise ValueError(f"parallel.timeout must be a number of seconds > 0, got {self.timeout}")
+            raise KilnError(f"parallel.timeout must be a number of seconds > 0, got {self.timeout}",
+                            key="parallel.timeout", value=self.timeout, fix="give seconds > 0 (default 300)")
         if self.straggler_factor <= 1 or self.straggler_intervals < 0:
-            raise ValueError(f"parallel.straggler_factor must be > 1 (got {self.straggler_factor}) and "
-                             f"parallel.straggler_intervals ≥ 0 (got {self.straggler_intervals})")
+            key = "straggler_factor" if self.straggler_factor <= 1 else "straggler_intervals"
+            raise KilnError(f"parallel.straggler_factor must be > 1 (got {self.straggler_factor}) and "
+                            f"parallel.straggler_intervals ≥ 0 (got {self.straggler_intervals})",
+                            key=f"parallel.{key}", value=getattr(self, key))

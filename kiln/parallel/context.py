@@ -168,7 +168,8 @@ def _read_rope_at(model: nn.Module, shard: SequenceShard) -> None:
 def _shard_inputs(shard: SequenceShard):
     def hook(module, args, kwargs):  # model(idx, targets=None, ...): both (B, T)
         if kwargs.get("cache") is not None:
-            raise ValueError("a context-parallel model does not generate with a KV cache: sample from a plain copy")
+            raise KilnError("a context-parallel model does not generate with a KV cache: sample from a plain copy",
+                            key="cache", fix="sample from a plain copy")
         args = tuple(shard.take(a) if i < 2 and a is not None else a for i, a in enumerate(args))
         shard.packed = kwargs.get("doc") is not None  # doc stays whole: SequenceShard.documents reads every key's
         if kwargs.get("targets") is not None:

@@ -40,6 +40,7 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.tensor import Shard, distribute_tensor
 
+from kiln.errors import KilnError
 from kiln.models.moe import MoE, experts
 
 
@@ -155,8 +156,9 @@ def shard_experts(model: nn.Module, ep_mesh) -> None:
     The DTensors keep the checkpoint in one layout: DCP and the consolidated export see every expert."""
     blocks = moe_blocks(model)
     if not blocks:  # kiln.fit with a model of the user's: ParallelPlan.build had no family to check
-        raise ValueError(f"parallel.ep={ep_mesh.size()} splits the experts of kiln's mixture-of-experts blocks "
-                         f"(kiln.models.moe.MoE); {type(model).__name__} has none: use --parallel.ep=1")
+        raise KilnError(f"parallel.ep={ep_mesh.size()} splits the experts of kiln's mixture-of-experts blocks "
+                        f"(kiln.models.moe.MoE); {type(model).__name__} has none: use --parallel.ep=1",
+                        key="parallel.ep", value=ep_mesh.size(), fix="use --parallel.ep=1")
     for moe in blocks:
         for lin in (moe.experts.fc, moe.experts.proj):  # (E, n_out, n_in) each
             p = lin.weight

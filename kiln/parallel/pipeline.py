@@ -54,6 +54,7 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
+from kiln.errors import KilnError
 from kiln.models import build_model
 from kiln.models.lora import adapter_layout, add_adapters
 from kiln.models.moe import MoE, losses_of, moe_metrics, routing_sums
@@ -200,9 +201,11 @@ class PipelineModel(nn.Module):
         return ddp
 
     def forward(self, *args, **kwargs):
-        raise ValueError("a pipeline-parallel model runs through its schedule (PipelineModel.train_step, "
-                         "evaluate_batch), not in one piece: gather it first (PipelineModel.whole_model, or "
-                         "full_state_dict into a model built on one rank)")
+        raise KilnError("a pipeline-parallel model runs through its schedule (PipelineModel.train_step, "
+                        "evaluate_batch), not in one piece: gather it first (PipelineModel.whole_model, or "
+                        "full_state_dict into a model built on one rank)", key="model",
+                        fix="gather it first (PipelineModel.whole_model, or full_state_dict into a model built on one "
+                            "rank)")
 
     @property
     def duplicate(self) -> nn.Parameter | None:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from kiln.errors import KilnError
 from kiln.precision import PRECISIONS
 
 
@@ -63,5 +64,6 @@ STRATEGIES: dict[str, Strategy] = {s.name: s for s in (
 
 def strategy(name: str) -> Strategy:
     if name not in STRATEGIES:
-        raise ValueError(f"parallel.strategy={name!r} is unknown; use one of {tuple(STRATEGIES)}")
+        raise KilnError(f"parallel.strategy={name!r} is unknown; use one of {tuple(STRATEGIES)}",
+                        key="parallel.strategy", value=name, fix=f"use one of {tuple(STRATEGIES)}")
     return STRATEGIES[name]

@@ -68,6 +68,7 @@ from torch.distributed.tensor.parallel import (ColwiseParallel, ParallelStyle, R
                                                loss_parallel, parallelize_module)
 from torch.nn._reduction import get_enum
 
+from kiln.errors import KilnError
 from kiln.models.parts import IGNORE_INDEX, LMLoss, at_least_fp32
 from kiln.models.registry import family
 
@@ -261,17 +262,20 @@ def apply_tensor_parallel(model: nn.Module, mesh, sequence_parallel: bool = Fals
     tp = mesh.size()
     cfg = getattr(model, "cfg", None)
     if cfg is None or not isinstance(getattr(model, "blocks", None), nn.ModuleList):
-        raise ValueError(f"parallel.tp={tp} splits kiln's Transformer by its family's description of its linears; "
-                         f"{type(model).__name__} has none: use --parallel.tp=1 (data parallelism works on any model)")
+        raise KilnError(f"parallel.tp={tp} splits kiln's Transformer by its family's description of its linears; "
+                        f"{type(model).__name__} has none: use --parallel.tp=1 (data parallelism works on any model)",
+                        key="parallel.tp", value=tp, fix="use --parallel.tp=1")
     fam = family(cfg.arch)
     roles = {lin.name: lin for lin in fam.linears(cfg)}
     if not isinstance(model.loss, LMLoss):  # (ParallelPlan.build checked the padded vocabulary divides by tp)
-        raise ValueError(f"parallel.tp={tp} computes the loss on vocabulary-sharded logits (1/tp of them per rank); "
-                         f"the model's {type(model.loss).__name__} needs the whole head: keep the plain loss "
-                         f"(ModelPlan.loss='plain', no --memory.chunked_loss)")
+        raise KilnError(f"parallel.tp={tp} computes the loss on vocabulary-sharded logits (1/tp of them per rank); "
+                        f"the model's {type(model.loss).__name__} needs the whole head: keep the plain loss "
+                        f"(ModelPlan.loss='plain', no --memory.chunked_loss)", key="parallel.tp", value=tp,
+                        fix="keep the plain loss")
     if model.loss.softcap:
-        raise ValueError(f"parallel.tp={tp} computes the loss on vocabulary-sharded logits without a soft-cap; "
-                         f"model.logit_softcap={model.loss.softcap:g} needs --parallel.tp=1 or logit_softcap=0")
+        raise KilnError(f"parallel.tp={tp} computes the loss on vocabulary-sharded logits without a soft-cap; "
+                        f"model.logit_softcap={model.loss.softcap:g} needs --parallel.tp=1 or logit_softcap=0",
+                        key="parallel.tp", value=tp, fix="needs --parallel.tp=1 or logit_softcap=0")
     with torch.no_grad():  # the fused rows, once, before the weights are split
         for name, parts in fused_rows(model).items():
             p = model.get_parameter(name)

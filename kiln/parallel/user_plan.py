@@ -23,6 +23,7 @@ import torch.nn as nn
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import parallelize_module
 
+from kiln.errors import KilnError
 from kiln.parallel.tensor import Held
 
 
@@ -32,13 +33,16 @@ def apply_user_plan(model: nn.Module, mesh, fn: Callable) -> None:
     fn(model, mesh)
     split = {n: p for n, p in model.named_parameters() if isinstance(p, DTensor)}
     if not split:
-        raise ValueError(f"tensor_parallel={_name(fn)} split no parameter of {type(model).__name__}: apply your "
-                         f"plan with parallelize_module(model, tp_mesh, {{...}}) on the mesh it is given")
+        raise KilnError(f"tensor_parallel={_name(fn)} split no parameter of {type(model).__name__}: apply your "
+                        f"plan with parallelize_module(model, tp_mesh, {{...}}) on the mesh it is given",
+                        key="tensor_parallel", value=_name(fn),
+                        fix="apply your plan with parallelize_module(model, tp_mesh, {...}) on the mesh it is given")
     other = next((n for n, p in split.items() if p.device_mesh != mesh), None)
     if other is not None:
-        raise ValueError(f"tensor_parallel={_name(fn)} put {other} on a mesh of dims "
-                         f"{split[other].device_mesh.mesh_dim_names}, not the tp mesh it was given: use that mesh "
-                         f"(kiln lays the data-parallel dim over it)")
+        raise KilnError(f"tensor_parallel={_name(fn)} put {other} on a mesh of dims "
+                        f"{split[other].device_mesh.mesh_dim_names}, not the tp mesh it was given: use that mesh "
+                        f"(kiln lays the data-parallel dim over it)", key="tensor_parallel", value=_name(fn),
+                        fix="use that mesh")
     _hold(model, mesh, "")
 
 
@@ -53,9 +57,10 @@ def _hold(module: nn.Module, mesh, name: str) -> None:
     own = [n for n, p in module.named_parameters(recurse=False) if not isinstance(p, DTensor)]
     if own:
         where = f"{name} ({type(module).__name__})" if name else f"the model ({type(module).__name__})"
-        raise ValueError(f"{where} holds {', '.join(own)} itself and has split submodules, so kiln cannot replicate "
-                         f"them: move them into a submodule of their own (kiln replicates it), or split them in your "
-                         f"plan")
+        raise KilnError(f"{where} holds {', '.join(own)} itself and has split submodules, so kiln cannot replicate "
+                        f"them: move them into a submodule of their own (kiln replicates it), or split them in your "
+                        f"plan", key="tensor_parallel", value=where,
+                        fix="move them into a submodule of their own (kiln replicates it), or split them in your plan")
     for child_name, child in module.named_children():
         _hold(child, mesh, f"{name}.{child_name}" if name else child_name)
 

@@ -13,6 +13,7 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
+from kiln.errors import KilnError
 from kiln.parallel.comm import CommTimer
 from kiln.parallel.config import ParallelConfig
 from kiln.parallel.context import check_context_parallel
@@ -175,8 +176,10 @@ def init_world(cfg: ParallelConfig, device_type: str) -> World:
         if cfg.tp * cfg.pp * cfg.cp > 1:
             what = f"parallel.tp={cfg.tp} × parallel.pp={cfg.pp}" + (f" × parallel.cp={cfg.cp}" if cfg.cp > 1 else "")
             n = cfg.tp * cfg.pp * cfg.cp
-            raise ValueError(f"{what} splits the model over {n} processes: launch with torchrun "
-                             f"--nproc_per_node={n} (or a multiple)")
+            raise KilnError(f"{what} splits the model over {n} processes: launch with torchrun "
+                            f"--nproc_per_node={n} (or a multiple)", key="parallel.tp" if cfg.tp > 1 else
+                            "parallel.pp" if cfg.pp > 1 else "parallel.cp", value=n,
+                            fix=f"launch with torchrun --nproc_per_node={n} (or a multiple)")
         if not strategy(cfg.strategy).reduces:
             return World(plan=None, device_type=device_type)
         # A world of one: the same code path without torchrun (tests, resuming a parallel run on one device).
@@ -187,11 +190,13 @@ def init_world(cfg: ParallelConfig, device_type: str) -> World:
     size = int(os.environ["WORLD_SIZE"])
     missing = [k for k in TORCHRUN_ENV if k not in os.environ]
     if missing:
-        raise ValueError(f"the distributed environment lacks {', '.join(missing)}; launch with torchrun "
-                         f"(torchrun --standalone --nproc_per_node=N -m kiln train ...), which sets them")
+        raise KilnError(f"the distributed environment lacks {', '.join(missing)}; launch with torchrun "
+                        f"(torchrun --standalone --nproc_per_node=N -m kiln train ...), which sets them",
+                        key=missing[0], fix="launch with torchrun")
     if not strategy(cfg.strategy).reduces and size > cfg.tp * cfg.pp:
-        raise ValueError(f"torchrun started {size} processes but parallel.strategy=none would train {size} "
-                         f"independent copies; set --parallel.strategy=ddp, zero1 or fsdp")
+        raise KilnError(f"torchrun started {size} processes but parallel.strategy=none would train {size} "
+                        f"independent copies; set --parallel.strategy=ddp, zero1 or fsdp", key="parallel.strategy",
+                        value=cfg.strategy, fix="set --parallel.strategy=ddp, zero1 or fsdp")
     check_degrees(cfg, size)
     if not dist.is_initialized():
         rank = int(os.environ["RANK"])

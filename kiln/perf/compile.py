@@ -24,6 +24,7 @@ import shutil
 
 import torch
 
+from kiln.errors import KilnError
 from kiln.perf.measured import lookup, store
 
 SETTINGS = ("auto", "true", "false")
@@ -36,7 +37,8 @@ def compile_setting(value) -> str:
         return "true" if value else "false"
     if isinstance(value, str) and value.lower() in SETTINGS:
         return value.lower()
-    raise ValueError(f"train.compile={value!r}; use auto, true or false")
+    raise KilnError(f"train.compile={value!r}; use auto, true or false", key="train.compile", value=value,
+                    fix="use auto, true or false")
 
 
 def compile_key(model_cfg, precision: str, rows: int) -> str:

@@ -27,6 +27,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from kiln.errors import KilnError
 from kiln.models.parts import LMLoss
 from kiln.perf.measured import remembered
 from kiln.precision import mode
@@ -39,7 +40,8 @@ PLAIN = (torch.Tensor, nn.Parameter)
 
 def cpu_linear_setting(value: str) -> str:
     if value not in SETTINGS:
-        raise ValueError(f"train.cpu_linear={value!r}; use one of {SETTINGS}")
+        raise KilnError(f"train.cpu_linear={value!r}; use one of {SETTINGS}", key="train.cpu_linear", value=value,
+                        fix=f"use one of {SETTINGS}")
     return value
 
 
@@ -163,8 +165,9 @@ def decide_cpu_linear(value: str, device: torch.device, precision: str, shapes: 
         return False, "train.cpu_linear=torch"
     if setting == "onednn":
         if blocked:
-            raise ValueError(f"train.cpu_linear=onednn runs fp32 linears on a CPU, but {blocked}: use "
-                             f"--train.cpu_linear=auto or torch")
+            raise KilnError(f"train.cpu_linear=onednn runs fp32 linears on a CPU, but {blocked}: use "
+                            f"--train.cpu_linear=auto or torch", key="train.cpu_linear", value="onednn",
+                            fix="use --train.cpu_linear=auto or torch")
         return True, "train.cpu_linear=onednn"
     if blocked:
         return False, f"auto: torch, {blocked}"

@@ -11,23 +11,28 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from kiln.errors import KilnError
 from kiln.models import ModelConfig
 from kiln.perf.flops import flops_per_token, recompute_flops_per_token
 
 CHINCHILLA_TOKENS_PER_PARAM = 20  # Hoffmann et al. 2022: compute-optimal training uses ~20 tokens per parameter
 
 
-def parse_count(text: str) -> float:
-    """'2e12', '2T', '300B', '1.5M', '2_000' -> a number of tokens (or anything counted)."""
+def parse_count(text: str, key: str = "") -> float:
+    """'2e12', '2T', '300B', '1.5M', '2_000' -> a number of tokens (or anything counted); `key` names the flag
+    it came from in an error."""
     units = {"": 1, "K": 1e3, "M": 1e6, "B": 1e9, "G": 1e9, "T": 1e12}
     t = str(text).strip().replace("_", "").replace(",", "")
     unit = t[-1:].upper() if t[-1:].isalpha() else ""
+    name = f"{key}={text!r}" if key else repr(text)
     try:
         value = float(t[: len(t) - len(unit)] if unit else t) * units[unit]
     except (ValueError, KeyError):
-        raise ValueError(f"cannot read {text!r} as a count; write it like 2e12, 2T, 300B or 1.5M") from None
+        raise KilnError(f"cannot read {name} as a count; write it like 2e12, 2T, 300B or 1.5M", key=key or None,
+                        value=text, fix="write it like 2e12, 2T, 300B or 1.5M") from None
     if not value > 0 or value != value or value == float("inf"):
-        raise ValueError(f"{text!r} must be a positive, finite count")
+        raise KilnError(f"{name} must be a positive, finite count", key=key or None, value=text,
+                        fix="give a count > 0, e.g. 300B")
     return value
 
 
@@ -54,11 +59,13 @@ def training_estimate(model: ModelConfig, params: int, seq_len: int, tokens: flo
                       recompute: tuple[str, ...] = ()) -> Estimate:
     """The run's FLOPs, wall time, GPU-hours, energy and cost on `gpus` devices of `peak` FLOP/s at `mfu`."""
     if gpus < 1:
-        raise ValueError(f"--gpus must be ≥ 1, got {gpus}")
+        raise KilnError(f"--gpus must be ≥ 1, got {gpus}", key="--gpus", value=gpus, fix="give --gpus ≥ 1")
     if not 0 < mfu <= 1:
-        raise ValueError(f"MFU must be in (0, 1], got {mfu}: a share of the peak, e.g. 0.4")
+        raise KilnError(f"MFU must be in (0, 1], got {mfu}: a share of the peak, e.g. 0.4", key="--mfu", value=mfu,
+                        fix="give a share of the peak, e.g. --mfu=0.4")
     if pue < 1:
-        raise ValueError(f"PUE is at least 1 (all power reaching the devices), got {pue}")
+        raise KilnError(f"PUE is at least 1 (all power reaching the devices), got {pue}", key="--pue", value=pue,
+                        fix="give --pue ≥ 1, e.g. 1.2")
     flops = flops_per_token(model, seq_len) * tokens
     hardware = flops + recompute_flops_per_token(model, seq_len, recompute) * tokens
     seconds = flops / (gpus * peak * mfu)

@@ -125,7 +125,8 @@ def decide_mode(mode: str, device: torch.device) -> tuple[str, str]:
 
 def _checked(mode: str, device: torch.device) -> str:
     if PRECISIONS[mode].tf32 and device.type != "cuda":
-        raise ValueError("precision.mode='tf32' needs a CUDA device; use fp32 or bf16 on CPU")
+        raise KilnError("precision.mode='tf32' needs a CUDA device; use fp32 or bf16 on CPU", key="precision.mode",
+                        value=mode, fix="use fp32 or bf16 on CPU")
     if PRECISIONS[mode].fp8:
         capability = 0.0
         if device.type == "cuda":
@@ -133,7 +134,7 @@ def _checked(mode: str, device: torch.device) -> str:
             capability = float(f"{major}.{minor}")
         why = fp8_refusal(device.type, capability)
         if why:
-            raise ValueError(why)
+            raise KilnError(why, key="precision.mode", value=mode, fix="use bf16")
     return mode
 
 

@@ -15,6 +15,8 @@ import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from kiln.errors import KilnError
+
 PROFILE_SUMMARY = Path("profile") / "summary.json"  # written by a profiled run: step_s, breakdown, verdict, advice
 
 
@@ -66,17 +68,20 @@ def read_run(path: str | Path, name: str | None = None) -> Run:
     if not path.exists():
         raise FileNotFoundError(f"{path} does not exist")
     if not path.is_dir():
-        raise ValueError(f"{path} is not a kiln run directory (it is a file)")
+        raise KilnError(f"{path} is not a kiln run directory (it is a file)", key=str(path),
+                        fix="give the run's directory (the one holding metrics.jsonl)")
     metrics, config = path / "metrics.jsonl", path / "config.toml"
     if not metrics.is_file() and not config.is_file():
-        raise ValueError(f"{path} is not a kiln run directory: it has neither metrics.jsonl nor config.toml "
-                         f"(`kiln train --run-dir DIR` and fit() write both)")
+        raise KilnError(f"{path} is not a kiln run directory: it has neither metrics.jsonl nor config.toml "
+                        f"(`kiln train --run-dir DIR` and fit() write both)", key=str(path),
+                        fix="give a directory `kiln train --run-dir DIR` or fit() wrote")
     run = Run(path=path, name=name or path.resolve().name)
     if config.is_file():
         try:
             run.config = tomllib.loads(config.read_text())
         except (tomllib.TOMLDecodeError, UnicodeDecodeError) as e:
-            raise ValueError(f"{config} is not valid TOML: {e}") from None
+            raise KilnError(f"{config} is not valid TOML: {e}", key=str(config),
+                            fix="repair the file, or remove it to report the metrics alone") from None
     if metrics.is_file():
         for line in metrics.read_text(errors="replace").splitlines():  # damaged bytes: unreadable lines
             if not line.strip():
@@ -97,7 +102,8 @@ def read_run(path: str | Path, name: str | None = None) -> Run:
         try:
             run.profile = json.loads(profile.read_text())
         except json.JSONDecodeError as e:
-            raise ValueError(f"{profile} is not valid JSON: {e}") from None
+            raise KilnError(f"{profile} is not valid JSON: {e}", key=str(profile),
+                            fix="run `kiln profile` again, or remove the file") from None
     run.started = _started(path)
     return run
 

@@ -255,10 +255,6 @@ def _cross_checks(cfg: Config) -> None:
         raise ConfigError(f"parallel.tp={cfg.parallel.tp} computes the loss on logits split over the vocabulary (1/tp "
                           f"of them per rank); memory.chunked_loss would need the whole head on each rank: drop "
                           f"--memory.chunked_loss")
-    if cfg.parallel.tp > 1 and cfg.optim.name == "muon":
-        raise ConfigError(f"optim.name=muon orthogonalises whole matrices and parallel.tp={cfg.parallel.tp} splits "
-                          f"them across ranks: use --parallel.tp=1 (data parallelism with --parallel.strategy=ddp) "
-                          f"with muon")
     if cfg.lora.on and cfg.optim.name == "muon":  # found before the data (build_optimizer would, after it)
         raise ConfigError(f"optim.name=muon orthogonalises the hidden matrices, and lora.rank={cfg.lora.rank} freezes "
                           f"them and trains adapters only, which go to AdamW: use --optim.name=adamw with lora")
@@ -269,7 +265,8 @@ def _cross_checks(cfg: Config) -> None:
     fp8 = cfg.precision.mode in PRECISIONS and precision_mode(cfg.precision.mode).fp8  # auto is never fp8
     check_lora(cfg.lora, tp=cfg.parallel.tp, pp=cfg.parallel.pp, fp8=fp8)
     data = strategy(cfg.parallel.strategy)
-    refused = data.refusal(optim_offload=cfg.optim.offload, precision=cfg.precision.mode, optimizer=cfg.optim.name)
+    refused = data.refusal(optim_offload=cfg.optim.offload, precision=cfg.precision.mode, optimizer=cfg.optim.name,
+                           tp=cfg.parallel.tp)  # muon with tp too: the planner asks the same table
     if refused:
         raise ConfigError(refused)
     if data.reduces and cfg.plan.memory:

@@ -494,10 +494,19 @@ def _divisors(n: int) -> list[int]:
     return [k for k in range(1, n + 1) if n % k == 0]
 
 
-def _valid(choice: Choice) -> bool:
-    """Combinations kiln.config refuses under data parallelism (the strategy's own rule)."""
-    return strategy(choice.parallel).refusal(optim_offload=choice.optim_offload, precision=choice.precision,
-                                             optimizer=choice.optimizer) is None
+def _valid(choice: Choice, optim=None) -> bool:
+    """Combinations kiln.config refuses: the strategy table's rule (with tp beside it: Muon refuses tp), and,
+    given the user's `optim` section, the optimizer's own (OptimConfig.validate: Muon refuses optim.offload)."""
+    if strategy(choice.parallel).refusal(optim_offload=choice.optim_offload, precision=choice.precision,
+                                         optimizer=choice.optimizer, tp=choice.tp) is not None:
+        return False
+    if optim is None:
+        return True
+    try:
+        replace(optim, name=choice.optimizer, offload=choice.optim_offload).validate()
+    except KilnError:
+        return False
+    return True
 
 
 GPUS_PER_NODE = 8  # tensor parallelism stays inside a node (its collectives run on every block)
@@ -564,7 +573,9 @@ def search(sections: JobSections, device, memory: int | None = None, global_batc
                         key="--global-batch-tokens", value=tokens, fix="make it a multiple")
     base = job_for(s, device, recompute_plan=("none",) * s.model.resolve().n_layer)
     L = base.model.n_layer
-    optimizers = [s.optim.name] + (["adamw8bit"] if s.optim.name in ("adamw", "adam") else [])
+    # the user's optimizer; adamw also as its 8-bit form (the same update on block-quantized moments, named in the
+    # table and the flags). adam is not offered it: AdamW8bit decouples the weight decay that adam adds to the gradient
+    optimizers = [s.optim.name] + (["adamw8bit"] if s.optim.name == "adamw" else [])
     opt_offloads = ["none", "host"] if device.kind == "cuda" else ["none"]
     links = {"intra": INTERCONNECTS[interconnect], "inter": INTERCONNECTS[inter_node]}
     choices, model_parallel_choices, considered = [], [], 0
@@ -590,7 +601,7 @@ def search(sections: JobSections, device, memory: int | None = None, global_batc
                         opt_offloads)
                     for offload in (["none", "all"] if device.kind == "cuda" and policy == "none" else ["none"])
                     for chunk in (0, chunk_for(base.model.padded_vocab, mb * T)))
-                if _valid(c)]
+                if _valid(c, s.optim)]
             continue
         model_parallel_choices.append((tp, pp, cp, dp, per_rank, strategies, 1))
     everything = [c for c in (_evaluate(s, device, choice, memory, L, gpus, links, gpus_per_node)
@@ -618,12 +629,20 @@ def _search_layout(sections: JobSections, device, memory, L, gpus, links, gpus_p
     """One model-parallel layout's candidates: for each strategy, precision, micro-batch and schedule, the least
     recompute (none, then selective, then full; each without, then with the chunked loss) that fits — more
     recompute only costs time — and nothing more once a micro-batch of 1 fits with none of them. With tp > 1 the
-    logits are split over the vocabulary instead (the chunked loss is refused there)."""
+    logits are split over the vocabulary instead (the chunked loss is refused there). The optimizer is the user's
+    (sections.optim.name); with data-parallel copies the strategies that shard its state are searched, or, when the
+    table refuses them all with it (Muon needs whole matrices), those that reduce gradients and take it (ddp)."""
     T = sections.seq_len
     found, tried = [], 0
     schedules = ("1f1b", "interleaved_1f1b") if pp > 1 else ("1f1b",)
-    for name in (strategies if dp * cp == 1 else SHARDING):
-        for precision in _precisions(device)[:precisions]:
+    modes = _precisions(device)[:precisions]
+    def takes(name):  # the strategy holds the user's optimizer in at least one precision searched
+        return any(strategy(name).refusal(optim_offload="none", precision=mode, optimizer=sections.optim.name)
+                   is None for mode in modes)
+    names = strategies if dp * cp == 1 else (tuple(n for n in SHARDING if takes(n))
+                                             or tuple(n for n in DATA_PARALLEL if takes(n)))
+    for name in names:
+        for precision in modes:
             for schedule in schedules:
                 for mb in _divisors(per_rank):
                     m = per_rank // mb
@@ -634,8 +653,9 @@ def _search_layout(sections: JobSections, device, memory, L, gpus, links, gpus_p
                     for policy, chunk in itertools.product(("none", "selective", "full"), chunks):
                         layout = with_ep(ParallelPlan(gpus, tp, pp, name, tp > 1, schedule, m if pp > 1 else 0,
                                                       2 if schedule == "interleaved_1f1b" and pp > 1 else 1, cp), ep)
-                        c = Choice(precision, mb, m, policy, chunked_loss=chunk, plan=layout)
-                        if not _valid(c):
+                        c = Choice(precision, mb, m, policy, optimizer=sections.optim.name, chunked_loss=chunk,
+                                   plan=layout)
+                        if not _valid(c, sections.optim):
                             refused = True
                             break
                         tried += 1

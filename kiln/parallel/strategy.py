@@ -5,6 +5,7 @@ kiln.config and the planner take their refusals from `refusal`, so the two agree
 
     STRATEGIES["fsdp"].shards_parameters      True
     strategy("zero1").refusal(optim_offload="host", precision="fp32", optimizer="adamw")   a one-line reason
+    strategy("ddp").refusal(optim_offload="none", precision="fp32", optimizer="muon", tp=2)   tp splits Muon's matrices
 
 Pure data: the estimator and the planner read it without torch.distributed.
 """
@@ -31,8 +32,12 @@ class Strategy:
     def shards_optimizer(self) -> bool:
         return self.zero_optimizer or self.shards_parameters
 
-    def refusal(self, *, optim_offload: str, precision: str, optimizer: str) -> str | None:
-        """Why this strategy cannot run with these levers (one line naming the fix), or None when it can."""
+    def refusal(self, *, optim_offload: str, precision: str, optimizer: str, tp: int = 1) -> str | None:
+        """Why this strategy cannot run with these levers (one line naming the fix), or None when it can. tp: the
+        tensor-parallel degree beside it (Muon refuses it under every strategy, none included)."""
+        if tp > 1 and optimizer == "muon":  # a tp shard is a slice of each matrix: Newton-Schulz needs all of it
+            return (f"optim.name=muon orthogonalises whole matrices and parallel.tp={tp} splits them across ranks: "
+                    f"use --parallel.tp=1 (data parallelism with --parallel.strategy=ddp) with muon")
         if self.shards_optimizer and optimizer == "muon":  # gathering each matrix for its update: not built
             return (f"optim.name=muon orthogonalises whole matrices and parallel.strategy={self.name} shards them "
                     f"across ranks: use --parallel.strategy=ddp with muon")

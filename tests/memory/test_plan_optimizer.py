@@ -1,17 +1,19 @@
 """The planner keeps the user's optimizer and recommends only what `kiln train` accepts with it (issue #40):
 optim.name=muon refuses optim.offload (kiln.train.optim), ZeRO-1, FSDP2 and tp (kiln.parallel.strategy's table),
 so `kiln plan` with muon offers neither the host optimizer nor those layouts, and never swaps muon for adamw."""
+import itertools
 import json
 
 import pytest
 
 from kiln.cli.main import main
-from kiln.config import ConfigError, load_config
+from kiln.config import Config, ConfigError, apply_overrides, load_config
 from kiln.memory import devices
 from kiln.memory.devices import Device, get_device
 from kiln.memory.levers import JobSections
-from kiln.memory.planner import search
-from kiln.parallel.layout import check_degrees
+from kiln.memory.planner import Choice, _valid, search
+from kiln.parallel.layout import ParallelPlan, check_degrees
+from kiln.parallel.strategy import STRATEGIES
 
 
 def _plan(capsys, *argv) -> dict:
@@ -89,3 +91,23 @@ def test_search_keeps_the_users_optimizer():
         assert {c.choice.optimizer for c in plan.candidates} == offered
         for overrides in _distinct(plan.candidates):
             _accepted(overrides, "tiny", 2)
+
+
+def test_planner_refuses_what_config_refuses_with_muon():
+    """_valid (what the search keeps) and kiln.config agree on every strategy × tp × optimizer offload × optimizer
+    with muon beside adamw: one table (kiln.parallel.strategy) and the optimizer's own check, asked by both."""
+    kept = 0
+    for name, tp, offload, optimizer in itertools.product(STRATEGIES, (1, 2), ("none", "host"), ("adamw", "muon")):
+        plan = ParallelPlan(2 * tp, tp, 1, name, tp > 1)
+        choice = Choice("bf16", 1, 1, optimizer=optimizer, optim_offload=offload, plan=plan)
+        cfg = Config()
+        try:
+            apply_overrides(cfg, {"parallel.strategy": name, "parallel.tp": tp, "optim.offload": offload,
+                                  "precision.mode": "bf16", "optim.name": optimizer})
+            accepted = True
+        except ConfigError:
+            accepted = False
+        assert _valid(choice, cfg.optim) == accepted, (name, tp, offload, optimizer)
+        kept += accepted
+    # muon: ddp and none, tp 1, no offload (2 of 16); adamw: all but fsdp with offload (12 of 16)
+    assert kept == 14

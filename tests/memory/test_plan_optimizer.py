@@ -30,11 +30,13 @@ def _accepted(overrides: dict, preset: str, gpus: int) -> None:
 
 
 def _distinct(candidates) -> list[dict]:
-    """The candidates' flags, once per combination of everything but the batch split (which no refusal reads)."""
+    """The candidates' flags, once per combination of everything but the batch split and the recompute policy
+    (which no refusal here reads; kiln.config checks them on their own)."""
     out = {}
     for c in candidates:
         o = c["overrides"] if isinstance(c, dict) else c.overrides
-        out.setdefault(tuple(sorted((k, str(v)) for k, v in o.items() if not k.startswith("train."))), o)
+        out.setdefault(tuple(sorted((k, str(v)) for k, v in o.items()
+                                    if not k.startswith(("train.", "memory.recompute")))), o)
     return list(out.values())
 
 

@@ -174,7 +174,6 @@ def plain_child(args) -> dict:
 # ------------------------------------------------------------------------------------------------- kiln
 
 def kiln_child(args) -> dict:
-    import gc
     import io
 
     from kiln.cli.common import config_from
@@ -201,7 +200,6 @@ def kiln_child(args) -> dict:
             self.cpu_ends.append(time.process_time())
 
     clock = Clock()
-    gc.freeze()  # as `kiln train` does before it builds the run (kiln/cli/train.py)
     result = train(cfg, args.run_dir, console=Console(file=io.StringIO()), callbacks=[clock])
     return {"imported": imported, "ends": clock.ends, "val_loss": result.val_loss,
             "threads": torch.get_num_threads(), "cpu_linear": result.cfg.train.cpu_linear_decided_by,

@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import gc
 import sys
 import time
 from pathlib import Path
@@ -58,11 +57,6 @@ def run(args, overrides) -> int:
         cfg = config_from(args, overrides)
         run_dir = Path(args.run_dir or f"runs/{cfg.model.preset}-{time.strftime('%Y%m%d-%H%M%S')}")
     print(f"run directory: {run_dir}")
-    # The imports' objects (torch, kiln, the sympy DTensor pulls in: ~300k) live as long as this process. Frozen, the
-    # cyclic collector stops rescanning them in the run's full collections and in the one at interpreter exit:
-    # 0.4-1.2 s less CPU after the last update of a 21-update tiny run (1 thread, 2-core AMX Xeon, 2026-11-27;
-    # benchmarks/vs_plain_loop.py). Only the CLI freezes: kiln.fit's caller owns its process.
-    gc.freeze()
     try:
         result = train(cfg, run_dir, resume=bool(args.resume), force=args.force)
     except OutOfMemory:  # the report is printed

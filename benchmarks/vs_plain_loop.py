@@ -15,8 +15,16 @@ Variants, each a fresh `python` process (rounds rotate the order, so machine noi
     kiln-bf16    the same with precision.mode=bf16
     kiln-fp32-mkl  kiln-fp32 with train.cpu_linear=torch: its linears through torch's F.linear (MKL on x86), as the
                  plain loop's, where kiln-fp32's auto may take oneDNN's (kiln.perf.cpu_linear)
+    plain-fp32-tanh, plain-bf16-tanh   the plain loop with the tanh GELU of kiln's GPT-2 family (GPT-2's and Hugging
+                 Face's gelu_new) in place of nanoGPT's exact one: the model kiln trains, so kiln-X against it is the
+                 loop's overhead alone. The tanh GELU costs more on a CPU: at (8, 256, 1536) bf16 on one core of the
+                 AMX Xeon its forward took 6.2 ms against 1.5 and its backward 6.5 against 4.0 (2026-11-27), ~6% of
+                 a tiny step at one thread
 Steady tokens/s: the tokens of updates 6..N over the time from the end of update 5 to the end of update N.
 Printed ratios are medians over rounds of per-round ratios (each round's variants ran back to back).
+CPU seconds (user + system, every thread of the child) are printed beside the wall clock: on a machine shared with
+other work they count what a process did rather than how long it waited for a core; with OMP_NUM_THREADS=1 (no
+OpenMP thread spinning while it waits for the others) they are the steadiest comparison a contended machine gives.
 
     PYTHONPATH=. python benchmarks/vs_plain_loop.py [--rounds 3] [--steps 21] [--variants plain-fp32,kiln-fp32,...]
 """
@@ -25,6 +33,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import resource
 import statistics
 import subprocess
 import sys
@@ -34,7 +43,7 @@ import time
 SHAPE = dict(n_layer=6, n_head=6, d_model=384, seq_len=256, batch=8, vocab=256)
 HYPER = dict(lr=2e-3, beta1=0.9, beta2=0.95, weight_decay=0.1, grad_clip=1.0, warmup=50, min_lr_ratio=0.1)
 WARM = 5  # updates not counted in the steady rate
-VARIANTS = ("plain-fp32", "kiln-fp32", "kiln-bf16", "plain-bf16", "kiln-fp32-mkl")
+VARIANTS = ("plain-fp32", "kiln-fp32", "kiln-bf16", "plain-bf16", "kiln-fp32-mkl", "plain-fp32-tanh", "plain-bf16-tanh")
 BASE = "kiln-fp32-base"  # with --base-tree DIR: kiln-fp32 from another checkout (before/after a change, interleaved)
 SHARD_DTYPES = {1: "u1", 2: "<u2", 4: "<u4"}  # kiln.data.shards' dtype codes (the plain loop imports no kiln)
 EVAL_BATCHES = 20  # kiln's train.eval_batches default: the plain loop's final evaluation does the same work
@@ -48,10 +57,11 @@ def kiln_overrides(precision: str, steps: int, seed: int = 1337) -> list[str]:
 
 # ------------------------------------------------------------------------------------------- the plain loop
 
-def plain_gpt(s: dict, reduction: str = "mean"):
+def plain_gpt(s: dict, reduction: str = "mean", gelu: str = "none"):
     """nanoGPT's model at shape `s` (SHAPE): tied embeddings, no biases, GPT-2's init; forward(idx, targets) is
-    the cross-entropy (`reduction` as F.cross_entropy's). torch is imported here: the plain child times its
-    imports itself. Shared with benchmarks/time_to_loss.py."""
+    the cross-entropy (`reduction` as F.cross_entropy's); gelu: F.gelu's `approximate` ("none", nanoGPT's; "tanh",
+    kiln's GPT-2 family's). torch is imported here: the plain child times its imports itself. Shared with
+    benchmarks/time_to_loss.py."""
     import math
 
     import torch
@@ -72,7 +82,7 @@ def plain_gpt(s: dict, reduction: str = "mean"):
             q, k, v = (t.view(B, T, self.h, C // self.h).transpose(1, 2) for t in (q, k, v))  # (B, H, T, D)
             y = F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).reshape(B, T, C)
             x = x + self.proj(y)
-            return x + self.out(F.gelu(self.fc(self.ln2(x))))
+            return x + self.out(F.gelu(self.fc(self.ln2(x)), approximate=gelu))
 
     class GPT(nn.Module):
         def __init__(self, s):
@@ -111,7 +121,7 @@ def plain_child(args) -> dict:
     import numpy as np
     import torch
 
-    imported = time.time()
+    imported, imported_cpu = time.time(), time.process_time()
 
     torch.manual_seed(args.seed)
     train, val = read_shards(args.train_bin, args.val_bin)
@@ -123,14 +133,14 @@ def plain_child(args) -> dict:
         y = torch.stack([torch.from_numpy(data[i + 1:i + 1 + T].astype(np.int64)) for i in ix])
         return x, y
 
-    model = plain_gpt(SHAPE)
+    model = plain_gpt(SHAPE, gelu="tanh" if args.variant.endswith("-tanh") else "none")
     decay = [p for p in model.parameters() if p.dim() >= 2]
     no_decay = [p for p in model.parameters() if p.dim() < 2]
     opt = torch.optim.AdamW([{"params": decay, "weight_decay": HYPER["weight_decay"]},
                              {"params": no_decay, "weight_decay": 0.0}], lr=HYPER["lr"],
                             betas=(HYPER["beta1"], HYPER["beta2"]))
-    bf16 = args.variant.endswith("bf16")
-    ends, losses = [], []
+    bf16 = args.variant.split("-")[1] == "bf16"
+    ends, cpu_ends, losses = [], [], []
     warmup = min(HYPER["warmup"], args.steps)
     for step in range(args.steps):
         if step < warmup:
@@ -150,13 +160,15 @@ def plain_child(args) -> dict:
         if step % 10 == 0 or step == args.steps - 1:
             losses.append(loss.item())  # nanoGPT logs every log_interval steps
         ends.append(time.time())
+        cpu_ends.append(time.process_time())
     model.eval()
     gen = torch.Generator().manual_seed(0)
     with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
         val_loss = sum(model(*get_batch(val, gen)).item() for _ in range(EVAL_BATCHES)) / EVAL_BATCHES
     torch.save({"model": model.state_dict(), "optimizer": opt.state_dict(), "step": args.steps},
                os.path.join(args.run_dir, "ckpt.pt"))
-    return {"imported": imported, "ends": ends, "val_loss": val_loss, "threads": torch.get_num_threads()}
+    return {"imported": imported, "ends": ends, "val_loss": val_loss, "threads": torch.get_num_threads(),
+            "imported_cpu": imported_cpu, "cpu_ends": cpu_ends}
 
 
 # ------------------------------------------------------------------------------------------------- kiln
@@ -167,7 +179,7 @@ def kiln_child(args) -> dict:
     from kiln.cli.common import config_from
     from kiln.cli.main import OVERRIDE, build_parser
 
-    imported = time.time()
+    imported, imported_cpu = time.time(), time.process_time()
     argv = ["train", "--run-dir", args.run_dir] + kiln_overrides(args.variant.split("-")[1], args.steps, args.seed)
     if args.variant.endswith("-mkl"):
         argv.append("--train.cpu_linear=torch")
@@ -181,15 +193,17 @@ def kiln_child(args) -> dict:
 
     class Clock:
         def __init__(self):
-            self.ends = []
+            self.ends, self.cpu_ends = [], []
 
         def on_step_end(self, trainer, record):
             self.ends.append(time.time())
+            self.cpu_ends.append(time.process_time())
 
     clock = Clock()
     result = train(cfg, args.run_dir, console=Console(file=io.StringIO()), callbacks=[clock])
     return {"imported": imported, "ends": clock.ends, "val_loss": result.val_loss,
-            "threads": torch.get_num_threads(), "cpu_linear": result.cfg.train.cpu_linear_decided_by}
+            "threads": torch.get_num_threads(), "cpu_linear": result.cfg.train.cpu_linear_decided_by,
+            "imported_cpu": imported_cpu, "cpu_ends": clock.cpu_ends}
 
 
 # ------------------------------------------------------------------------------------------------ driver
@@ -206,16 +220,24 @@ def run_variant(variant: str, steps: int, seed: int, shards: tuple[str, str], tm
     env = dict(os.environ)
     if variant == BASE:  # that checkout's kiln must accept kiln.run.lm.train(callbacks=...)
         env["PYTHONPATH"] = os.pathsep.join([base_tree] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p])
+    before = resource.getrusage(resource.RUSAGE_CHILDREN)
     spawned = time.time()
     subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL, env=env)
     wall = time.time() - spawned
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)
+    cpu = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)  # the child's, all its threads
     r = json.load(open(out))
-    ends = r["ends"]
+    ends, cpu_ends = r["ends"], r.get("cpu_ends")
     tokens = (steps - WARM) * SHAPE["batch"] * SHAPE["seq_len"]
-    return {"variant": variant, "wall_s": wall, "import_s": r["imported"] - spawned,
-            "first_step_s": ends[0] - spawned, "steady_tok_s": tokens / (ends[steps - 1] - ends[WARM - 1]),
-            "after_last_step_s": spawned + wall - ends[-1], "val_loss": r["val_loss"], "threads": r["threads"],
-            "cpu_linear": r.get("cpu_linear")}
+    row = {"variant": variant, "wall_s": wall, "import_s": r["imported"] - spawned,
+           "first_step_s": ends[0] - spawned, "steady_tok_s": tokens / (ends[steps - 1] - ends[WARM - 1]),
+           "after_last_step_s": spawned + wall - ends[-1], "val_loss": r["val_loss"], "threads": r["threads"],
+           "cpu_linear": r.get("cpu_linear"), "cpu_s": cpu}
+    if cpu_ends:  # a --base-tree checkout from before 2026-11-27 records no CPU times
+        row |= {"import_cpu_s": r["imported_cpu"], "first_step_cpu_s": cpu_ends[0],
+                "steady_cpu_s_per_step": (cpu_ends[steps - 1] - cpu_ends[WARM - 1]) / (steps - WARM),
+                "after_last_step_cpu_s": cpu - cpu_ends[-1]}
+    return row
 
 
 def prepared_shards(seed: int) -> tuple[str, str]:
@@ -270,7 +292,10 @@ def main():
                 rows.append(row)
                 print(f"round {r} {v:11} steady {row['steady_tok_s']:8,.0f} tok/s | whole process {row['wall_s']:6.1f}"
                       f" s (imports {row['import_s']:.2f} s, step 1 ends at {row['first_step_s']:.1f} s, after the "
-                      f"last step {row['after_last_step_s']:.1f} s) | val {row['val_loss']:.4f}", flush=True)
+                      f"last step {row['after_last_step_s']:.1f} s) | val {row['val_loss']:.4f} | CPU {row['cpu_s']:.1f} s"
+                      + (f" (imports {row['import_cpu_s']:.2f}, step 1 ends at {row['first_step_cpu_s']:.2f}, "
+                         f"{row['steady_cpu_s_per_step']:.3f} per steady step, after the last step "
+                         f"{row['after_last_step_cpu_s']:.2f})" if "import_cpu_s" in row else ""), flush=True)
     import torch
 
     print(f"\nCPU: {cpu_model()} | {rows[0]['threads']} threads | torch {torch.__version__} | ISA "
@@ -283,13 +308,29 @@ def main():
             print(f"{v} train.cpu_linear: {' / '.join(sorted(decided))}")
     med = {v: {k: statistics.median(r[k] for r in rows if r["variant"] == v)
                for k in ("steady_tok_s", "wall_s", "import_s", "first_step_s", "after_last_step_s")} for v in variants}
-    print(f"{'variant':12}{'steady tok/s':>14}{'whole s':>10}{'imports s':>11}{'step 1 end s':>14}{'after last s':>14}")
+    print(f"{'variant':16}{'steady tok/s':>14}{'whole s':>10}{'imports s':>11}{'step 1 end s':>14}{'after last s':>14}")
     for v in variants:
         m = med[v]
-        print(f"{v:12}{m['steady_tok_s']:>14,.0f}{m['wall_s']:>10.1f}{m['import_s']:>11.2f}{m['first_step_s']:>14.1f}"
+        print(f"{v:16}{m['steady_tok_s']:>14,.0f}{m['wall_s']:>10.1f}{m['import_s']:>11.2f}{m['first_step_s']:>14.1f}"
               f"{m['after_last_step_s']:>14.1f}")
+    timed = [v for v in variants if all("import_cpu_s" in r for r in rows if r["variant"] == v)]
+    cpu_keys = ("cpu_s", "import_cpu_s", "first_step_cpu_s", "steady_cpu_s_per_step", "after_last_step_cpu_s")
+    print(f"CPU seconds, all threads (medians):\n{'variant':16}{'whole':>10}{'imports':>10}{'step 1 end':>12}"
+          f"{'per steady step':>17}{'after last':>12}")
+    for v in timed:
+        m = [statistics.median(r[k] for r in rows if r["variant"] == v) for k in cpu_keys]
+        print(f"{v:16}{m[0]:>10.2f}{m[1]:>10.2f}{m[2]:>12.2f}{m[3]:>17.3f}{m[4]:>12.2f}")
+    by = {(r["round"], r["variant"]): r for r in rows}
+    for v, plain in [(v, p) for v in variants if v.startswith("kiln") for p in variants  # kiln against the plain
+                     if p in (f"plain-{v.split('-')[1]}", f"plain-{v.split('-')[1]}-tanh")]:  # loop of its precision
+        for what, key, inverse in (("steady tok/s", "steady_tok_s", False), ("whole-process wall", "wall_s", True),
+                                   ("steady CPU per step", "steady_cpu_s_per_step", True), ("whole CPU", "cpu_s", True)):
+            if key in by[(0, v)] and key in by[(0, plain)]:
+                q = [by[(r, v)][key] / by[(r, plain)][key] for r in range(args.rounds)]
+                q = [1 / x for x in q] if inverse else q  # > 1: kiln is faster (or did less work)
+                print(f"{v} vs {plain}, {what}: {statistics.median(q):.3f}x (rounds {min(q):.3f}-{max(q):.3f}; "
+                      f"> 1: kiln faster)")
     if "plain-fp32" in variants:
-        by = {(r["round"], r["variant"]): r for r in rows}
         for v in variants:
             if v == "plain-fp32":
                 continue

@@ -11,7 +11,7 @@ it, not in a copy of the sequence (torchtitan's Trainer.__init__, Lightning's Tr
     4. seed       train.seed on every rank: the same initial weights
     5. precision  parts.precision: the concrete mode (kiln train records it and why; --plan.memory's choice first)
     6. layout     the run's ParallelPlan, built once with the model (parts.layout) and laid over the world
-    7. decisions  parts.decisions: train.compile, train.cpu_linear, and why
+    7. decisions  parts.decisions: train.compile, train.cpu_linear, and why; train.cpu_allocator (glibc tuned here)
     8. model      parts.model, its data loader (parts.loader) and memory levers (parts.levers: a ModelPlan)
     9. state      build_state: the model pipeline, the optimizer, the TrainState
    10. loop       Trainer (kiln.train.loop); the caller resumes (trainer.resume) and runs it
@@ -31,6 +31,7 @@ from rich.console import Console
 from kiln.config import Config, to_toml
 from kiln.parallel import World, device_for, init_world
 from kiln.parallel.layout import ParallelPlan
+from kiln.perf.allocator import decide_allocator, tune
 from kiln.perf.compile import compile_key, compile_setting, decide_compile
 from kiln.perf.cpu_linear import decide_cpu_linear
 from kiln.perf.hardware import decide_mode
@@ -112,6 +113,7 @@ def _build(record: RunRecord, parts, device: torch.device, world: World, log) ->
     record.record(decided)
     world.lay_out(parts.layout(record.cfg, world.size))  # 6
     record.record(parts.decisions(record.cfg, device, world, precision))  # 7
+    record.decide("train", recorded_allocator(record.cfg.train, device))
     cfg = record.cfg
     model = parts.model(cfg, device)  # 8
     loader = parts.loader(cfg, world, device)
@@ -159,6 +161,15 @@ def recorded_compile(cfg: Config, device: torch.device):
                              "parallel.pp runs torch's pipeline schedules on eager stages" if cfg.parallel.pp > 1
                              else None)
     return replace(tc, compile=on, compile_decided_by=why)
+
+
+def recorded_allocator(tc, device: torch.device):
+    """The train section `tc` with why train.cpu_allocator resolved as it did, glibc's malloc tuned for this process
+    where it did (kiln.perf.allocator). Decided again on a resume: the host and its environment may differ."""
+    on, why = decide_allocator(tc.cpu_allocator, device)
+    if on and not tune():
+        why = f"{tc.cpu_allocator}: system, glibc refused mallopt"
+    return replace(tc, cpu_allocator_decided_by=why)
 
 
 def recorded_cpu_linear(tc, device: torch.device, precision: str, shapes: list[tuple[int, int, int]], world):

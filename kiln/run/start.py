@@ -40,4 +40,6 @@ def start_lines(lm, cfg, resume: bool) -> list[str]:
     cpu_fp32 = state.device.type == "cpu" and mode(c.precision.mode).plain_fp32
     if c.train.cpu_linear_decided_by.startswith("auto") and cpu_fp32:
         lines.append(f"train.cpu_linear {c.train.cpu_linear_decided_by}")
+    if c.train.cpu_allocator_decided_by.startswith("auto: tuned"):
+        lines.append(f"train.cpu_allocator {c.train.cpu_allocator_decided_by}")
     return lines

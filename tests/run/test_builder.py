@@ -41,6 +41,7 @@ def test_a_budgeted_train_run_leaves_its_config_alone_and_records_what_it_decide
     assert recorded["train"]["max_steps"] == result.step == result.cfg.train.max_steps >= CALIBRATION_STEPS
     assert recorded["train"]["cpu_linear_decided_by"]
     assert recorded["train"]["cpu_linear"] in ("onednn", "torch")
+    assert recorded["train"]["cpu_allocator_decided_by"].startswith("auto: ")  # tuned, or system and why
     assert recorded["precision"]["mode"] != "auto" and recorded["precision"]["decided_by"]
     assert (cfg.train.max_steps, cfg.precision.mode, cfg.train.compile_decided_by) == (0, "auto", "")
 
@@ -67,3 +68,4 @@ def test_fit_builds_through_the_same_builder_once_and_leaves_its_config_alone(tm
     recorded = tomllib.loads((tmp_path / "fit" / "config.toml").read_text())
     assert recorded["train"]["cpu_linear"] in ("onednn", "torch") and recorded["optim"]["lr"] == 1e-3
     assert cfg.train.cpu_linear == "auto" and cfg.optim.lr != 1e-3  # fit()'s default, recorded, not written back
+    assert recorded["train"]["cpu_allocator_decided_by"].startswith("auto: ") and not cfg.train.cpu_allocator_decided_by

@@ -95,7 +95,8 @@ def plan_memory(sections: JobSections, plan_cfg: PlanConfig, device: torch.devic
     plan = search(sections, target, parse_bytes(plan_cfg.memory, "plan.memory"), plan_cfg.global_batch_tokens)
     if plan.best is None:
         raise KilnError(plan.shortfall(),
-                        key="plan.memory", value=plan_cfg.memory)
+                        key="plan.memory", value=plan_cfg.memory,
+                        fix="raise plan.memory, or leave it empty and choose the levers yourself")
     best = plan.best
     log(f"plan: {best.choice.describe()} | predicted peak {fmt_bytes(best.total_bytes)} of "
         f"{fmt_bytes(plan.memory)} on {target.name}, {best.step_s:.3g} s/step ({plan.considered} configurations "

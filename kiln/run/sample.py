@@ -39,13 +39,13 @@ def read_prompt_file(path: Path) -> list[dict]:
         text = path.read_text(encoding="utf-8")
     except UnicodeDecodeError:
         raise KilnError(f"{path} is not UTF-8 text; a prompt file holds one JSON object per line",
-                        key="--prompt-file", value=str(path),
+                        key=str(path),
                         fix="a prompt file holds one JSON object per line") from None
     for n, row in jsonl_rows(text, path, skip_bad=True):
         where = f"{path}:{n}"
         if isinstance(row, JsonlError):
             raise KilnError(f"{where}: not a JSON object ({row.reason}); write one object per line",
-                            key="--prompt-file", value=where, fix="write one object per line")
+                            key=where, fix="write one object per line")
         if isinstance(row, dict) and isinstance(row.get("prompt"), str):
             rows.append(row)
         elif isinstance(row, dict) and "messages" in row:
@@ -54,10 +54,10 @@ def read_prompt_file(path: Path) -> list[dict]:
         else:
             raise KilnError(f"{where}: needs \"prompt\" (a string) or \"messages\" (a list of {{\"role\": ..., "
                             f"\"content\": ...}})",
-                            key="--prompt-file", value=where, fix="needs \"prompt\" (a string) or \"messages\"")
+                            key=where, fix="needs \"prompt\" (a string) or \"messages\"")
     if not rows:
         raise KilnError(f"{path} holds no prompts; write one JSON object per line",
-                        key="--prompt-file", value=str(path), fix="write one JSON object per line")
+                        key=str(path), fix="write one JSON object per line")
     return rows
 
 

@@ -62,8 +62,9 @@ def to_hub(model_cfg: ModelConfig, lora: LoraConfig, weights: dict) -> tuple[dic
             rest[key] = t
     missing = sorted(set(names) - {k.removeprefix("_orig_mod.") for k in weights})
     if missing:
-        raise ValueError(f"the checkpoint has no adapter {missing[0]} (and {len(missing) - 1} more) that its "
-                         f"config's [lora] section builds; it was not written by this run's config")
+        raise KilnError(f"the checkpoint has no adapter {missing[0]} (and {len(missing) - 1} more) that its "
+                        f"config's [lora] section builds; it was not written by this run's config",
+                        key="lora", value=missing[0], fix="it was not written by this run's config")
     return {m: (ab["lora_A"], ab["lora_B"]) for m, ab in sorted(pairs.items())}, rest
 
 

@@ -29,6 +29,7 @@ import torch
 from rich.console import Console
 
 from kiln.config import Config, to_toml
+from kiln.errors import KilnError
 from kiln.parallel import World, device_for, init_world
 from kiln.parallel.layout import ParallelPlan
 from kiln.perf.allocator import decide_allocator, tune
@@ -46,7 +47,8 @@ def pick_device(name: str) -> torch.device:
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     device = torch.device(name)
     if device.type == "cuda" and not torch.cuda.is_available():
-        raise ValueError("train.device asks for CUDA but torch sees no GPU; use --train.device=cpu")
+        raise KilnError("train.device asks for CUDA but torch sees no GPU; use --train.device=cpu",
+                        key="train.device", value=name, fix="use --train.device=cpu")
     return device
 
 
@@ -129,9 +131,11 @@ def accumulation_for(tc, world_size: int) -> int:
         return tc.grad_accum_steps
     per_step = tc.micro_batch_size * world_size
     if tc.global_batch_size % per_step:
-        raise ValueError(f"train.global_batch_size={tc.global_batch_size} sequences cannot be shared by {world_size} "
-                         f"ranks of train.micro_batch_size={tc.micro_batch_size}: it must be a multiple of "
-                         f"{per_step}; change the world size, the micro-batch or the global batch")
+        raise KilnError(f"train.global_batch_size={tc.global_batch_size} sequences cannot be shared by {world_size} "
+                        f"ranks of train.micro_batch_size={tc.micro_batch_size}: it must be a multiple of "
+                        f"{per_step}; change the world size, the micro-batch or the global batch",
+                        key="train.global_batch_size", value=tc.global_batch_size,
+                        fix="change the world size, the micro-batch or the global batch")
     return tc.global_batch_size // per_step
 
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 import torch
 
 from kiln.config import Config
+from kiln.errors import KilnError
 from kiln.models.lora import resolve_targets
 from kiln.models.registry import family
 from kiln.parallel.context import check_context_parallel
@@ -32,9 +33,10 @@ def device_levers(cfg: Config, device: torch.device) -> list[str]:
     if device.type != "cpu":
         return []
     if cfg.parallel.cpu_offload:
-        raise ValueError("parallel.cpu_offload keeps FSDP2's parameters, gradients and optimizer state in host "
-                         "memory, and train.device is the CPU, whose memory that is: nothing would move; drop "
-                         "--parallel.cpu_offload (parallel.strategy=fsdp still shards them over the ranks)")
+        raise KilnError("parallel.cpu_offload keeps FSDP2's parameters, gradients and optimizer state in host "
+                        "memory, and train.device is the CPU, whose memory that is: nothing would move; drop "
+                        "--parallel.cpu_offload (parallel.strategy=fsdp still shards them over the ranks)",
+                        key="parallel.cpu_offload", value=True, fix="drop --parallel.cpu_offload")
     notes = []
     blocks = cfg.memory.offload_blocks
     if blocks.strip().lower() not in ("", "none"):

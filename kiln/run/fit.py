@@ -42,6 +42,7 @@ from rich.console import Console
 
 from kiln.config import Config, apply_overrides, load_config, parse_override
 from kiln.data.batches import BatchLoader, eval_batches, is_dataset, to_device
+from kiln.errors import KilnError
 from kiln.parallel import ParallelPlan, launched_by_torchrun
 from kiln.memory.offload import parse_blocks
 from kiln.memory.estimate import recompute_plan
@@ -102,8 +103,9 @@ def _check_layout(cfg: Config, model: nn.Module, tensor_parallel) -> None:
     """The `parallel` section against fit()'s model and tensor_parallel= (module docstring); one-line errors."""
     par = cfg.parallel
     if par.pp > 1:
-        raise ValueError(f"parallel.pp={par.pp}: fit() does not split a model of your own into pipeline stages; set "
-                         f"parallel.pp=1 (parallel.tp with tensor_parallel=, or parallel.strategy=fsdp, split it)")
+        raise KilnError(f"parallel.pp={par.pp}: fit() does not split a model of your own into pipeline stages; set "
+                        f"parallel.pp=1 (parallel.tp with tensor_parallel=, or parallel.strategy=fsdp, split it)",
+                        key="parallel.pp", value=par.pp, fix="set parallel.pp=1")
     if tensor_parallel is None:
         if par.tp > 1 and not isinstance(model, Transformer):
             raise FitInputError("tensor_parallel", f"parallel.tp={par.tp} splits a model by a tensor-parallel plan, "
@@ -130,23 +132,29 @@ def _plan(cfg: Config, model: nn.Module, precision: str, device: torch.device, t
     if mem.recompute != "none":
         blocks = getattr(model, "blocks", None)
         if not isinstance(blocks, nn.ModuleList):
-            raise ValueError(f"memory.recompute works on transformer blocks (a `blocks` ModuleList); "
-                             f"{type(model).__name__} has none: set memory.recompute=none")
+            raise KilnError(f"memory.recompute works on transformer blocks (a `blocks` ModuleList); "
+                            f"{type(model).__name__} has none: set memory.recompute=none",
+                            key="memory.recompute", value=mem.recompute, fix="set memory.recompute=none")
         if mem.recompute == "budget":
-            raise ValueError("memory.recompute=budget needs kiln's transformer (the estimator knows its tensors); "
-                             "use full, every_k or selective")
+            raise KilnError("memory.recompute=budget needs kiln's transformer (the estimator knows its tensors); "
+                            "use full, every_k or selective",
+                            key="memory.recompute", value="budget", fix="use full, every_k or selective")
         recompute = recompute_plan(mem.recompute, len(blocks), mem.recompute_every)
     blocks = getattr(model, "blocks", None)
     if mem.offload_blocks not in ("", "none") and not isinstance(blocks, nn.ModuleList):
-        raise ValueError(f"memory.offload_blocks works on transformer blocks (a `blocks` ModuleList); "
-                         f"{type(model).__name__} has none: set memory.offload_blocks=none")
+        raise KilnError(f"memory.offload_blocks works on transformer blocks (a `blocks` ModuleList); "
+                        f"{type(model).__name__} has none: set memory.offload_blocks=none",
+                        key="memory.offload_blocks", value=mem.offload_blocks, fix="set memory.offload_blocks=none")
     offload = parse_blocks(mem.offload_blocks, len(blocks) if blocks is not None else 0)
     if cfg.plan.memory:
-        raise ValueError("plan.memory searches the levers of kiln's transformer with its memory estimator; fit() "
-                         "trains your model as configured: set plan.memory='' and choose the levers yourself")
+        raise KilnError("plan.memory searches the levers of kiln's transformer with its memory estimator; fit() "
+                        "trains your model as configured: set plan.memory='' and choose the levers yourself",
+                        key="plan.memory", value=cfg.plan.memory,
+                        fix="set plan.memory='' and choose the levers yourself")
     if mem.chunked_loss:
-        raise ValueError("memory.chunked_loss replaces kiln's LM head + cross-entropy; a model of your own computes "
-                         "its loss through `loss=`: set memory.chunked_loss=0")
+        raise KilnError("memory.chunked_loss replaces kiln's LM head + cross-entropy; a model of your own computes "
+                        "its loss through `loss=`: set memory.chunked_loss=0",
+                        key="memory.chunked_loss", value=mem.chunked_loss, fix="set memory.chunked_loss=0")
     return ModelPlan(kernels=resolve_kernels(cfg.train.kernels, device), cpu_linear=cfg.train.cpu_linear == "onednn",
                      recompute=recompute, offload=offload, compile=compile_setting(cfg.train.compile) == "true",
                      parallel=cfg.parallel, tensor_plan=tensor_plan)

@@ -20,6 +20,7 @@ from kiln.config import Config, checked
 from kiln.data import PreparedData, TokenLoader, prepare_data, val_batches
 from kiln.data.batches import to_device
 from kiln.data.documents import document_separator
+from kiln.errors import KilnError
 from kiln.evaluate import Prepared, score_task, training_tasks
 from kiln.parallel import ParallelPlan, launched_by_torchrun
 from kiln.parallel.elastic import batch_after_resharding, restart_record
@@ -64,8 +65,9 @@ def resolve_model(cfg: Config, vocab: int) -> ModelConfig:
     if model_cfg.vocab_size == 0:
         model_cfg.vocab_size = vocab
     elif model_cfg.vocab_size < vocab:
-        raise ValueError(f"model.vocab_size={model_cfg.vocab_size} is smaller than the tokenizer's {vocab}; "
-                         f"set --model.vocab_size={vocab} or 0 (take the tokenizer's)")
+        raise KilnError(f"model.vocab_size={model_cfg.vocab_size} is smaller than the tokenizer's {vocab}; "
+                        f"set --model.vocab_size={vocab} or 0 (take the tokenizer's)",
+                        key="model.vocab_size", value=model_cfg.vocab_size, fix=f"set --model.vocab_size={vocab} or 0")
     return model_cfg
 
 
@@ -92,7 +94,9 @@ def plan_memory(sections: JobSections, plan_cfg: PlanConfig, device: torch.devic
     target = get_device(plan_cfg.device) if plan_cfg.device else local_device(device)
     plan = search(sections, target, parse_bytes(plan_cfg.memory, "plan.memory"), plan_cfg.global_batch_tokens)
     if plan.best is None:
-        raise ValueError(plan.shortfall())
+        raise KilnError(plan.shortfall(),
+                        key="plan.memory", value=plan_cfg.memory,
+                        fix="raise plan.memory, or leave it empty and choose the levers yourself")
     best = plan.best
     log(f"plan: {best.choice.describe()} | predicted peak {fmt_bytes(best.total_bytes)} of "
         f"{fmt_bytes(plan.memory)} on {target.name}, {best.step_s:.3g} s/step ({plan.considered} configurations "
@@ -275,8 +279,9 @@ class LMParts:
         if self.initial is not None:
             missing, unexpected = model.load_state_dict(self.initial, strict=False)
             if unexpected or any(not k.startswith("rope_") for k in missing):
-                raise ValueError(f"{cfg.model.init}: the checkpoint does not fill kiln's model (missing "
-                                 f"{missing[:3]}, unexpected {unexpected[:3]})")
+                raise KilnError(f"{cfg.model.init}: the checkpoint does not fill kiln's model (missing "
+                                f"{missing[:3]}, unexpected {unexpected[:3]})",
+                                key="model.init", value=cfg.model.init)
         apply_lora(model, cfg.lora, cfg.model)  # lora.rank > 0: adapters on the family's linears, the rest frozen
         load_peft_adapters(model, cfg.model, cfg.lora)  # lora.init=peft:DIR: the adapters start as DIR's
         return model
@@ -296,9 +301,11 @@ class LMParts:
         if cfg.faults.data_delay_ms:
             loader = DelayedLoader(loader, cfg.faults.data_delay_ms)
         if len(data.val) < cfg.data.seq_len + 1:  # found now, not at the first evaluation
-            raise ValueError(f"data.source={cfg.data.source!r}: the validation split holds {len(data.val)} tokens, "
-                             f"fewer than one sequence of data.seq_len + 1 = {cfg.data.seq_len + 1}; raise "
-                             f"data.val_fraction, lower data.seq_len, or use more text")
+            raise KilnError(f"data.source={cfg.data.source!r}: the validation split holds {len(data.val)} tokens, "
+                            f"fewer than one sequence of data.seq_len + 1 = {cfg.data.seq_len + 1}; raise "
+                            f"data.val_fraction, lower data.seq_len, or use more text",
+                            key="data.val_fraction", value=cfg.data.val_fraction,
+                            fix="raise data.val_fraction, lower data.seq_len, or use more text")
         self.tasks = [] if data is None else training_tasks(
             cfg.train, data.tokenizer, cfg.model.max_seq_len, world.plan, self.log if world.main else lambda msg: None)
         return loader

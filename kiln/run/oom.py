@@ -12,6 +12,7 @@ from pathlib import Path
 
 import torch
 
+from kiln.errors import KilnError
 from kiln.memory.devices import available_memory, local_device
 from kiln.memory.estimate import COMPONENTS, estimate, fmt_bytes
 from kiln.memory.levers import JobSections, runtime_job
@@ -48,8 +49,9 @@ def ram_check(cfg, device: torch.device, force: bool, log) -> None:
     message = (f"the estimator predicts a peak of {fmt_bytes(need)} for this configuration, and this machine has "
                f"{fmt_bytes(free)} of RAM free")
     if not force:
-        raise ValueError(f"{message}; `kiln plan --memory={fmt_bytes(free).replace(' ', '')}` finds a configuration "
-                         f"that fits, or pass --force to train anyway")
+        raise KilnError(f"{message}; `kiln plan --memory={fmt_bytes(free).replace(' ', '')}` finds a configuration "
+                        f"that fits, or pass --force to train anyway",
+                        key="--force", value=fmt_bytes(need), fix="or pass --force to train anyway")
     log(f"warning: {message}; training anyway (--force): expect swapping or the kernel's OOM killer")
 
 

@@ -62,7 +62,9 @@ def _concat(outputs: list):
 def _batches(data, batch_size: int):
     if isinstance(data, torch.Tensor):
         if data.ndim == 0:
-            raise ValueError("predict: data is a 0-d tensor; give inputs with the batch dimension first, (N, ...)")
+            raise KilnError("predict: data is a 0-d tensor; give inputs with the batch dimension first, (N, ...)",
+                            key="data", value=tuple(data.shape),
+                            fix="give inputs with the batch dimension first, (N, ...)")
         yield from data.split(batch_size)
     elif is_dataset(data):
         for batch in eval_batches(data, batch_size):
@@ -86,7 +88,8 @@ def predict(model: nn.Module, data, batch_size: int | None = None, device=None):
         param.device if param is not None else torch.device("cpu"))
     batch_size = batch_size or (run[2] if run else DEFAULT_BATCH)
     if batch_size < 1:
-        raise ValueError(f"predict: batch_size must be ≥ 1, got {batch_size}")
+        raise KilnError(f"predict: batch_size must be ≥ 1, got {batch_size}",
+                        key="batch_size", value=batch_size, fix="batch_size must be ≥ 1")
     if precision is not None and precision.device.type != device.type:
         precision = Precision(precision.mode, device)  # the run's mode on the device asked for
     dtype = param.dtype if param is not None else torch.float32
@@ -105,7 +108,8 @@ def predict(model: nn.Module, data, batch_size: int | None = None, device=None):
     finally:
         model.train(was_training)
     if not outputs:
-        raise ValueError("predict: data holds no batches")
+        raise KilnError("predict: data holds no batches",
+                        key="data", fix="data holds no batches")
     return _concat(outputs)
 
 

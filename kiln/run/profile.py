@@ -24,6 +24,7 @@ import torch
 from rich.console import Console
 
 from kiln.config import apply_overrides
+from kiln.errors import KilnError
 from kiln.memory.devices import local_device
 from kiln.memory.estimate import estimate, fmt_bytes
 from kiln.memory.levers import JobSections, job_for
@@ -164,7 +165,8 @@ def _advice(v: Verdict, b: Breakdown, cfg, target) -> list[str]:
 
 def profile_run(cfg, run_dir: Path, steps: int = 10, warmup: int = 3, log=print) -> ProfileResult:
     if steps < 1 or warmup < 0:
-        raise ValueError(f"--steps must be ≥ 1 and --warmup ≥ 0, got steps={steps}, warmup={warmup}")
+        raise KilnError(f"--steps must be ≥ 1 and --warmup ≥ 0, got steps={steps}, warmup={warmup}",
+                        key="--steps", value=steps, fix="--steps must be ≥ 1 and --warmup ≥ 0")
     run_dir = Path(run_dir)
     total = warmup + steps + TRACE_STEPS
     # One step more than is run, so no final evaluation or save falls inside the measured steps.

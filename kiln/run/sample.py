@@ -13,6 +13,7 @@ from pathlib import Path
 from kiln.config import load_config
 from kiln.data.chat import chat_template, check_messages, render, special_tokens
 from kiln.data.jsonl import JsonlError, jsonl_rows
+from kiln.errors import KilnError
 from kiln.run.lm import generate_text
 from kiln.run.source import HF_PREFIX, STEP_DIR, load_source
 
@@ -37,21 +38,26 @@ def read_prompt_file(path: Path) -> list[dict]:
     try:
         text = path.read_text(encoding="utf-8")
     except UnicodeDecodeError:
-        raise ValueError(f"{path} is not UTF-8 text; a prompt file holds one JSON object per line") from None
+        raise KilnError(f"{path} is not UTF-8 text; a prompt file holds one JSON object per line",
+                        key=str(path),
+                        fix="a prompt file holds one JSON object per line") from None
     for n, row in jsonl_rows(text, path, skip_bad=True):
         where = f"{path}:{n}"
         if isinstance(row, JsonlError):
-            raise ValueError(f"{where}: not a JSON object ({row.reason}); write one object per line")
+            raise KilnError(f"{where}: not a JSON object ({row.reason}); write one object per line",
+                            key=where, fix="write one object per line")
         if isinstance(row, dict) and isinstance(row.get("prompt"), str):
             rows.append(row)
         elif isinstance(row, dict) and "messages" in row:
             check_messages(row["messages"], where)
             rows.append(row)
         else:
-            raise ValueError(f"{where}: needs \"prompt\" (a string) or \"messages\" (a list of {{\"role\": ..., "
-                             f"\"content\": ...}})")
+            raise KilnError(f"{where}: needs \"prompt\" (a string) or \"messages\" (a list of {{\"role\": ..., "
+                            f"\"content\": ...}})",
+                            key=where, fix="needs \"prompt\" (a string) or \"messages\"")
     if not rows:
-        raise ValueError(f"{path} holds no prompts; write one JSON object per line")
+        raise KilnError(f"{path} holds no prompts; write one JSON object per line",
+                        key=str(path), fix="write one JSON object per line")
     return rows
 
 
@@ -86,7 +92,8 @@ def encode_prompt(tokenizer, row: dict, chat: bool, template: str | None, tokens
         ids = tokenizer.encode(row["prompt"])
     else:
         if template is None:
-            raise ValueError(f"{where} has no chat template (chat_template.jinja, or \"chat_template\" in "
-                             f"tokenizer_config.json) to render messages with; give one with --chat-template FILE")
+            raise KilnError(f"{where} has no chat template (chat_template.jinja, or \"chat_template\" in "
+                            f"tokenizer_config.json) to render messages with; give one with --chat-template FILE",
+                            key="--chat-template", value=where, fix="give one with --chat-template FILE")
         ids = tokenizer.encode_chat(render(messages, template, tokens, add_generation_prompt=True))
     return ids or [max(tokenizer.eot_id, 0)]

@@ -26,6 +26,7 @@ import math
 
 import torch
 
+from kiln.errors import KilnError
 from kiln.memory.estimate import ADAM8BIT_BLOCK as BLOCK
 from kiln.memory.estimate import ADAM8BIT_CHUNK as CHUNK
 from kiln.memory.estimate import ADAM8BIT_MIN as MIN_8BIT
@@ -87,7 +88,9 @@ class AdamW8bit(torch.optim.Optimizer):
 
     def __init__(self, params, lr: float = 1e-3, betas=(0.9, 0.95), eps: float = 1e-8, weight_decay: float = 0.0):
         if lr <= 0 or eps <= 0 or weight_decay < 0 or not all(0.0 <= b < 1.0 for b in betas):
-            raise ValueError("AdamW8bit: lr > 0, eps > 0, weight_decay ≥ 0 and betas in [0, 1) are required")
+            raise KilnError("AdamW8bit: lr > 0, eps > 0, weight_decay ≥ 0 and betas in [0, 1) are required",
+                            key="AdamW8bit", value=dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay),
+                            fix="lr > 0, eps > 0, weight_decay ≥ 0 and betas in [0, 1) are required")
         super().__init__(params, dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay))
         self._codebooks: dict = {}
 

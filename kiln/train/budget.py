@@ -12,6 +12,7 @@ import time
 
 import torch
 
+from kiln.errors import KilnError
 from kiln.train.schedule import ScheduleConfig
 from kiln.train.settings import TrainConfig, parse_duration
 
@@ -41,10 +42,12 @@ class TimeBudget:
         self.sized_at = self.first + (CALIBRATION_MAX if horizon_free else
                                       min(CALIBRATION_MAX, max(sched.warmup_steps - self.first, 0)))
         if self.budgeted and self.sized_at < self.first + CALIBRATION_STEPS:
-            raise ValueError(f"train.max_steps=0 measures steps {self.first + 1}-{self.first + CALIBRATION_STEPS} "
-                             f"before it knows the run's length, so the {sched.name} schedule needs "
-                             f"schedule.warmup_steps ≥ {self.first + CALIBRATION_STEPS} (got {sched.warmup_steps}); "
-                             f"raise it, or set train.max_steps")
+            raise KilnError(f"train.max_steps=0 measures steps {self.first + 1}-{self.first + CALIBRATION_STEPS} "
+                            f"before it knows the run's length, so the {sched.name} schedule needs "
+                            f"schedule.warmup_steps ≥ {self.first + CALIBRATION_STEPS} (got {sched.warmup_steps}); "
+                            f"raise it, or set train.max_steps",
+                            key="schedule.warmup_steps", value=sched.warmup_steps,
+                            fix="raise it, or set train.max_steps")
         # While a budgeted run is measured, any horizon past the warm-up gives the same lr.
         self.horizon = sched.total_steps or tc.max_steps or 1 << 30
         self.clock: dict[int, float] = {}  # budgeted run: step -> when it ended (the first one, two after it)

@@ -382,8 +382,9 @@ class Checkpointer:
         zero1 = (path / "optimizer.pt").exists()
         if zero1 != state.world.dp_strategy.zero_optimizer:
             fits = " or ".join(n for n, s in STRATEGIES.items() if s.reduces and s.zero_optimizer == zero1)
-            raise ValueError(f"{path} holds {'ZeRO-1' if zero1 else 'per-parameter'} optimizer state; resume it "
-                             f"with --parallel.strategy={fits}")
+            raise KilnError(f"{path} holds {'ZeRO-1' if zero1 else 'per-parameter'} optimizer state; resume it "
+                            f"with --parallel.strategy={fits}",
+                            key="parallel.strategy", fix=f"resume it with --parallel.strategy={fits}")
         refuse_per_expert(path, dcp.FileSystemReader(path / "sharded").read_metadata().state_dict_metadata)
         model_sd, optim_sd = _sharded_state_dicts(state, _flat_optimizer(path / "sharded"))
         target = {"model": model_sd} | ({"optimizer": optim_sd} if optim_sd is not None else {})
@@ -410,10 +411,12 @@ class Checkpointer:
             StateDictOptions, set_model_state_dict, set_optimizer_state_dict)
 
         if state.world.plan.pp > 1:
-            raise ValueError(f"{path} was written by one process without parallel.strategy (a whole state.pt), "
-                             f"which a pipeline-parallel run cannot split; resume it on one process with "
-                             f"--parallel.strategy=ddp for a checkpoint (DCP, by parameter name), then under "
-                             f"parallel.pp")
+            raise KilnError(f"{path} was written by one process without parallel.strategy (a whole state.pt), "
+                            f"which a pipeline-parallel run cannot split; resume it on one process with "
+                            f"--parallel.strategy=ddp for a checkpoint (DCP, by parameter name), then under "
+                            f"parallel.pp",
+                            key="parallel.pp", value=state.world.plan.pp,
+                            fix="resume it on one process with --parallel.strategy=ddp")
         saved = self.load(map_location="cpu", path=path, rewrite=state.world.main)
         refuse_per_expert(path, saved["model"])
         # a LoRA checkpoint on model.init holds the adapters only: the frozen base came from its files at build
@@ -616,8 +619,9 @@ def _by_name(saved: dict, state) -> dict:
     names = get_optimizer_state_dict(state.model, state.optimizer,
                                      options=StateDictOptions(full_state_dict=True))["param_groups"]
     if [len(g["params"]) for g in names] != [len(g["params"]) for g in saved["param_groups"]]:
-        raise ValueError("the checkpoint's optimizer groups its parameters differently from this run's; resume with "
-                         "the optimizer settings it was saved with (optim.*)")
+        raise KilnError("the checkpoint's optimizer groups its parameters differently from this run's; resume with "
+                        "the optimizer settings it was saved with (optim.*)",
+                        key="optim", fix="resume with the optimizer settings it was saved with (optim.*)")
     key = {i: n for old, new in zip(saved["param_groups"], names) for i, n in zip(old["params"], new["params"])}
     return {"state": {key[i]: v for i, v in saved["state"].items()},
             "param_groups": [{**old, "params": new["params"]} for old, new in zip(saved["param_groups"], names)]}
@@ -758,6 +762,9 @@ def refuse_per_expert(path, keys) -> None:
     kiln.models.moe) does not resume: its optimizer state is per expert. Its weights export and start a run."""
     key = per_expert_key(keys)
     if key is not None:
-        raise ValueError(f"{path} holds a mixture of experts in kiln's earlier per-expert layout ({key}), whose "
-                         f"optimizer state does not resume in the stacked one; export its weights (kiln export "
-                         f"RUN --hf DIR) and start a new run from them with --model.init=hf:DIR")
+        raise KilnError(f"{path} holds a mixture of experts in kiln's earlier per-expert layout ({key}), whose "
+                        f"optimizer state does not resume in the stacked one; export its weights (kiln export "
+                        f"RUN --hf DIR) and start a new run from them with --model.init=hf:DIR",
+                        key="model.init", value=str(path),
+                        fix="export its weights (kiln export RUN --hf DIR) and start a new run from them with "
+                        "--model.init=hf:DIR")

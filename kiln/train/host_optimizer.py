@@ -22,6 +22,7 @@ import threading
 
 import torch
 
+from kiln.errors import KilnError
 from kiln.train.masked import optimizer_step
 
 
@@ -114,7 +115,8 @@ class HostOptimizer(torch.optim.Optimizer):
         """One update of the masters; withheld when the 0-dim `skipped` is non-zero, decided on the host after the
         flag arrives with the gradients (the training thread never reads it)."""
         if closure is not None:
-            raise ValueError("HostOptimizer.step does not take a closure")
+            raise KilnError("HostOptimizer.step does not take a closure",
+                            key="closure", fix="HostOptimizer.step does not take a closure")
         self._sync_hyperparameters()
         if self.mode == "host":
             grads_ready = self._grads_to_host(skipped)

@@ -28,6 +28,7 @@ from typing import Callable
 import torch
 from rich.console import Console
 
+from kiln.errors import KilnError
 from kiln.parallel import layout_event
 from kiln.parallel.stragglers import StragglerWatch
 from kiln.parallel.watchdog import collective_errors
@@ -147,8 +148,9 @@ class Trainer:
         state = self.checkpointer.load(map_location=self.state.device)
         path = self.checkpointer.loaded
         if (path / "sharded").is_dir():
-            raise ValueError(f"{path} was written under parallel.strategy by several ranks; resume it with "
-                             f"--parallel.strategy=ddp or fsdp (one process works without torchrun)")
+            raise KilnError(f"{path} was written under parallel.strategy by several ranks; resume it with "
+                            f"--parallel.strategy=ddp or fsdp (one process works without torchrun)",
+                            key="parallel.strategy", fix="resume it with --parallel.strategy=ddp or fsdp")
         self.state.check_base(state, path)
         self.state.load_state_dict(state)
         self.resumed_at = self.state.step

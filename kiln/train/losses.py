@@ -21,6 +21,7 @@ from typing import Callable, Protocol, runtime_checkable
 import torch
 import torch.nn.functional as F
 
+from kiln.errors import KilnError
 from kiln.models.transformer import IGNORE_INDEX, at_least_fp32
 from kiln.util import closest
 
@@ -48,8 +49,10 @@ def _per_sample_sum(name: str, elementwise: Callable, output: torch.Tensor, targ
     """Σ over samples of the per-sample mean over non-batch dims of elementwise(output, target)."""
     if output.shape != target.shape or output.ndim == 0:
         what = "differ" if output.shape != target.shape else "have no batch dimension"
-        raise ValueError(f"{name}: output {tuple(output.shape)} and target {tuple(target.shape)} {what}; outputs and "
-                         "targets must have the same shape, with the batch dimension first")
+        raise KilnError(f"{name}: output {tuple(output.shape)} and target {tuple(target.shape)} {what}; outputs and "
+                        "targets must have the same shape, with the batch dimension first",
+                        key="output", value=tuple(output.shape),
+                        fix="outputs and targets must have the same shape, with the batch dimension first")
     per_element = elementwise(at_least_fp32(output), at_least_fp32(target))
     # flatten(1) rather than reshape(N, -1): the latter fails on an empty micro-batch
     per_element = per_element.flatten(1) if per_element.ndim > 1 else per_element[:, None]
@@ -66,13 +69,16 @@ class CrossEntropy:
 
     def __init__(self, label_smoothing: float = 0.0, ignore_index: int = IGNORE_INDEX):
         if not 0.0 <= label_smoothing <= 1.0:
-            raise ValueError(f"CrossEntropy: label_smoothing must be in [0, 1], got {label_smoothing}")
+            raise KilnError(f"CrossEntropy: label_smoothing must be in [0, 1], got {label_smoothing}",
+                            key="label_smoothing", value=label_smoothing, fix="must be in [0, 1]")
         self.label_smoothing, self.ignore_index = label_smoothing, ignore_index
 
     def __call__(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
         if output.ndim == 0 or output.shape[:-1] != target.shape:
-            raise ValueError(f"CrossEntropy: output {tuple(output.shape)} and target {tuple(target.shape)} do not "
-                             "match; logits are (..., C) with the class dimension last and target (...) class ids")
+            raise KilnError(f"CrossEntropy: output {tuple(output.shape)} and target {tuple(target.shape)} do not "
+                            "match; logits are (..., C) with the class dimension last and target (...) class ids",
+                            key="output", value=tuple(output.shape),
+                            fix="logits are (..., C) with the class dimension last and target (...) class ids")
         logits = at_least_fp32(output).reshape(-1, output.shape[-1])  # (N, C)
         return F.cross_entropy(logits, target.reshape(-1), ignore_index=self.ignore_index,
                                label_smoothing=self.label_smoothing, reduction="sum")
@@ -105,7 +111,8 @@ class Huber:
 
     def __init__(self, delta: float = 1.0):
         if delta <= 0:
-            raise ValueError(f"Huber: delta must be > 0, got {delta}")
+            raise KilnError(f"Huber: delta must be > 0, got {delta}",
+                            key="delta", value=delta, fix="must be > 0")
         self.delta = delta
 
     def __call__(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
@@ -154,13 +161,15 @@ class NTXent:
 
     def __init__(self, temperature: float = 0.5):
         if temperature <= 0:
-            raise ValueError(f"NTXent: temperature must be > 0, got {temperature}")
+            raise KilnError(f"NTXent: temperature must be > 0, got {temperature}",
+                            key="temperature", value=temperature, fix="must be > 0")
         self.temperature = temperature
 
     def __call__(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
         if output.shape != target.shape or output.ndim != 2:
-            raise ValueError(f"NTXent: output {tuple(output.shape)} and target {tuple(target.shape)} must both be "
-                             "(N, D): embeddings of two views, row i of each a positive pair")
+            raise KilnError(f"NTXent: output {tuple(output.shape)} and target {tuple(target.shape)} must both be "
+                            "(N, D): embeddings of two views, row i of each a positive pair",
+                            key="output", value=tuple(output.shape), fix="must both be (N, D)")
         n = output.shape[0]
         z = F.normalize(torch.cat([at_least_fp32(output), at_least_fp32(target)]), dim=1)  # (2N, D)
         sim = (z @ z.T) / self.temperature  # (2N, 2N)
@@ -211,7 +220,8 @@ def as_loss(loss: str | Loss | Callable) -> Loss:
         if loss not in LOSSES:
             near = closest(loss, LOSSES)
             hint = f"; did you mean {near!r}?" if near else ""
-            raise ValueError(f"unknown loss {loss!r}: use one of {sorted(LOSSES)}{hint}")
+            raise KilnError(f"unknown loss {loss!r}: use one of {sorted(LOSSES)}{hint}",
+                            key="loss", value=loss, fix=f"use one of {sorted(LOSSES)}")
         return LOSSES[loss]()
     if isinstance(loss, Loss) and callable(loss.count):
         return loss

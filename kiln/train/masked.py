@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import torch
 
+from kiln.errors import KilnError
+
 
 def supports_found_inf(optimizer: torch.optim.Optimizer) -> bool:
     """Fused Adam/AdamW/SGD skip their update on the device when `optimizer.found_inf` is non-zero: no sync."""
@@ -113,7 +115,10 @@ class MaskedAdam(torch.optim.Optimizer):
         if weight_decay is None:  # torch's defaults (AdamW 1e-2, Adam 0), so fused and foreach runs decay alike
             weight_decay = 1e-2 if decoupled else 0.0
         if lr <= 0 or eps <= 0 or weight_decay < 0 or not all(0.0 <= b < 1.0 for b in betas):
-            raise ValueError("MaskedAdam: lr > 0, eps > 0, weight_decay ≥ 0 and betas in [0, 1) are required")
+            raise KilnError("MaskedAdam: lr > 0, eps > 0, weight_decay ≥ 0 and betas in [0, 1) are required",
+                            key="MaskedAdam", value=dict(lr=lr, betas=tuple(betas), eps=eps,
+                                                         weight_decay=weight_decay),
+                            fix="lr > 0, eps > 0, weight_decay ≥ 0 and betas in [0, 1) are required")
         super().__init__(params, dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay))
         self.decoupled, self.foreach = decoupled, foreach
 
@@ -186,9 +191,12 @@ class MaskedSGD(torch.optim.Optimizer):
     def __init__(self, params, lr: float = 1e-3, momentum: float = 0.0, weight_decay: float = 0.0,
                  nesterov: bool = False, *, foreach: bool = True):
         if lr <= 0 or momentum < 0 or weight_decay < 0:
-            raise ValueError("MaskedSGD: lr > 0, momentum ≥ 0 and weight_decay ≥ 0 are required")
+            raise KilnError("MaskedSGD: lr > 0, momentum ≥ 0 and weight_decay ≥ 0 are required",
+                            key="MaskedSGD", value=dict(lr=lr, momentum=momentum, weight_decay=weight_decay),
+                            fix="lr > 0, momentum ≥ 0 and weight_decay ≥ 0 are required")
         if nesterov and momentum == 0:
-            raise ValueError("MaskedSGD: Nesterov momentum needs momentum > 0")
+            raise KilnError("MaskedSGD: Nesterov momentum needs momentum > 0",
+                            key="MaskedSGD.nesterov", value=nesterov, fix="needs momentum > 0")
         super().__init__(params, dict(lr=lr, momentum=momentum, weight_decay=weight_decay, nesterov=nesterov))
         self.foreach = foreach
 

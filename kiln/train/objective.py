@@ -18,14 +18,16 @@ import torch
 import torch.nn as nn
 
 from kiln.data.batches import map_tensors
+from kiln.errors import KilnError
 from kiln.models.transformer import IGNORE_INDEX
 from kiln.train.losses import NTXent, as_loss
 
 
 def _pair(batch, what: str):
     if not isinstance(batch, (tuple, list)) or len(batch) != 2:
-        raise ValueError(f"{what} expects each batch to be a pair {what.split('(')[1].rstrip(')')}; got "
-                         f"{type(batch).__name__}" + (f" of length {len(batch)}" if hasattr(batch, '__len__') else ""))
+        raise KilnError(f"{what} expects each batch to be a pair {what.split('(')[1].rstrip(')')}; got "
+                        f"{type(batch).__name__}" + (f" of length {len(batch)}" if hasattr(batch, '__len__') else ""),
+                        key="batch", value=type(batch).__name__, fix="expects each batch to be a pair")
     return batch
 
 

@@ -145,9 +145,10 @@ def build_optimizer(params_or_model, cfg: OptimConfig) -> torch.optim.Optimizer:
         else params_or_model
     )
     if cfg.name == "muon" and not any(g["params"] for g in groups if g.get("muon")):
-        raise ValueError("optim.name=muon found no hidden matrices (nn.Linear weights but the head and routers) in "
-                         "these parameter groups: build it from the model (kiln.train.muon.muon_param_groups marks "
-                         "them {'muon': True}), or use --optim.name=adamw")
+        raise KilnError("optim.name=muon found no hidden matrices (nn.Linear weights but the head and routers) in "
+                        "these parameter groups: build it from the model (kiln.train.muon.muon_param_groups marks "
+                        "them {'muon': True}), or use --optim.name=adamw",
+                        key="optim.name", value="muon", fix="or use --optim.name=adamw")
     groups = [g for g in groups if g["params"]]
     if cfg.name == "muon":
         adamw = replace(cfg, name="adamw")

@@ -31,6 +31,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn as nn
 
+from kiln.errors import KilnError
 from kiln.parallel import ParallelConfig, World, fsdp_options, parallelize
 from kiln.parallel.layout import ParallelPlan
 from kiln.parallel.pipeline import PipelineModel
@@ -78,8 +79,9 @@ class PreparedModel:
 
 def _needs_blocks(model: nn.Module, lever: str) -> None:
     if not isinstance(getattr(model, "blocks", None), nn.ModuleList):
-        raise ValueError(f"{lever} works on transformer blocks (a `blocks` ModuleList, as kiln's Transformer has); "
-                         f"{type(model).__name__} has none. Turn it off for this model")
+        raise KilnError(f"{lever} works on transformer blocks (a `blocks` ModuleList, as kiln's Transformer has); "
+                        f"{type(model).__name__} has none. Turn it off for this model",
+                        key=lever, value=type(model).__name__, fix="Turn it off for this model")
 
 
 def prepare_model(model: nn.Module, plan: ModelPlan, device: torch.device | None = None, world: World | None = None,
@@ -107,11 +109,15 @@ def prepare_model(model: nn.Module, plan: ModelPlan, device: torch.device | None
             applied["offload"] = sorted(plan.offload)
     if plan.loss != "plain":
         if not isinstance(getattr(model, "loss", None), LMLoss):
-            raise ValueError(f"the {plan.loss} loss replaces kiln's LM head + cross-entropy (an LMLoss at "
-                             f"model.loss); {type(model).__name__} has none")
+            raise KilnError(f"the {plan.loss} loss replaces kiln's LM head + cross-entropy (an LMLoss at "
+                            f"model.loss); {type(model).__name__} has none",
+                            key="memory.chunked_loss", value=type(model).__name__,
+                            fix=f"{type(model).__name__} has none")
         if model.loss.softcap:
-            raise ValueError(f"the {plan.loss} loss has no logit soft-cap: model.logit_softcap={model.loss.softcap:g} "
-                             f"needs the plain loss (drop --memory.chunked_loss / the fused loss)")
+            raise KilnError(f"the {plan.loss} loss has no logit soft-cap: model.logit_softcap={model.loss.softcap:g} "
+                            f"needs the plain loss (drop --memory.chunked_loss / the fused loss)",
+                            key="model.logit_softcap", value=model.loss.softcap,
+                            fix="needs the plain loss (drop --memory.chunked_loss / the fused loss)")
         if plan.loss == "chunked":
             model.loss = ChunkedLMLoss(plan.loss_chunk)
         else:
@@ -122,8 +128,9 @@ def prepare_model(model: nn.Module, plan: ModelPlan, device: torch.device | None
         applied["loss"] = plan.loss
     if plan.layout is not None and plan.layout.pp > 1:
         if plan.compile:
-            raise ValueError("train.compile with parallel.pp is not built (the stages would compile one by one): "
-                             "set --train.compile=false")
+            raise KilnError("train.compile with parallel.pp is not built (the stages would compile one by one): "
+                            "set --train.compile=false",
+                            key="train.compile", value=True, fix="set --train.compile=false")
         data = plan.layout.dp_strategy
         fsdp = fsdp_options(plan.parallel, param_dtype, replicated=not data.shards_parameters) if data.reduces else None
         pipe = PipelineModel(model, plan.layout, world.rank, torch.device(device), world.mesh, fsdp)

@@ -79,11 +79,14 @@ def convert_fp8(model: torch.nn.Module) -> list[str]:
     try:
         from torchao.float8 import convert_to_float8_training  # lazy: torchao only for precision.mode=fp8
     except ImportError:
-        raise ValueError("precision.mode=fp8 trains through torchao's float8 linears; install it "
-                         "(pip install torchao) or use precision.mode=bf16") from None
+        raise KilnError("precision.mode=fp8 trains through torchao's float8 linears; install it "
+                        "(pip install torchao) or use precision.mode=bf16",
+                        key="precision.mode", value="fp8",
+                        fix="install it (pip install torchao) or use precision.mode=bf16") from None
     names = [name for name, m in model.named_modules() if fp8_linear(m, name)]
     if not names:
-        raise ValueError("precision.mode=fp8 found no linear whose dimensions are multiples of 16; use bf16")
+        raise KilnError("precision.mode=fp8 found no linear whose dimensions are multiples of 16; use bf16",
+                        key="precision.mode", value="fp8", fix="use bf16")
     convert_to_float8_training(model, module_filter_fn=fp8_linear)
     return names
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
+from kiln.errors import KilnError
 from kiln.perf.allocator import allocator_setting
 from kiln.perf.compile import compile_setting
 from kiln.perf.cpu_linear import cpu_linear_setting
@@ -46,30 +47,41 @@ class TrainConfig:
     def validate(self):
         for key in ("micro_batch_size", "grad_accum_steps"):
             if getattr(self, key) < 1:
-                raise ValueError(f"train.{key} must be ≥ 1, got {getattr(self, key)}")
+                raise KilnError(f"train.{key} must be ≥ 1, got {getattr(self, key)}",
+                                key=f"train.{key}", value=getattr(self, key), fix="give a value ≥ 1")
         for key in ("max_steps", "time_budget", "eval_interval", "early_stop_patience", "sample_tokens",
                     "early_stop_min_delta", "global_batch_size", "gap_patience", "eval_task_limit", "eval_batches",
                     "stop_at_val_loss"):
             if getattr(self, key) < 0:
-                raise ValueError(f"train.{key} must be ≥ 0, got {getattr(self, key)}")
+                raise KilnError(f"train.{key} must be ≥ 0, got {getattr(self, key)}",
+                                key=f"train.{key}", value=getattr(self, key), fix="give a value ≥ 0")
         if self.max_steps == 0 and self.time_budget == 0:
-            raise ValueError("train.max_steps=0 sizes the run by train.time_budget, which is 0 too; set "
-                             "--train.max_steps=N or --train.time_budget=SECONDS")
+            raise KilnError("train.max_steps=0 sizes the run by train.time_budget, which is 0 too; set "
+                            "--train.max_steps=N or --train.time_budget=SECONDS",
+                            key="train.max_steps", value=0,
+                            fix="set --train.max_steps=N or --train.time_budget=SECONDS")
         if self.stop_at_val_loss and not self.eval_interval:
-            raise ValueError(f"train.stop_at_val_loss={self.stop_at_val_loss:g} is checked at each evaluation, and "
-                             f"train.eval_interval=0 evaluates only at the end: set --train.eval_interval=N")
+            raise KilnError(f"train.stop_at_val_loss={self.stop_at_val_loss:g} is checked at each evaluation, and "
+                            f"train.eval_interval=0 evaluates only at the end: set --train.eval_interval=N",
+                            key="train.stop_at_val_loss", value=self.stop_at_val_loss,
+                            fix="set --train.eval_interval=N")
         if self.device != "auto" and not self.device.split(":")[0] in ("cpu", "cuda", "mps"):
-            raise ValueError(f"train.device={self.device!r}; use auto, cpu, cuda or cuda:N")
+            raise KilnError(f"train.device={self.device!r}; use auto, cpu, cuda or cuda:N",
+                            key="train.device", value=self.device, fix="use auto, cpu, cuda or cuda:N")
         if self.global_batch_size % self.micro_batch_size:
-            raise ValueError(f"train.global_batch_size={self.global_batch_size} is not a multiple of "
-                             f"train.micro_batch_size={self.micro_batch_size}")
+            raise KilnError(f"train.global_batch_size={self.global_batch_size} is not a multiple of "
+                            f"train.micro_batch_size={self.micro_batch_size}",
+                            key="train.global_batch_size", value=self.global_batch_size,
+                            fix=f"give a multiple of train.micro_batch_size={self.micro_batch_size}")
         parse_duration(self.max_time)
         if not all(isinstance(t, str) and t for t in self.eval_tasks):
-            raise ValueError(f"train.eval_tasks={list(self.eval_tasks)!r} must list task files, e.g. "
-                             f"--train.eval_tasks='[\"hellaswag.jsonl\", \"text:val.txt\"]'")
+            raise KilnError(f"train.eval_tasks={list(self.eval_tasks)!r} must list task files, e.g. "
+                            f"--train.eval_tasks='[\"hellaswag.jsonl\", \"text:val.txt\"]'",
+                            key="train.eval_tasks", value=list(self.eval_tasks), fix="list task files")
         compile_setting(self.compile)
         if self.kernels not in KERNELS:
-            raise ValueError(f"train.kernels={self.kernels!r} is unknown; use one of {KERNELS}")
+            raise KilnError(f"train.kernels={self.kernels!r} is unknown; use one of {KERNELS}",
+                            key="train.kernels", value=self.kernels, fix=f"use one of {KERNELS}")
         cpu_linear_setting(self.cpu_linear)
         allocator_setting(self.cpu_allocator)
 
@@ -80,6 +92,7 @@ def parse_duration(text: str) -> float | None:
         return None
     parts = re.fullmatch(r"\s*(?:(\d+(?:\.\d+)?)h)?\s*(?:(\d+(?:\.\d+)?)m)?\s*(?:(\d+(?:\.\d+)?)s)?\s*", text)
     if not parts or not any(parts.groups()):
-        raise ValueError(f"train.max_time={text!r}: write a duration such as 3h50m, 45m or 90s")
+        raise KilnError(f"train.max_time={text!r}: write a duration such as 3h50m, 45m or 90s",
+                        key="train.max_time", value=text, fix="write a duration such as 3h50m, 45m or 90s")
     h, m, sec = (float(g) if g else 0.0 for g in parts.groups())
     return 3600 * h + 60 * m + sec

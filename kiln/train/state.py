@@ -21,6 +21,7 @@ import numpy as np
 import torch
 import torch.nn as nn
 
+from kiln.errors import KilnError
 from kiln.interop.base import check_base
 from kiln.parallel import World
 from kiln.train.checkpoint import global_tokens_seen, refuse_per_expert, rng_state, saved_world, set_rng_state
@@ -111,9 +112,12 @@ class TrainState:
                     raise RuntimeError(f"Unexpected key(s):\n{unexpected[0]}")
         except RuntimeError as e:  # torch lists every key; the first one says enough
             detail = next((line.strip() for line in str(e).splitlines()[1:] if line.strip()), str(e))
-            raise ValueError(f"the checkpoint holds a model of another shape than this config builds ({detail[:160]}"
-                             f"); resume with the run's own model settings (drop the model.* overrides) or start "
-                             f"a new run directory") from None
+            raise KilnError(f"the checkpoint holds a model of another shape than this config builds ({detail[:160]}"
+                            f"); resume with the run's own model settings (drop the model.* overrides) or start "
+                            f"a new run directory",
+                            key="model",
+                            fix="resume with the run's own model settings (drop the model.* overrides) or start "
+                                "a new run directory") from None
         self.optimizer.load_state_dict(state["optimizer"])
         self.load_shared_state_dict(state)
         set_rng_state(state["rng"])

@@ -123,6 +123,9 @@ def run(args, overrides) -> int:
     if best is not plan.best:
         print(f"note: #1 uses context parallelism (parallel.cp), modelled as ring attention; recommended is the "
               f"fastest without it")
+    if best.choice.optimizer == "muon":  # its Newton-Schulz products, which AdamW does not pay
+        from kiln.memory.muon_cost import muon_line
+        print(muon_line(best.times, job_for(sections, device)))
     flags = " ".join(f"--{k}={v}" for k, v in best.overrides.items()
                      if v not in ("", None) and not (k == "parallel.strategy" and not strategy(v).reduces))
     nodes = -(-args.gpus // args.gpus_per_node)

@@ -26,6 +26,7 @@ from dataclasses import dataclass, field, replace
 from kiln.errors import KilnError
 from kiln.memory import adapters as lora_
 from kiln.memory.experts import expert_comm, is_expert
+from kiln.memory.muon_cost import is_muon_matrix
 from kiln.models import softcap
 from kiln.models.attention_costs import ATTENTION, QK_NORM
 from kiln.models.config import ModelConfig
@@ -492,11 +493,8 @@ def optimizer_state_bytes(numels: list[int], optimizer: str, momentum: float = 0
 def muon_state_bytes(shapes: list[tuple[str, tuple[int, ...]]]) -> int:
     """optim.name=muon (kiln.train.muon's split): one fp32 momentum per hidden matrix (Muon), AdamW's state for the
     embeddings, head, norms, biases and MoE routers. ZeRO-1, FSDP2 and offload refuse Muon, so this is whole."""
-    def adamw(name, shape):
-        top, last = name.split(".")[0], name.rsplit(".", 2)[-2] if name.count(".") else ""
-        return len(shape) != 2 or top in ("embed", "pos_embed", "head") or last == "router"
-    return sum(optimizer_state_bytes([math.prod(shape)], "adamw") if adamw(name, shape) else 4 * math.prod(shape)
-               for name, shape in shapes)
+    return sum(4 * math.prod(shape) if is_muon_matrix(name, shape)
+               else optimizer_state_bytes([math.prod(shape)], "adamw") for name, shape in shapes)
 
 
 # ---------------------------------------------------------------- saved-for-backward tensors

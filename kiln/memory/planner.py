@@ -27,6 +27,7 @@ from kiln.memory.estimate import (Breakdown, Job, block_matmul_numel, estimate, 
                                   parse_bytes, recompute_plan, saved_tensors, trainable)
 from kiln.memory.estimate import _memo, _shapes_key  # noqa: E402  (the estimator's caches, shared)
 from kiln.memory.levers import JobSections, job_for, rank_jobs
+from kiln.memory.muon_cost import muon_cost
 from kiln.memory.recompute import solve_budget
 from kiln.models.attention_costs import ATTENTION
 from kiln.models.registry import family
@@ -147,6 +148,7 @@ def _local_params(job: Job, trained: bool = False) -> int:
 
 
 _PARAMS: dict = {}
+_MUON: dict = {}  # muon_cost by the shapes it reads: the search times one layout for every lever
 
 
 def model_parallel_comm(job: Job, tp_link: float, cp_link: float, pp_link: float, attention_s: float
@@ -210,7 +212,9 @@ def step_time(job: Job, device, link: float | None = None, tp_link: float | None
     1/cp of the tokens (its queries against the whole causal context); a pipeline stage runs its blocks (the
     head on the last stage) for each of its m micro-batches and waits out the bubble (bubble_fraction). An
     expert-parallel rank (job.ep > 1) reads n_experts/ep experts' weights, runs its share of the routed pairs
-    (balanced: N·K, whatever tp) and waits for the all-to-alls over ep_link (kiln.memory.experts)."""
+    (balanced: N·K, whatever tp) and waits for the all-to-alls over ep_link (kiln.memory.experts). With
+    optim.name=muon the optimizer part holds Muon's orthogonalisation of this rank's hidden matrices, also given
+    alone as "muon" (kiln.memory.muon_cost)."""
     cfg, num = job.model, job.num
     T, L, tp = job.seq_len, cfg.n_layer, job.tp
     N, d, V = job.tokens, cfg.d_model, cfg.padded_vocab
@@ -263,9 +267,11 @@ def step_time(job: Job, device, link: float | None = None, tp_link: float | None
     n_params = _local_params(job, trained=True)
     # Bytes moved per parameter by the update: fused AdamW reads p, g, m, v and writes p, m, v (28); the unfused
     # PyTorch 8-bit AdamW makes ~75 elementwise passes over fp32 temporaries (decode, update, re-encode): ~600.
-    # muon: the AdamW pass as a floor; its Newton-Schulz products (~0.33 s a step on the tiny model, one CPU thread)
-    # are not modelled yet
+    # muon: AdamW's pass over the parameters Muon does not take, and Muon's own cost (kiln.memory.muon_cost: its
+    # bf16 Newton-Schulz products, 95 GFLOP a step on the tiny model, and its elementwise passes) added below
     per_param = {"adamw": 28, "adam": 28, "sgd": 16, "adamw8bit": 600, "muon": 28}[job.optimizer]
+    muon = _memo(_MUON, _shapes_key(job), lambda: muon_cost(local_parameter_shapes(job))) \
+        if job.optimizer == "muon" else None
     transfers = 0.0
     if job.offload and device.kind == "cuda":
         off = sum(sum(b.values()) for i, b in enumerate(saved_tensors(job)[1]) if i in job.offload)
@@ -278,17 +284,21 @@ def step_time(job: Job, device, link: float | None = None, tp_link: float | None
         optimizer = pcie + host if job.optimizer_offload == "host" else max(0.0, pcie + host - compute)
     else:
         masters = n_params * 12 if num.master else 0
-        optimizer = n_params * per_param / (bw * be) + masters / (bw * be)
+        optimizer = (n_params - (muon.params if muon else 0)) * per_param / (bw * be) + masters / (bw * be)
     if job.world > 1 and job.dp_strategy.zero_optimizer:
         optimizer /= job.world  # each rank updates its shard
     elif job.world > 1 and job.dp_strategy.shards_parameters:
         optimizer, clip = optimizer / job.world, clip / job.world
+    # every DDP rank orthogonalises every matrix of its stage (ZeRO-1, FSDP2 and tp refuse Muon): not divided
+    muon_s = muon.seconds(device.flops("bf16"), bw, me, be, op_s) if muon else 0.0
+    optimizer += muon_s
     comm = communication(job, link or INTERCONNECTS["nvlink4"], compute)
     total = compute + clip + optimizer + comm["exposed"]
     return {"compute": compute, "recompute": job.grad_accum * recompute, "optimizer": optimizer + clip,
             "transfers": transfers, "communication": comm["seconds"], "exposed_communication": comm["exposed"],
             "bubble": bubble, "tp_communication": mp["tp"], "cp_communication": mp["cp"],
-            "pp_communication": mp["pp"], "total": total} | ({"ep_communication": a2a} if job.ep > 1 else {})
+            "pp_communication": mp["pp"], "total": total} | ({"ep_communication": a2a} if job.ep > 1 else {}) \
+        | ({"muon": muon_s} if muon else {})
 
 
 # ---------------------------------------------------------------- search

@@ -10,7 +10,8 @@ import torch
 from kiln.cli.common import add_config_arguments, config_from
 from kiln.cli.memory import _device
 from kiln.config import ConfigError, apply_overrides, checked
-from kiln.memory.estimate import GiB, fmt_bytes, parse_bytes, peak_allocated
+from kiln.memory.estimate import GiB, fmt_bytes, local_parameter_shapes, parse_bytes, peak_allocated
+from kiln.memory.muon_cost import muon_cost, muon_line
 from kiln.memory import calibrate as calibration
 from kiln.memory.levers import JobSections, job_for, precision_for
 from kiln.memory.planner import fit_time_model, search, time_constants
@@ -124,8 +125,7 @@ def run(args, overrides) -> int:
         print(f"note: #1 uses context parallelism (parallel.cp), modelled as ring attention; recommended is the "
               f"fastest without it")
     if best.choice.optimizer == "muon":  # its Newton-Schulz products, which AdamW does not pay
-        from kiln.memory.muon_cost import muon_line
-        print(muon_line(best.times, job_for(sections, device)))
+        print(muon_line(best.times, muon_cost(local_parameter_shapes(job_for(sections, device)))))
     flags = " ".join(f"--{k}={v}" for k, v in best.overrides.items()
                      if v not in ("", None) and not (k == "parallel.strategy" and not strategy(v).reduces))
     nodes = -(-args.gpus // args.gpus_per_node)

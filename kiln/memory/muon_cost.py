@@ -5,6 +5,7 @@
     muon_cost(shapes) -> MuonCost  FLOPs, bytes and ops of the Muon part of one optimizer step, for the parameters
                                    a rank holds (kiln.memory.estimate.local_parameter_shapes); .seconds(...) on a
                                    device's roofline (kiln.memory.planner.step_time adds it for optim.name=muon)
+    muon_line(times, cost)         `kiln plan`'s line: the optimizer's share of the recommended step
 
 torch 2.13's Muon (torch/optim/_muon.py, `_single_tensor_muon`: there is no foreach path) takes one matrix at a time:
 
@@ -103,11 +104,10 @@ def muon_cost(shapes, steps: int = NS_STEPS) -> MuonCost:
                     products=tuple((f, b, c) for (f, b), c in products.items()))
 
 
-def muon_line(times: dict, job) -> str:
+
+def muon_line(times: dict, cost: MuonCost) -> str:
     """`kiln plan`'s line for a muon candidate: the optimizer's share of its predicted step (`times`, step_time's),
-    Muon's part of it, and what that part is for `job`'s model (a kiln.memory.estimate.Job)."""
-    from kiln.memory.estimate import local_parameter_shapes  # the estimator imports this module's split
-    cost = muon_cost(local_parameter_shapes(job))
+    Muon's part of it, and what that part is (`cost`, the model's)."""
     return (f"optimizer (recommended): {times['optimizer']:.4g} s of the {times['total']:.4g} s step "
             f"({times['optimizer'] / times['total']:.0%}); of it Muon {times['muon']:.4g} s: the model's "
             f"{cost.matrices} hidden matrices, {cost.flops / 1e9:.4g} GFLOP of bf16 Newton-Schulz a step on every "

@@ -8,7 +8,8 @@ train --plan.memory` applies the best Choice's sections through the config's che
 It enumerates precision × micro-batch (with accumulation keeping the global batch) × recompute policy × activation
 offload × 8-bit AdamW × optimizer-state offload × chunked loss, keeps what kiln.memory.estimate predicts to fit,
 predicts each step's time with `step_time` (a roofline per op: FLOPs at the device's peak, bytes at its bandwidth,
-whichever is slower; recomputed forward FLOPs, host copies and the host optimizer included) and ranks by it.
+whichever is slower; recomputed forward FLOPs, host copies, the host optimizer and Muon's Newton-Schulz products
+(kiln.memory.muon_cost) included) and ranks by it.
 
 With several GPUs it also searches the layout (`layouts`: tensor × pipeline × context parallel, the rest data
 parallel under ddp, zero1 or fsdp), each layout's rank estimated through kiln.memory.levers.rank_jobs and timed

@@ -125,7 +125,8 @@ def run(args, overrides) -> int:
         print(f"note: #1 uses context parallelism (parallel.cp), modelled as ring attention; recommended is the "
               f"fastest without it")
     if best.choice.optimizer == "muon":  # its Newton-Schulz products, which AdamW does not pay
-        print(muon_line(best.times, muon_cost(local_parameter_shapes(job_for(sections, device)))))
+        job = job_for(sections, device)
+        print(muon_line(best.times, muon_cost(local_parameter_shapes(job), job.muon_ns_steps)))
     flags = " ".join(f"--{k}={v}" for k, v in best.overrides.items()
                      if v not in ("", None) and not (k == "parallel.strategy" and not strategy(v).reduces))
     nodes = -(-args.gpus // args.gpus_per_node)

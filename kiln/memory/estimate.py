@@ -159,6 +159,7 @@ class Job:
     chunked_loss: int = 0  # tokens per chunk of the LM head + cross-entropy; 0 = the whole [N x V] at once
     optimizer: str = "adamw"  # "adamw" | "adam" | "sgd" | "adamw8bit"
     sgd_momentum: float = 0.9
+    muon_ns_steps: int = 5  # optim.muon_ns_steps: Muon's Newton-Schulz iterations (its step time, not memory)
     optimizer_offload: str = "none"  # "none" | "host" | "host-async"
     reshard_after_forward: bool = True  # fsdp: gathered parameters freed after each block's forward (ZeRO-3)
     # The layout this rank belongs to (kiln.parallel.layout.ParallelPlan, the run's one layout object: Job asks

@@ -141,6 +141,7 @@ def job_of(sections: JobSections, model: ModelConfig, precision: str, target: Ta
               grad_accum=train.grad_accum_steps, precision=precision, target=target,
               offload=parse_blocks(memory.offload_blocks, model.n_layer), chunked_loss=memory.chunked_loss,
               optimizer=optim.name, sgd_momentum=optim.momentum, optimizer_offload=optim.offload,
+              muon_ns_steps=optim.muon_ns_steps,
               plan=data_parallel(parallel.strategy, world), reshard_after_forward=parallel.reshard_after_forward,
               lora=Adapters.of(model, sections.lora))
     if recompute_plan is None:

@@ -271,7 +271,8 @@ def step_time(job: Job, device, link: float | None = None, tp_link: float | None
     # muon: AdamW's pass over the parameters Muon does not take, and Muon's own cost (kiln.memory.muon_cost: its
     # bf16 Newton-Schulz products, 95 GFLOP a step on the tiny model, and its elementwise passes) added below
     per_param = {"adamw": 28, "adam": 28, "sgd": 16, "adamw8bit": 600, "muon": 28}[job.optimizer]
-    muon = _memo(_MUON, _shapes_key(job), lambda: muon_cost(local_parameter_shapes(job))) \
+    muon = _memo(_MUON, (_shapes_key(job), job.muon_ns_steps),
+                 lambda: muon_cost(local_parameter_shapes(job), job.muon_ns_steps)) \
         if job.optimizer == "muon" else None
     transfers = 0.0
     if job.offload and device.kind == "cuda":

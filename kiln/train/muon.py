@@ -71,11 +71,11 @@ class MuonAdamW(torch.optim.Optimizer):
 
     takes_skipped = True  # kiln.train.masked.optimizer_step passes the skip flag to step()
 
-    def __init__(self, groups: list[dict], *, muon_lr: float, momentum: float, make_adamw):
+    def __init__(self, groups: list[dict], *, muon_lr: float, momentum: float, make_adamw, ns_steps: int = 5):
         muon_groups = [g for g in groups if g.get("muon")]
         adam_groups = [g for g in groups if not g.get("muon")]
         # nesterov=True and Keller Jordan's update scale sqrt(max(1, rows/cols)) ("original"), torch's defaults
-        self.muon = torch.optim.Muon(muon_groups, lr=muon_lr, momentum=momentum, nesterov=True) \
+        self.muon = torch.optim.Muon(muon_groups, lr=muon_lr, momentum=momentum, nesterov=True, ns_steps=ns_steps) \
             if muon_groups else None
         self.adam = make_adamw(adam_groups) if adam_groups else None
         inners = [o for o in (self.muon, self.adam) if o is not None]

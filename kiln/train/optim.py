@@ -31,6 +31,7 @@ class OptimConfig:
     lr: float = 2e-3  # peak learning rate (the schedule scales it); the default job's, by sweep. muon: the AdamW groups' peak
     muon_lr: float = 0.02  # muon: the Muon groups' peak learning rate (the schedule scales it as optim.lr); by sweep on the tiny model
     muon_momentum: float = 0.95  # muon: Muon's (Nesterov) momentum
+    muon_ns_steps: int = 5  # muon: Newton-Schulz iterations per matrix per step (torch's 5; each is ~1/5 of Muon's cost)
     weight_decay: float = 0.1  # decoupled (adamw) or L2 (adam, sgd) decay on matmul weights only
     beta1: float = 0.9  # Adam first-moment decay
     beta2: float = 0.95  # Adam second-moment decay (0.95: LLM default, steadier than 0.999 on spikes)
@@ -91,6 +92,10 @@ class OptimConfig:
                 raise KilnError(f"optim.muon_lr must be > 0 and optim.muon_momentum in [0, 1), got "
                                 f"{self.muon_lr} and {self.muon_momentum}", key="optim.muon_lr",
                                 value=self.muon_lr, fix="e.g. --optim.muon_lr=0.02 --optim.muon_momentum=0.95")
+            if self.muon_ns_steps < 1:
+                raise KilnError(f"optim.muon_ns_steps={self.muon_ns_steps}: Muon needs at least one Newton-Schulz "
+                                f"iteration to orthogonalise its update", key="optim.muon_ns_steps",
+                                value=self.muon_ns_steps, fix="e.g. --optim.muon_ns_steps=5 (torch's default)")
             if self.offload != "none":
                 raise KilnError(f"optim.offload={self.offload} runs AdamW or AdamW8bit on the host and optim.name=muon "
                                 f"keeps torch's Muon on the device: use --optim.offload=none with muon",
@@ -152,7 +157,7 @@ def build_optimizer(params_or_model, cfg: OptimConfig) -> torch.optim.Optimizer:
     groups = [g for g in groups if g["params"]]
     if cfg.name == "muon":
         adamw = replace(cfg, name="adamw")
-        return MuonAdamW(groups, muon_lr=cfg.muon_lr, momentum=cfg.muon_momentum,
+        return MuonAdamW(groups, muon_lr=cfg.muon_lr, momentum=cfg.muon_momentum, ns_steps=cfg.muon_ns_steps,
                          make_adamw=lambda adam_groups: build_optimizer(adam_groups, adamw))
     if cfg.offload != "none":  # fp32 masters and state on the host; the inner optimizer is built from cfg again
         inner = replace(cfg, offload="none")

@@ -47,7 +47,8 @@ def test_newton_schulz_flops_equal_torch_muons_on_one_matrix(m, n):
     ["--model.tie_embeddings=false"],  # gpt2: qkv 3d × d, fc 4d × d, proj d × 4d and d × d; the untied head AdamW's
     ["--model.arch=llama", "--model.n_kv_head=2"],  # GQA's qkv (d + 2·kv) × d, SwiGLU's fused gate/up 2F × d
     ["--model.preset=qwen3-moe-nano"],  # the router and the stacked (E, out, in) experts are AdamW's
-], ids=["gpt2", "llama", "qwen3-moe"])
+    ["--optim.muon_ns_steps=3"],  # fewer Newton-Schulz iterations: torch's Muon runs 3, the count follows
+], ids=["gpt2", "llama", "qwen3-moe", "ns3"])
 def test_muon_cost_equals_flop_counter_around_kilns_optimizer_step(flags):
     """The reference: FlopCounterMode around one step of the optimizer `kiln train` builds (torch.optim.Muon on
     kiln.train.muon's split, fused AdamW on the rest: no matmuls); the count: muon_cost on the estimator's
@@ -62,10 +63,12 @@ def test_muon_cost_equals_flop_counter_around_kilns_optimizer_step(flags):
             p.grad = torch.randn_like(p)
         counted = _counted(rig.optimizer.step)
     hidden = [p for g in rig.optimizer.param_groups if g.get("muon") for p in g["params"]]
-    cost = muon_cost(parameter_shapes(rig.model.cfg))
+    steps = cfg.optim.muon_ns_steps
+    cost = muon_cost(parameter_shapes(rig.model.cfg), steps)
     assert (cost.matrices, cost.params) == (len(hidden), sum(p.numel() for p in hidden))
-    assert cost.flops == counted == sum(newton_schulz_flops(*p.shape) for p in hidden)
-    assert all(g["ns_steps"] == NS_STEPS for g in rig.optimizer.param_groups if g.get("muon"))
+    assert cost.flops == counted == sum(newton_schulz_flops(*p.shape, steps) for p in hidden)
+    assert all(g["ns_steps"] == steps for g in rig.optimizer.param_groups if g.get("muon"))
+    assert steps == (3 if "--optim.muon_ns_steps=3" in flags else NS_STEPS)
 
 
 def _jobs(device, *flags, world: int = 1):

@@ -14,9 +14,10 @@ from collections.abc import Iterable, Iterator
 import torch
 
 # train.eval_micro_batch_size=0 on a CPU: windows per forward up to this many tokens. Measured on a 2-core Xeon
-# (AMX-BF16), one thread, the tiny preset at seq 256 (benchmarks/eval_speed.py): CPU time per window against 8
-# windows per forward, bf16 2: 1.13x, 4: 1.07x, 16: 0.94x, 32: 0.90x, 64: 0.90x; fp32 (compute-bound) 16: 0.98x,
-# 32: 0.97x, 64: 1.10x. 8,192 tokens (32 windows of 256) is the knee of both.
+# (AMX-BF16), one thread, the tiny preset at seq 256 (docs/benchmarks.md): CPU time per window against 8 windows
+# per forward in one autocast region each, with one region for all, bf16 2: 1.13x, 4: 1.07x, 8: 0.95x, 16: 0.89x,
+# 32: 0.85x, 64: 0.84x; fp32 (compute-bound) 16: 1.00x, 32: 0.99x, 64: 1.12x. 8,192 tokens (32 windows of 256):
+# bf16's gain without fp32's loss.
 EVAL_TOKENS = 8192
 # ... and without letting the fp32 logits of one forward grow past 64 MiB or, when one training micro-batch's own
 # are larger, past twice those (what a training step already holds: its logits and their gradient).

@@ -33,7 +33,7 @@ from kiln.train.schedule import lr_factor
 # fit() trains the model it is given on the data it is given: these keys configure kiln's own model and data.
 IGNORED_SECTIONS = ("model", "data")
 IGNORED_KEYS = ("train.sample_tokens", "train.sample_prompt", "train.eval_batches", "train.eval_tasks",
-                "train.eval_task_limit")
+                "train.eval_task_limit", "train.eval_micro_batch_size")
 OBJECTIVES_DOC = "docs/library.md, 'Objectives'"
 
 

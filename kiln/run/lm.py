@@ -56,7 +56,7 @@ from kiln.train.pipeline import ModelPlan
 from kiln.train.precision import Precision
 from kiln.train.state import TrainState, determinism
 from kiln.train.step import evaluate
-from kiln.train.target import eval_batch_count
+from kiln.train.target import eval_batch_count, eval_micro_batch, regroup
 
 
 def resolve_model(cfg: Config, vocab: int) -> ModelConfig:
@@ -148,6 +148,10 @@ class LMRun:
                               eval_batch_count(c.train, len(tokens), c.data.seq_len),  # 0: every window
                               separator=document_separator(c.data, self.data.tokenizer))
         mine = itertools.islice(batches, world.dp_rank, None, world.dp_size)  # each copy its share; totals summed
+        size = eval_micro_batch(c.train, c.data.seq_len, c.model.padded_vocab, self.state.device.type,
+                                world.plan.pp > 1)
+        if size != c.train.micro_batch_size:  # the same windows in larger forwards (kiln.train.target)
+            mine = regroup(mine, size)
         return evaluate(model, (to_device(b, self.state.device) for b in mine), self.state.objective,
                         self.state.precision, self.state.device, world if world.size > 1 else None)
 

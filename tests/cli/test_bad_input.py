@@ -84,6 +84,7 @@ def _cases():
         ("negative steps", [*t, "--train.max_steps=-5"], ["train.max_steps", "-5"]),
         ("negative layers", [*t, "--model.n_layer=-1"], ["model.n_layer", "-1"]),
         ("zero micro-batch", [*t, "--train.micro_batch_size=0"], ["train.micro_batch_size"]),
+        ("negative eval micro-batch", [*t, "--train.eval_micro_batch_size=-1"], ["train.eval_micro_batch_size", "-1"]),
         ("zero seq_len", [*t, "--data.seq_len=0"], ["data.seq_len"]),
         ("seq_len over the model", [*t, "--data.seq_len=4096"], ["seq_len", "max_seq_len"]),
         ("heads do not divide width", [*t, "--model.n_head=3"], ["n_head", "d_model"]),

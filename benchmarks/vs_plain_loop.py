@@ -269,7 +269,14 @@ def main():
     if args.child:
         args.variant = args.child
         r = (plain_child if args.child.startswith("plain") else kiln_child)(args)
-        json.dump(r, open(args.out, "w"))
+        with open(args.out, "w") as f:
+            json.dump(r, f)
+        if args.child.startswith("kiln"):  # ends as the `kiln` command ends (a checkout from before it: as Python)
+            try:
+                from kiln.cli.finish import exit_process
+            except ImportError:
+                return
+            exit_process(0)
         return
     if args.steps <= WARM:
         raise SystemExit(f"--steps must exceed the {WARM} warm-up updates")

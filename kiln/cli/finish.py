@@ -1,0 +1,74 @@
+"""How the `kiln` process ends: everything flushed, then the process exits without tearing its objects down.
+
+    exit_process(code)   flush, run the atexit handlers, os._exit(code); a normal sys.exit where that could lose
+                         anything (a thread still running, a torch.distributed process group still up)
+
+By the time a subcommand returns, its work is written: the checkpoint is sealed, metrics.jsonl and TensorBoard's
+writer are closed. What Python does after that is tear the interpreter down: a last full garbage collection over
+every object of the process and the deallocation of its ~2,000 modules, which a training process pays once more
+than a plain loop does (~320k objects against ~200k). On the 2-core Xeon (AMX, one thread, 2026-11-27) it took
+0.95 s of CPU after `kiln train`, 0.55 s after `import torch, numpy`; gc.freeze() cut the collection but then
+nanobind's modules (triton's) reported leaks at exit. Ending with os._exit skips the teardown whole, so nothing
+reports and nothing is collected; what a normal exit would still have done for the user's data is done here first:
+the atexit handlers (logging, multiprocessing's workers, temporary directories), every open Python file flushed,
+the C library's stdio buffers flushed (oneDNN's verbose lines, a C++ library's std::cout), and CUDA's queue drained.
+"""
+from __future__ import annotations
+
+import atexit
+import ctypes
+import gc
+import io
+import os
+import sys
+import threading
+
+# Python's own exit status when flushing stdout fails at exit (e.g. its reader went away)
+FLUSH_FAILED = 120
+
+
+def fast_exit_safe() -> bool:
+    """Whether nothing but the teardown is left: no other thread that a normal exit would wait for (a non-daemon
+    thread is still doing work), no torch.distributed process group (its collectives end with destroy)."""
+    if any(t is not threading.main_thread() and not t.daemon and t.is_alive() for t in threading.enumerate()):
+        return False
+    dist = sys.modules.get("torch.distributed")
+    return not (dist is not None and dist.is_available() and dist.is_initialized())
+
+
+def _flush_open_files() -> None:
+    """Flush every Python file object still open (a normal exit's finalizers would have; os._exit does not)."""
+    for obj in gc.get_objects():
+        if issubclass(type(obj), io.IOBase):  # not isinstance: it reads obj.__class__, which some objects warn on
+            try:
+                if not obj.closed and obj.writable():
+                    obj.flush()
+            except (OSError, ValueError):  # a pipe whose reader left, a file closed meanwhile: as a normal exit
+                pass
+
+
+def _flush_c_stdio() -> None:
+    try:
+        ctypes.CDLL(None).fflush(None)  # fflush(NULL): every C stdio stream of the process
+    except (OSError, AttributeError):  # no C library to load by that name (not glibc/musl/macOS)
+        pass
+
+
+def exit_process(code: int) -> None:
+    """End the process with `code`: flushed and without the interpreter's teardown where fast_exit_safe, else
+    sys.exit(code)."""
+    if not fast_exit_safe():
+        sys.exit(code)
+    torch = sys.modules.get("torch")
+    if torch is not None and torch.cuda.is_initialized():
+        torch.cuda.synchronize()
+    atexit._run_exitfuncs()  # what Py_Finalize runs before the teardown, in the same order
+    _flush_open_files()
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            if stream is not None:
+                stream.flush()
+        except (OSError, ValueError):
+            code = code or FLUSH_FAILED
+    _flush_c_stdio()
+    os._exit(code)

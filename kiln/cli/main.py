@@ -8,6 +8,7 @@ import os
 import re
 import sys
 
+from kiln.cli.finish import exit_process
 from kiln.errors import KilnError, one_line, traceback_wanted
 
 # Each module defines add_parser(subparsers) and run(args, overrides) -> exit code.
@@ -73,8 +74,6 @@ def entry() -> None:
     """The `kiln` command and `python -m kiln`: main(), then the process ends without the interpreter's teardown
     once everything is flushed (kiln.cli.finish: ~0.4 s of CPU after a training run). main() itself returns, so
     that tests and other Python code can call it."""
-    from kiln.cli.finish import exit_process
-
     try:
         code = main()
     except SystemExit as e:  # argparse's --help and its one-line errors

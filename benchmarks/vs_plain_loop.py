@@ -180,6 +180,13 @@ def kiln_child(args) -> dict:
     from kiln.cli.common import config_from
     from kiln.cli.main import OVERRIDE, build_parser
 
+    try:  # as the `kiln` command does once its first modules are loaded (a checkout from before it: nothing)
+        from kiln.cli.finish import freeze_loaded
+    except ImportError:
+        pass
+    else:
+        freeze_loaded()
+
     imported, imported_cpu = time.time(), time.process_time()
     argv = ["train", "--run-dir", args.run_dir] + kiln_overrides(args.variant.split("-")[1], args.steps, args.seed)
     if args.variant.endswith("-mkl"):

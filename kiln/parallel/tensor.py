@@ -2,9 +2,8 @@
 `parallelize_module`: Megatron's split of each block, driven by the family's own description of its linears.
 
     apply_tensor_parallel(model, tp_mesh, sequence_parallel)   in place; the model pipeline's first parallel step
-    fused_rows(model)                     {parameter name: (part rows, ...)} of the fused linears
-    canonical(tensor, parts, tp)          a fused weight (or its optimizer state) back in the model's own row order
-    from_canonical(tensor, parts, tp)     and into the tensor-parallel order
+    (fused_rows, canonical, from_canonical: the fused weights' row orders, in kiln.parallel.fused, which imports no
+    DTensor: every run's checkpoints use them)
     vocab_parallel_log_likelihood(h, weight, targets, vocab)   log p(target) per row on the split head (scoring)
 
 Each block linear's role comes from `Family.linears(cfg)`: "column" linears (attn.qkv, mlp.fc) are ColwiseParallel

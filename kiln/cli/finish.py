@@ -8,9 +8,9 @@ By the time a subcommand returns, its work is written: the checkpoint is sealed,
 writer are closed. What Python does after that is tear the interpreter down: a last full garbage collection over
 every object of the process and the deallocation of its ~2,000 modules, which a training process pays once more
 than a plain loop does (~320k objects against ~200k). On the 2-core Xeon (AMX, one thread, 2026-11-27) it took
-0.95 s of CPU after `kiln train`, 0.55 s after `import torch, numpy`; gc.freeze() cut the collection but then
+0.95 s of CPU after `kiln train`, 0.55 s after `import torch, numpy`; gc.freeze() alone cut the collection but then
 nanobind's modules (triton's) reported leaks at exit. Ending with os._exit skips the teardown whole, so nothing
-reports and nothing is collected; what a normal exit would still have done for the user's data is done here first:
+reports and nothing is collected (and freeze_loaded's frozen objects cost nothing at exit); what a normal exit would still have done for the user's data is done here first:
 the atexit handlers (logging, multiprocessing's workers, temporary directories), every open Python file flushed,
 the C library's stdio buffers flushed (oneDNN's verbose lines, a C++ library's std::cout), and CUDA's queue drained.
 """
@@ -23,6 +23,7 @@ import io
 import os
 import sys
 import threading
+
 
 def freeze_loaded() -> None:
     """gc.freeze(): the ~300k objects of the modules loaded so far (functions, classes, constants: they live as long
@@ -75,6 +76,8 @@ def exit_process(code: int) -> None:
     if torch is not None and torch.cuda.is_initialized():
         torch.cuda.synchronize()
     atexit._run_exitfuncs()  # what Py_Finalize runs before the teardown, in the same order
+    gc.disable()  # nothing is collected from here on: the process ends
+    gc.unfreeze()  # gc.get_objects() lists no frozen object, and a file opened before freeze_loaded may be one
     _flush_open_files()
     for stream in (sys.stdout, sys.stderr):
         try:

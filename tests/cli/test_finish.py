@@ -21,6 +21,7 @@ class Teardown:  # runs only when the interpreter tears its objects down
 mark = Teardown()
 atexit.register(lambda: open(sys.argv[1] + "/atexit", "w").write("ran"))
 log = open(sys.argv[1] + "/log", "w")
+finish.freeze_loaded()  # as the `kiln` command does: the open file is among the frozen objects
 log.write("still in the buffer")  # never flushed by the script itself
 print("to stdout", end="")  # a pipe: block-buffered
 """

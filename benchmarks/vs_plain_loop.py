@@ -44,7 +44,8 @@ SHAPE = dict(n_layer=6, n_head=6, d_model=384, seq_len=256, batch=8, vocab=256)
 HYPER = dict(lr=2e-3, beta1=0.9, beta2=0.95, weight_decay=0.1, grad_clip=1.0, warmup=50, min_lr_ratio=0.1)
 WARM = 5  # updates not counted in the steady rate
 VARIANTS = ("plain-fp32", "kiln-fp32", "kiln-bf16", "plain-bf16", "kiln-fp32-mkl", "plain-fp32-tanh", "plain-bf16-tanh")
-BASE = "kiln-fp32-base"  # with --base-tree DIR: kiln-fp32 from another checkout (before/after a change, interleaved)
+BASE = "-base"  # with --base-tree DIR: each kiln variant once more from another checkout, as kiln-X-base (before/after
+# a change, interleaved)
 SHARD_DTYPES = {1: "u1", 2: "<u2", 4: "<u4"}  # kiln.data.shards' dtype codes (the plain loop imports no kiln)
 EVAL_BATCHES = 20  # kiln's train.eval_batches default: the plain loop's final evaluation does the same work
 
@@ -179,6 +180,13 @@ def kiln_child(args) -> dict:
     from kiln.cli.common import config_from
     from kiln.cli.main import OVERRIDE, build_parser
 
+    try:  # as the `kiln` command does once its first modules are loaded (a checkout from before it: nothing)
+        from kiln.cli.finish import freeze_loaded
+    except ImportError:
+        pass
+    else:
+        freeze_loaded()
+
     imported, imported_cpu = time.time(), time.process_time()
     argv = ["train", "--run-dir", args.run_dir] + kiln_overrides(args.variant.split("-")[1], args.steps, args.seed)
     if args.variant.endswith("-mkl"):
@@ -215,10 +223,11 @@ def run_variant(variant: str, steps: int, seed: int, shards: tuple[str, str], tm
     run_dir = os.path.join(tmp, f"{variant}-{tag}")
     os.makedirs(run_dir)
     out = os.path.join(tmp, f"{variant}-{tag}.json")
-    cmd = [sys.executable, __file__, "--child", "kiln-fp32" if variant == BASE else variant, "--steps", str(steps),
+    base = variant.endswith(BASE)
+    cmd = [sys.executable, __file__, "--child", variant.removesuffix(BASE), "--steps", str(steps),
            "--seed", str(seed), "--run-dir", run_dir, "--out", out, "--train-bin", shards[0], "--val-bin", shards[1]]
     env = dict(os.environ)
-    if variant == BASE:  # that checkout's kiln must accept kiln.run.lm.train(callbacks=...)
+    if base:  # that checkout's kiln must accept kiln.run.lm.train(callbacks=...)
         env["PYTHONPATH"] = os.pathsep.join([base_tree] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p])
     before = resource.getrusage(resource.RUSAGE_CHILDREN)
     spawned = time.time()
@@ -261,7 +270,7 @@ def main():
     ap.add_argument("--variants", default="", help=f"comma-separated, of {VARIANTS} (default: all where the CPU has "
                     f"native bf16, else the fp32 two: emulated bf16 matmuls run ~7x slower than fp32)")
     ap.add_argument("--json", help="write every measurement here")
-    ap.add_argument("--base-tree", help=f"also run kiln-fp32 from this checkout, as variant {BASE}")
+    ap.add_argument("--base-tree", help=f"also run each kiln variant from this checkout, as kiln-X{BASE}")
     ap.add_argument("--child", help=argparse.SUPPRESS)
     for hidden in ("--run-dir", "--out", "--train-bin", "--val-bin"):
         ap.add_argument(hidden, help=argparse.SUPPRESS)
@@ -269,7 +278,14 @@ def main():
     if args.child:
         args.variant = args.child
         r = (plain_child if args.child.startswith("plain") else kiln_child)(args)
-        json.dump(r, open(args.out, "w"))
+        with open(args.out, "w") as f:
+            json.dump(r, f)
+        if args.child.startswith("kiln"):  # ends as the `kiln` command ends (a checkout from before it: as Python)
+            try:
+                from kiln.cli.finish import exit_process
+            except ImportError:
+                return
+            exit_process(0)
         return
     if args.steps <= WARM:
         raise SystemExit(f"--steps must exceed the {WARM} warm-up updates")
@@ -278,8 +294,8 @@ def main():
 
     variants = args.variants.split(",") if args.variants else list(VARIANTS if native_bf16() else VARIANTS[:2])
     if args.base_tree:
-        variants.append(BASE)
-    unknown = set(variants) - set(VARIANTS) - {BASE}
+        variants += [v + BASE for v in variants if v.startswith("kiln")]
+    unknown = {v.removesuffix(BASE) for v in variants} - set(VARIANTS)
     if unknown:
         raise SystemExit(f"unknown variants {sorted(unknown)}; use some of {VARIANTS}")
     shards = prepared_shards(args.seed)

@@ -8,6 +8,7 @@ import os
 import re
 import sys
 
+from kiln.cli.finish import exit_process, freeze_loaded
 from kiln.errors import KilnError, one_line, traceback_wanted
 
 # Each module defines add_parser(subparsers) and run(args, overrides) -> exit code.
@@ -69,6 +70,21 @@ def main(argv=None) -> int:
         return 2
 
 
+def entry() -> None:
+    """The `kiln` command and `python -m kiln`: the modules loaded so far frozen out of the garbage collector's
+    scans, main(), then the process ends without the interpreter's teardown once everything is flushed
+    (kiln.cli.finish: ~0.3 s and ~0.4 s of CPU in a training run). main() itself freezes nothing and returns, so
+    that tests and other Python code can call it."""
+    freeze_loaded()
+    try:
+        code = main()
+    except SystemExit as e:  # argparse's --help and its one-line errors
+        if not isinstance(e.code, (int, type(None))):
+            raise
+        code = e.code or 0
+    exit_process(code)
+
+
 # What to do about the errors the OS reports while kiln reads or writes a path.
 ERRNO_FIX = {
     errno.EEXIST: "a file is where kiln needs a directory; move it or choose another path",
@@ -91,4 +107,4 @@ def _one_line(e: Exception) -> str:
     return f"{e.strerror or e}{where}{fix}"
 
 if __name__ == "__main__":
-    sys.exit(main())
+    entry()

@@ -27,11 +27,10 @@ import math
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from torch.distributed.tensor import DTensor
 
 from kiln.models.parts import IGNORE_INDEX, at_least_fp32, soft_cap
 from kiln.parallel.pipeline import PipelineModel
-from kiln.parallel.tensor import vocab_parallel_log_likelihood
+from kiln.util import is_dtensor
 
 
 def width_multiple(plan) -> int:
@@ -56,7 +55,9 @@ class ScoringHead(nn.Module):
     def forward(self, h, weight, targets):
         valid = targets != IGNORE_INDEX
         h, picked = h[valid], targets[valid]  # (n, C), (n,): the scored tokens only
-        if isinstance(weight, DTensor):  # tensor parallel: this rank's rows of the padded vocabulary
+        if is_dtensor(weight):  # tensor parallel: this rank's rows of the padded vocabulary
+            from kiln.parallel.tensor import vocab_parallel_log_likelihood  # lazy: DTensor's imports, tp > 1 only
+
             logp = vocab_parallel_log_likelihood(h, weight, picked, self.vocab)
         else:
             logits = soft_cap(at_least_fp32(F.linear(h, weight[:self.vocab])), self.softcap)  # (n, vocab)

@@ -8,7 +8,8 @@ from __future__ import annotations
 import math
 
 import torch
-from torch.distributed.tensor import DTensor
+
+from kiln.util import is_dtensor
 
 
 @torch.no_grad()
@@ -39,7 +40,7 @@ def is_finite(t: torch.Tensor) -> bool:
 
 def local(t: torch.Tensor) -> torch.Tensor:
     """This rank's part of a DTensor; any other tensor as it is."""
-    return t.to_local() if isinstance(t, DTensor) else t
+    return t.to_local() if is_dtensor(t) else t
 
 
 def json_safe(value):

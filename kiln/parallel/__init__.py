@@ -22,7 +22,9 @@ A plain `kiln train` without torchrun is a world of one with strategy none: no p
 
 The modules: world (init_world, World, device_for, layout_event), apply (parallelize, fsdp_options, shard_blocks,
 gradient_sync), comm (CommTimer), config (ParallelConfig), layout (ParallelPlan), strategy; tensor, context,
-expert, pipeline, user_plan for the model-parallel dims; watchdog, elastic, stragglers for failures.
+expert, pipeline, user_plan for the model-parallel dims (fused: the row order of fused weights under tp); watchdog,
+elastic, stragglers for failures. DTensor (torch.distributed.tensor, with sympy: ~1 s of CPU) is imported only where a
+layout needs it (tp, ep, cp; FSDP2 brings its own), never by a one-process run's imports.
 """
 from __future__ import annotations
 

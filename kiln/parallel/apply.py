@@ -13,8 +13,6 @@ from kiln.parallel.config import ParallelConfig
 from kiln.parallel.context import apply_context_parallel
 from kiln.parallel.expert import shard_experts, wrap_experts
 from kiln.parallel.strategy import strategy
-from kiln.parallel.tensor import apply_tensor_parallel
-from kiln.parallel.user_plan import apply_user_plan
 from kiln.parallel.world import World
 
 
@@ -34,6 +32,9 @@ def parallelize(model: nn.Module, cfg: ParallelConfig, world: World, device: tor
     """
     plan = world.plan
     tp = plan is not None and plan.tp > 1
+    if tp:
+        from kiln.parallel.tensor import apply_tensor_parallel  # lazy: DTensor's imports, tp > 1 only
+        from kiln.parallel.user_plan import apply_user_plan  # lazy: as kiln.parallel.tensor
     if tp and tensor_plan is not None:
         apply_user_plan(model, world.mesh["tp"], tensor_plan)
     elif tp:

@@ -38,7 +38,6 @@ import time
 import torch
 import torch.distributed as dist
 import torch.nn as nn
-from torch.distributed.tensor import Shard, distribute_tensor
 
 from kiln.errors import KilnError
 from kiln.models.moe import MoE, experts
@@ -159,6 +158,8 @@ def shard_experts(model: nn.Module, ep_mesh) -> None:
         raise KilnError(f"parallel.ep={ep_mesh.size()} splits the experts of kiln's mixture-of-experts blocks "
                         f"(kiln.models.moe.MoE); {type(model).__name__} has none: use --parallel.ep=1",
                         key="parallel.ep", value=ep_mesh.size(), fix="use --parallel.ep=1")
+    from torch.distributed.tensor import Shard, distribute_tensor  # lazy: DTensor's imports, ep > 1 only
+
     for moe in blocks:
         for lin in (moe.experts.fc, moe.experts.proj):  # (E, n_out, n_in) each
             p = lin.weight

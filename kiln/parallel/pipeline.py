@@ -52,7 +52,6 @@ import contextlib
 import torch
 import torch.distributed as dist
 import torch.nn as nn
-from torch.distributed.tensor import DTensor
 
 from kiln.errors import KilnError
 from kiln.models import build_model
@@ -61,8 +60,9 @@ from kiln.models.moe import MoE, losses_of, moe_metrics, routing_sums
 from kiln.models.transformer import moe_penalty
 from kiln.parallel.apply import shard_blocks
 from kiln.parallel.expert import shard_experts, wrap_experts
+from kiln.parallel.fused import canonical, fused_rows
 from kiln.parallel.layout import ParallelPlan
-from kiln.parallel.tensor import apply_tensor_parallel, canonical, fused_rows
+from kiln.util import is_dtensor
 
 # parallel.pp_schedule -> torch.distributed.pipelining's schedule class
 SCHEDULES = {"gpipe": "ScheduleGPipe", "1f1b": "Schedule1F1B", "interleaved_1f1b": "ScheduleInterleaved1F1B"}
@@ -137,10 +137,12 @@ class PipelineModel(nn.Module):
         self.plan, self.coords = plan, plan.coords(rank)
         mesh = mesh if mesh is not None else plan.device_mesh(device.type)
         if plan.tp > 1:  # torchtitan's order: tensor parallel on the whole model, then the split into stages
+            from kiln.parallel.tensor import apply_tensor_parallel  # lazy: DTensor's imports, tp > 1 only
+
             apply_tensor_parallel(model, mesh["tp"], plan.sequence_parallel)
         if plan.ep > 1:  # each stage's experts split over its ep ranks (kiln.parallel.expert), as without pp
             shard_experts(model, mesh["ep"])
-        self.cfg = model.cfg  # what kiln.parallel.tensor.fused_rows reads (the checkpoint's TP row order)
+        self.cfg = model.cfg  # what kiln.parallel.fused.fused_rows reads (the checkpoint's TP row order)
         self.adapters = adapter_layout(model)  # LoRA's, for whole_model's copy
         self.pp_group, self.dp_group = mesh["pp"].get_group(), mesh["dp"].get_group()
         n_stages = plan.pp * plan.virtual_stages
@@ -280,7 +282,7 @@ class PipelineModel(nn.Module):
         sq = torch.zeros((), dtype=torch.float64, device=self.device)
         for grads in groups.values():  # the same meshes in the same order on the ranks of a stage
             local = torch.nn.utils.get_total_norm(grads, foreach=True)
-            if isinstance(local, DTensor):  # TP: split gradients' squares summed over the tp ranks, replicated once
+            if is_dtensor(local):  # TP: split gradients' squares summed over the tp ranks, replicated once
                 local = local.full_tensor()
             sq = sq + local.double() ** 2
         dist.all_reduce(sq, group=self.pp_group)
@@ -342,7 +344,7 @@ class PipelineModel(nn.Module):
         """The whole model's weights (host copies) on global rank 0, gathered from the pipeline ranks of its
         data-parallel copy; {} on every other rank. every_copy: on the first pipeline rank of every copy (and tp
         coordinate) instead. A collective: every rank calls it."""
-        mine = {k: _local(v.full_tensor() if isinstance(v, DTensor) else v).detach().cpu()
+        mine = {k: _local(v.full_tensor() if is_dtensor(v) else v).detach().cpu()
                 for k, v in self.state_dict().items()}  # TP: each weight gathered from its tp ranks
         for name, parts in fused_rows(self).items():  # ... and its fused rows back in the model's order
             mine[name] = canonical(mine[name], parts, self.plan.tp)
@@ -371,7 +373,7 @@ class PipelineModel(nn.Module):
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
-    return t.to_local() if isinstance(t, DTensor) else t
+    return t.to_local() if is_dtensor(t) else t
 
 
 def _tie_group(plan: ParallelPlan, rank: int):

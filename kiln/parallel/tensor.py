@@ -2,9 +2,8 @@
 `parallelize_module`: Megatron's split of each block, driven by the family's own description of its linears.
 
     apply_tensor_parallel(model, tp_mesh, sequence_parallel)   in place; the model pipeline's first parallel step
-    fused_rows(model)                     {parameter name: (part rows, ...)} of the fused linears
-    canonical(tensor, parts, tp)          a fused weight (or its optimizer state) back in the model's own row order
-    from_canonical(tensor, parts, tp)     and into the tensor-parallel order
+    (fused_rows, canonical, from_canonical: the fused weights' row orders, in kiln.parallel.fused, which imports no
+    DTensor: every run's checkpoints use them)
     vocab_parallel_log_likelihood(h, weight, targets, vocab)   log p(target) per row on the split head (scoring)
 
 Each block linear's role comes from `Family.linears(cfg)`: "column" linears (attn.qkv, mlp.fc) are ColwiseParallel
@@ -71,6 +70,7 @@ from torch.nn._reduction import get_enum
 from kiln.errors import KilnError
 from kiln.models.parts import IGNORE_INDEX, LMLoss, at_least_fp32
 from kiln.models.registry import family
+from kiln.parallel.fused import fused_rows, tp_order
 
 _SUM, _NONE = get_enum("sum"), get_enum("none")  # nll_loss's reduction argument
 
@@ -205,55 +205,6 @@ def _split_sequence(mesh):
             x = DTensor.from_local(x, mesh, [Replicate()], run_check=False)
         return (x.redistribute(placements=[Shard(1)]).to_local(), *args[1:])
     return hook
-
-
-def fused_rows(model: nn.Module) -> dict[str, tuple[int, ...]]:
-    """{parameter name: rows of each part} of every fused column linear of kiln's Transformer (attn.qkv, a SwiGLU's
-    mlp.fc), or of the blocks a pipeline rank holds; {} for any other model."""
-    cfg = getattr(model, "cfg", None)
-    if cfg is None or not isinstance(getattr(model, "blocks", None), (nn.ModuleList, nn.ModuleDict)):
-        return {}  # (a ModuleDict: a pipeline rank's blocks, under their model indices)
-    out = {}
-    for lin in family(cfg.arch).linears(cfg):
-        if lin.parts:
-            for i, _ in model.blocks.named_children():
-                for kind in ("weight", "bias"):
-                    out[f"blocks.{i}.{lin.name}.{kind}"] = lin.parts
-    return {k: v for k, v in out.items() if _has(model, k)}
-
-
-def _has(model, name):
-    module, _, attr = name.rpartition(".")
-    return getattr(model.get_submodule(module), attr, None) is not None
-
-
-def tp_order(parts: tuple[int, ...], tp: int) -> torch.Tensor:
-    """Row indices that put rank r's share of every part next to each other: tp_order[i] is the model-order row of
-    the tensor-parallel order's row i ([q_0; k_0; v_0; q_1; k_1; v_1; ...] for parts (q, k, v))."""
-    starts = torch.tensor([0, *parts]).cumsum(0)[:-1].tolist()
-    rows = []
-    for r in range(tp):
-        for start, n in zip(starts, parts):
-            rows.append(torch.arange(start + r * n // tp, start + (r + 1) * n // tp))
-    return torch.cat(rows)
-
-
-@torch.no_grad()
-def _reorder(t: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
-    t = t.detach()
-    if not isinstance(t, DTensor):
-        return t[index.to(t.device)]
-    full = t.full_tensor()[index.to(t.device)]
-    return distribute_tensor(full, t.device_mesh, t.placements)  # FSDP × TP's _StridedShard included
-
-
-def canonical(t: torch.Tensor, parts: tuple[int, ...], tp: int) -> torch.Tensor:
-    """A fused tensor in tensor-parallel row order (a parameter or its optimizer state) in the model's order."""
-    return t if tp == 1 else _reorder(t, torch.argsort(tp_order(parts, tp)))
-
-
-def from_canonical(t: torch.Tensor, parts: tuple[int, ...], tp: int) -> torch.Tensor:
-    return t if tp == 1 else _reorder(t, tp_order(parts, tp))
 
 
 def apply_tensor_parallel(model: nn.Module, mesh, sequence_parallel: bool = False) -> None:

@@ -11,7 +11,6 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 import torch.nn as nn
-from torch.distributed.tensor import DTensor
 
 from kiln.errors import KilnError
 from kiln.parallel.comm import CommTimer
@@ -20,6 +19,7 @@ from kiln.parallel.context import check_context_parallel
 from kiln.parallel.elastic import agent_store_in_use, round_store
 from kiln.parallel.layout import ParallelPlan, check_degrees
 from kiln.parallel.strategy import Strategy, strategy
+from kiln.util import is_dtensor
 
 TORCHRUN_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
 
@@ -158,7 +158,7 @@ def layout_event(world: World, model: nn.Module) -> dict:
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
-    return t.to_local() if isinstance(t, DTensor) else t
+    return t.to_local() if is_dtensor(t) else t
 
 
 def launched_by_torchrun() -> bool:

@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 
 from kiln.errors import KilnError
-from kiln.perf.flops import cpu_peak
+from kiln.perf.flops import stored_cpu_peak
 from kiln.precision import PRECISIONS, is_auto
 
 CPUINFO = Path("/proc/cpuinfo")  # where native_bf16() reads the CPU's flags (x86) or Features (aarch64)
@@ -97,7 +97,8 @@ def auto_mode(kind: str, capability: float = 0.0, rates: dict | None = None) -> 
 
 
 def _cpu_rates(*precisions: str) -> dict[str, float]:
-    return {p: cpu_peak(p) for p in precisions}
+    """The square-matmul rates auto and the notice compare: measured once per machine, then read back."""
+    return {p: stored_cpu_peak(p) for p in precisions}
 
 
 def resolve_mode(mode: str, device: torch.device) -> str:

@@ -46,7 +46,7 @@ import xxhash
 from kiln.errors import KilnError
 from kiln.models.moe import per_expert_key, stack_experts
 from kiln.parallel.strategy import STRATEGIES
-from kiln.parallel.tensor import canonical, from_canonical, fused_rows
+from kiln.parallel.fused import canonical, from_canonical, fused_rows
 
 
 @dataclass

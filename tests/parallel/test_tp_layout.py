@@ -7,7 +7,7 @@ from kiln.models import ModelConfig
 from kiln.models.registry import family
 from kiln.parallel import ParallelConfig, init_world
 from kiln.parallel.layout import ParallelPlan
-from kiln.parallel.tensor import canonical, from_canonical, tp_order
+from kiln.parallel.fused import canonical, from_canonical, tp_order
 
 
 def llama(**kw):

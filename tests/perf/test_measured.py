@@ -104,3 +104,34 @@ def test_a_low_first_measurement_rises_when_a_later_run_measures_more(cache, mon
     monkeypatch.setattr(peak, "_cache", {})
     monkeypatch.setattr(peak, "_timed_here", set())
     assert peak.model_peak_flops(cpu, "fp32", cfg, 256) == 9e9  # a slower sample (0.5e9) never lowers it
+
+
+def test_precision_auto_and_the_notice_read_the_stored_square_rates(cache, monkeypatch):
+    """precision.mode=auto and the CPU precision notice take the square-matmul rates kiln stored for this machine
+    (the MFU peak's entries) instead of timing fp32 and bf16 again at every start; what this process measured
+    itself still comes first, and a machine with nothing stored measures once and stores it."""
+    from kiln.perf import flops, hardware
+
+    monkeypatch.setattr(flops, "_cpu_peak_cache", {})
+    measured.store("matmul_flops", "fp32 square", 100e9)
+    measured.store("matmul_flops", "bf16 square", 400e9)
+    timed = []
+
+    def fake(dtype=flops.torch.float32, **kw):
+        timed.append(dtype)
+        return 7e9
+
+    monkeypatch.setattr(flops, "measured_cpu_peak", fake)
+    cpu = flops.torch.device("cpu")
+    assert hardware.decide_mode("auto", cpu)[0] == "bf16"
+    assert "bf16 matmul 400 GFLOP/s vs fp32 100 GFLOP/s" in hardware.precision_notice("auto", cpu)
+    assert timed == []
+    monkeypatch.setattr(flops, "_cpu_peak_cache", {flops.torch.bfloat16: 50e9})  # measured in this process: first
+    assert hardware.decide_mode("auto", cpu)[0] == "fp32"
+    assert timed == []
+    cache.unlink()  # a new machine: measured once, stored, then read back
+    monkeypatch.setattr(flops, "_cpu_peak_cache", {})
+    assert flops.stored_cpu_peak("fp16") == 7e9 and timed == [flops.torch.float16]
+    monkeypatch.setattr(flops, "_cpu_peak_cache", {})
+    assert flops.stored_cpu_peak("fp16") == 7e9 and timed == [flops.torch.float16]
+    assert json.loads(cache.read_text())["matmul_flops"]

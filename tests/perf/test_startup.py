@@ -1,6 +1,7 @@
 """Start-up: what a one-process run does not use is not imported (torch.distributed.checkpoint cost ~1.9 s of a
-`kiln train` start on a 2-core CPU; benchmarks/vs_plain_loop.py measures the whole process). DTensor is imported:
-kiln.parallel's tensor parallelism is built on it."""
+`kiln train` start on a 2-core CPU; benchmarks/vs_plain_loop.py measures the whole process). Nor is DTensor, with the
+sympy it pulls in (~1 s of CPU for every `kiln` command on the 2-core Xeon with AMX, 2026-11-27): tensor, expert and
+user-plan parallelism import it when a layout needs them, and kiln.util.is_dtensor asks without importing it."""
 import subprocess
 import sys
 
@@ -8,10 +9,10 @@ import torch
 
 from kiln.util import is_dtensor
 
-HEAVY = ("torch.distributed.checkpoint", "torch._dynamo", "torch._inductor")
+HEAVY = ("torch.distributed.checkpoint", "torch._dynamo", "torch._inductor", "torch.distributed.tensor", "sympy")
 
 
-def test_the_cli_and_the_lm_job_import_no_distributed_checkpoint_or_compiler():
+def test_the_cli_and_the_lm_job_import_no_distributed_checkpoint_dtensor_or_compiler():
     code = ("import sys; import kiln.cli.main as m; m.build_parser(); import kiln.run.lm, kiln.run.profile; "
             f"print([k for k in {HEAVY!r} if k in sys.modules])")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout

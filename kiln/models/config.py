@@ -49,7 +49,7 @@ class ModelConfig:
     moe_aux_coef: float | None = None  # load-balancing loss weight (HF router_aux_loss_coef; Qwen3-MoE 0.001)
     moe_z_coef: float | None = None  # router z-loss weight (ST-MoE; 0 = off)
     # The recipe's parts (docs/models.md, "Recipe parts"): each overrides the family's own for this run.
-    mlp: str = ""  # "" = the family's | gelu (tanh GELU) | relu2 (squared ReLU, modded-nanogpt) | swiglu
+    mlp: str = ""  # "" = the family's | gelu (tanh GELU) | gelu_exact (erf GELU, nanoGPT's) | relu2 (squared ReLU, modded-nanogpt) | swiglu
     qk_norm: bool | None = None  # RMSNorm over each head of q and k before attention (none = the family's)
     zero_init_proj: bool = False  # attention's and the MLP's output projections start at zero (not with model.init)
     logit_softcap: float = 0.0  # logits become cap·tanh(logits/cap) before the loss and sampling (0 = off)

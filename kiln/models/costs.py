@@ -3,7 +3,7 @@ and its transients (the attention core's and QK-norm's: kiln/models/attention_co
 and the FLOPs (kiln.memory.estimate, kiln.memory.planner, kiln.perf.flops) ask these; they never compare a name.
 
     NORMS["layernorm"] | NORMS["rmsnorm"]            a norm: build, parameters, saved tensors
-    MLPS["gelu"] | ["relu2"] | ["swiglu"] | ["moe"]  an MLP: module, linears, parameters, saved tensors, backward peak
+    MLPS["gelu"] | ["gelu_exact"] | ["relu2"] | ["swiglu"] | ["moe"]  an MLP: module, linears, parameters, saved tensors, backward peak
     POSITIONS["learned"] | POSITIONS["rope"]         positions: parameters, buffers, saved tensors
     part(table, kind, where)                         a kind by name; an unknown one is an error naming the known
     make_norm(kind, dim, eps, bias)                  the norm module of that kind
@@ -216,6 +216,15 @@ class GeluMLP(MLP):
         return 2 * cfg.d_ff
 
 
+class GeluExactMLP(GeluMLP):
+    # fc, the exact (erf) GELU, proj: nanoGPT's MLP; GELU's matmuls, saved bytes and elementwise passes
+    name = "gelu_exact"
+    hf_activation = "gelu"  # transformers' ACT2FN["gelu"]: the erf GELU
+
+    def build(self, cfg, bias):
+        return parts.GeluExactMLP(cfg.d_model, cfg.d_ff, bias)
+
+
 class Relu2MLP(GeluMLP):
     # modded-nanogpt's fc, relu(x)², proj: GELU's matmuls and saved bytes (tests/memory/test_recipe_memory.py)
     name = "relu2"
@@ -396,5 +405,5 @@ class RotaryPositions(Positions):
 
 
 NORMS: dict[str, Norm] = {p.name: p for p in (LayerNorm(), RMSNorm())}
-MLPS: dict[str, MLP] = {p.name: p for p in (GeluMLP(), Relu2MLP(), SwiGLUMLP(), MoEMLP())}
+MLPS: dict[str, MLP] = {p.name: p for p in (GeluMLP(), GeluExactMLP(), Relu2MLP(), SwiGLUMLP(), MoEMLP())}
 POSITIONS: dict[str, Positions] = {p.name: p for p in (LearnedPositions(), RotaryPositions())}

@@ -54,16 +54,18 @@ def _check(cfg: ModelConfig) -> None:
 
 def from_hf(hf: dict, source: str) -> ModelConfig:
     act = hf.get("activation_function", "gelu_new")
-    if act not in ("gelu_new", "gelu_pytorch_tanh", "relu2"):
-        raise KilnError(f"{source}: activation_function={act!r}; kiln's GPT-2 uses the tanh GELU (gelu_new) or "
-                        f"the squared ReLU (relu2, model.mlp=relu2)", key="activation_function", value=act,
-                        fix="start from a checkpoint with gelu_new, gelu_pytorch_tanh or relu2")
+    mlps = {"gelu_new": "", "gelu_pytorch_tanh": "", "gelu": "gelu_exact", "relu2": "relu2"}
+    if act not in mlps:
+        raise KilnError(f"{source}: activation_function={act!r}; kiln's GPT-2 uses the tanh GELU (gelu_new), the "
+                        f"erf GELU (gelu, model.mlp=gelu_exact) or the squared ReLU (relu2, model.mlp=relu2)",
+                        key="activation_function", value=act,
+                        fix="start from a checkpoint with gelu_new, gelu_pytorch_tanh, gelu or relu2")
     d = hf["n_embd"]
     return ModelConfig(preset="gpt2-124m", arch="gpt2", n_layer=hf["n_layer"], n_head=hf["n_head"],
                        n_kv_head=hf["n_head"], d_model=d, d_ff=hf.get("n_inner") or 4 * d,
                        vocab_size=hf["vocab_size"], max_seq_len=hf["n_positions"], bias=True,
                        tie_embeddings=hf.get("tie_word_embeddings", True),
-                       norm_eps=hf.get("layer_norm_epsilon", 1e-5), mlp="relu2" if act == "relu2" else "")
+                       norm_eps=hf.get("layer_norm_epsilon", 1e-5), mlp=mlps[act])
 
 
 def to_hf(cfg: ModelConfig, vocab: int, eos: int | None) -> dict:

@@ -57,6 +57,7 @@ def _kiln(directory, dtype=torch.float32):
 LLAMA3 = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
           "high_freq_factor": 4.0, "original_max_position_embeddings": 16}  # 16 < the test's 32 positions
 CASES = [("gpt2", {}), ("gpt2", {"tie_word_embeddings": False}), ("gpt2", {"activation_function": "relu2"}),
+         ("gpt2", {"activation_function": "gelu"}),
          ("llama", {}),
          ("llama", {"num_key_value_heads": 4, "tie_word_embeddings": True}), ("llama", {"rope_parameters": LLAMA3}),
          ("qwen3", {}), ("qwen3", {"tie_word_embeddings": False}), ("qwen3_moe", {}),
@@ -64,7 +65,7 @@ CASES = [("gpt2", {}), ("gpt2", {"tie_word_embeddings": False}), ("gpt2", {"acti
 
 
 @pytest.mark.parametrize("kind, overrides", CASES,
-                         ids=["gpt2", "gpt2-untied", "gpt2-relu2", "llama-gqa-untied", "llama-mha-tied", "llama3-rope-scaling", "qwen3-tied", "qwen3-untied",
+                         ids=["gpt2", "gpt2-untied", "gpt2-relu2", "gpt2-gelu-erf", "llama-gqa-untied", "llama-mha-tied", "llama3-rope-scaling", "qwen3-tied", "qwen3-untied",
                               "qwen3-moe-normalised", "qwen3-moe-raw-topk-tied"])
 @pytest.mark.parametrize("dtype, tol", [(torch.float32, 1e-5), (torch.float64, 1e-12)], ids=["fp32", "fp64"])
 def test_import_then_export_gives_transformers_logits(kind, overrides, dtype, tol, tmp_path):

@@ -14,7 +14,8 @@ from kiln.run.measure import measure_step
 from tests.memory.conftest import gpt2_cfg, llama_cfg
 from tests.memory.test_activations import measured, predicted
 
-PARTS = {"gpt2-relu2": (gpt2_cfg, dict(mlp="relu2")), "gpt2-qk_norm": (gpt2_cfg, dict(qk_norm=True)),
+PARTS = {"gpt2-relu2": (gpt2_cfg, dict(mlp="relu2")), "gpt2-gelu_exact": (gpt2_cfg, dict(mlp="gelu_exact")),
+         "gpt2-qk_norm": (gpt2_cfg, dict(qk_norm=True)),
          "gpt2-softcap": (gpt2_cfg, dict(logit_softcap=15.0)), "llama-relu2": (llama_cfg, dict(mlp="relu2"))}
 
 

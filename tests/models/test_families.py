@@ -83,8 +83,8 @@ def test_every_part_kind_is_built_by_a_registered_family():
 
 def test_an_unknown_part_kind_fails_loudly_and_a_kind_that_forgets_a_cost_too():
     base = FAMILIES["llama"]
-    with pytest.raises(ValueError, match=r"family 'x': mlp='geglu' is not a part kiln knows; known: gelu, relu2, "
-                                         r"swiglu, moe"):
+    with pytest.raises(ValueError, match=r"family 'x': mlp='geglu' is not a part kiln knows; known: gelu, gelu_exact, "
+                                         r"relu2, swiglu, moe"):
         Family(name="x", summary="", block=base.block, norm="rmsnorm", mlp="geglu", positions="rope")
     with pytest.raises(ValueError, match="norm='batchnorm' is not a part kiln knows"):
         costs.make_norm("batchnorm", 8, 1e-5)

@@ -24,6 +24,20 @@ def _layer_norm(x, m):  # float64 by hand
     return (x - mu) / torch.sqrt(var + m.eps) * m.weight + m.bias
 
 
+def test_gelu_exact_mlp_is_fc_erf_gelu_proj_in_float64():
+    """nanoGPT's MLP: x·Φ(x) with Φ the normal CDF through erf, not GPT-2's tanh form (which differs by up to ~1e-3)."""
+    torch.manual_seed(0)
+    model = build_model(gpt2(mlp="gelu_exact")).double()
+    mlp = model.blocks[0].mlp
+    x = torch.randn(3, 7, 32, dtype=torch.float64)
+    h = x @ mlp.fc.weight.T + mlp.fc.bias
+    want = (h * 0.5 * (1 + torch.erf(h / math.sqrt(2)))) @ mlp.proj.weight.T + mlp.proj.bias
+    torch.testing.assert_close(mlp(x), want, rtol=0, atol=1e-12)
+    tanh_form = build_model(gpt2()).double().blocks[0].mlp
+    tanh_form.load_state_dict(mlp.state_dict())
+    assert (tanh_form(x) - want).abs().max() > 1e-7  # the default part is the other function
+
+
 def test_relu2_mlp_is_fc_squared_relu_proj_in_float64():
     torch.manual_seed(0)
     model = build_model(gpt2(mlp="relu2")).double()
@@ -101,9 +115,9 @@ def test_logit_softcap_is_cap_tanh_of_the_logits_before_the_loss_in_float64():
     torch.testing.assert_close(_last_logits(model, ids, None, None), want[:, -1].float(), rtol=0, atol=1e-6)
 
 
-@pytest.mark.parametrize("kw", [dict(), dict(mlp="relu2"), dict(qk_norm=True), dict(logit_softcap=15.0),
-                                dict(arch="llama", mlp="relu2"), dict(arch="llama", mlp="gelu")],
-                         ids=["gpt2", "relu2", "qk_norm", "softcap", "llama-relu2", "llama-gelu"])
+@pytest.mark.parametrize("kw", [dict(), dict(mlp="relu2"), dict(mlp="gelu_exact"), dict(qk_norm=True),
+                                dict(logit_softcap=15.0), dict(arch="llama", mlp="relu2"), dict(arch="llama", mlp="gelu")],
+                         ids=["gpt2", "relu2", "gelu_exact", "qk_norm", "softcap", "llama-relu2", "llama-gelu"])
 def test_flops_per_token_by_hand(kw):
     """6·(matmul weights) + 12·L·T·d: relu2 and GELU multiply by fc (d×F) and proj (F×d); a SwiGLU fc is d×2F;
     QK-norm and the cap add no matmul."""
@@ -116,10 +130,10 @@ def test_flops_per_token_by_hand(kw):
 
 REFUSALS = [
     (["--model.mlp=relu3"], "model.mlp='relu3' is not an MLP kiln can swap in (an MoE keeps its SwiGLU experts); "
-                            "give one of gelu, relu2, swiglu, or \"\" for the family's own (gpt2: gelu)"),
+                            "give one of gelu, gelu_exact, relu2, swiglu, or \"\" for the family's own (gpt2: gelu)"),
     (["--model.preset=qwen3-moe-nano", "--model.mlp=relu2"],
-     "model.mlp='relu2' is not an MLP kiln can swap in (an MoE keeps its SwiGLU experts); give one of gelu, relu2, "
-     "swiglu, or \"\" for the family's own (qwen3_moe: moe)"),
+     "model.mlp='relu2' is not an MLP kiln can swap in (an MoE keeps its SwiGLU experts); give one of gelu, "
+     "gelu_exact, relu2, swiglu, or \"\" for the family's own (qwen3_moe: moe)"),
     (["--model.logit_softcap=-1"], "model.logit_softcap=-1 must be ≥ 0; give a cap > 0 (modded-nanogpt: 15; "
                                    "Gemma 2: 30), or 0 for none"),
 ]
@@ -150,6 +164,7 @@ def test_export_refuses_parts_the_hub_has_no_form_for_before_writing(kw, message
 
 def test_relu2_exports_as_gpt2_activation_relu2():
     assert hf_config(gpt2(mlp="relu2"), 50)["activation_function"] == "relu2"
+    assert hf_config(gpt2(mlp="gelu_exact"), 50)["activation_function"] == "gelu"  # transformers' erf GELU
     assert hf_config(gpt2(), 50)["activation_function"] == "gelu_new"
 
 

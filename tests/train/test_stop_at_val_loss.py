@@ -57,3 +57,11 @@ def test_speedrun_example_loads_as_the_reference_sets_the_data():
     cfg = load_config(str(root / "examples" / "speedrun_cpu.toml"), ["--train.stop_at_val_loss=2.0"])
     assert (cfg.optim.name, cfg.train.eval_batches, cfg.train.stop_at_val_loss) == ("muon", 0, 2.0)
     assert (cfg.data.source, cfg.data.tokenizer, cfg.data.seq_len, cfg.model.preset) == ("stdlib", "bytes", 256, "tiny")
+    # the bound: at most the tiny preset's parameters (QK-norm's gains are paid for by a narrower MLP)
+    from dataclasses import replace
+
+    from kiln.models import build_model
+    tiny = build_model(replace(load_config(None, ["--model.preset=tiny"]).model, vocab_size=256, max_seq_len=256))
+    mine = build_model(replace(cfg.model, vocab_size=256, max_seq_len=256))
+    count = lambda m: sum(p.numel() for p in m.parameters())  # noqa: E731
+    assert count(tiny) == 10_818_432 >= count(mine)

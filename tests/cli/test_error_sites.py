@@ -310,6 +310,8 @@ SITES = [
      ["optim.reference_batch_tokens"]),
     ("kiln/train/optim.py:OptimConfig.validate", [*M, "--optim.offload=disk"], ["optim.offload='disk'"]),
     ("kiln/train/optim.py:OptimConfig.validate", [*M, "--optim.name=muon", "--optim.muon_lr=0"], ["optim.muon_lr"]),
+    ("kiln/train/optim.py:OptimConfig.validate", [*M, "--optim.name=muon", "--optim.muon_ns_steps=0"],
+     ["optim.muon_ns_steps=0", "--optim.muon_ns_steps=5"]),
     ("kiln/train/optim.py:OptimConfig.validate", [*M, "--optim.name=muon", "--optim.offload=host"],
      ["optim.offload=host", "--optim.offload=none with muon"]),
     # kiln/train/settings.py: the [train] section
@@ -401,7 +403,7 @@ SITES = [
      ["model.n_experts_active=9", "1 ≤ active ≤ experts"]),
     ("kiln/models/costs.py:MoEMLP.check", [*M, "--model.preset=qwen3-moe-nano", "--model.moe_z_coef=-1"],
      ["model.moe_z_coef must be ≥ 0"]),
-    ("kiln/models/costs.py:RotaryPositions.check", [*M, "--model.preset=llama-125m", "--model.head_dim=63"],
+    ("kiln/models/position_costs.py:RotaryPositions.check", [*M, "--model.preset=llama-125m", "--model.head_dim=63"],
      ["even head dimension", "model.head_dim = 63"]),
     ("kiln/models/family.py:Family.complete", [*M, "--model.d_model=100", "--model.n_head=3"],
      ["model.d_model=100", "model.n_head=3", "model.head_dim"]),

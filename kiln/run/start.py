@@ -5,8 +5,10 @@ share, the scaled learning rate, and why auto chose the precision, compile and C
 """
 from __future__ import annotations
 
+from kiln.memory.muon_cost import newton_schulz_flops
 from kiln.models.lora import lora_line
-from kiln.perf.hardware import precision_notice
+from kiln.perf.flops import stored_cpu_peak
+from kiln.perf.hardware import _gflops, native_bf16, precision_notice
 from kiln.precision import mode
 
 
@@ -42,4 +44,26 @@ def start_lines(lm, cfg, resume: bool) -> list[str]:
         lines.append(f"train.cpu_linear {c.train.cpu_linear_decided_by}")
     if c.train.cpu_allocator_decided_by.startswith("auto: tuned"):
         lines.append(f"train.cpu_allocator {c.train.cpu_allocator_decided_by}")
+    muon = muon_notice(state.optimizer, state.device, c.optim.muon_ns_steps)
+    if muon:
+        lines.append(muon)
     return lines
+
+
+def muon_notice(optimizer, device, ns_steps: int) -> str | None:
+    """optim.name=muon on a CPU whose bf16 products are emulated or slower than fp32: torch.optim.Muon runs its
+    Newton-Schulz iterations in bf16 whatever precision.mode is, so there they can cost more than the whole
+    forward and backward. The tiny preset's 24 matrices (95 GFLOP a step) took 0.21 s of one thread on a Xeon with
+    AMX and 26.1 s with the same CPU capped to AVX2 (ATEN_CPU_CAPABILITY=avx2, ONEDNN_MAX_CPU_ISA=AVX2: bf16
+    matmuls at 2.1 GFLOP/s); the line says so with this machine's measured rate."""
+    hidden = [p for g in getattr(optimizer, "param_groups", ()) if g.get("muon") for p in g["params"]]
+    if device.type != "cpu" or not hidden:
+        return None
+    bf16, fp32 = stored_cpu_peak("bf16"), stored_cpu_peak("fp32")
+    if native_bf16() is not None and bf16 >= fp32:
+        return None
+    flops = sum(newton_schulz_flops(*p.shape, ns_steps) for p in hidden)
+    why = "emulated on this CPU" if native_bf16() is None else "slower than fp32 on this CPU"
+    return (f"optim.name=muon: torch's Muon orthogonalises in bf16, {why} ({_gflops(bf16)} vs fp32 "
+            f"{_gflops(fp32)}): its Newton-Schulz products, {flops / 1e9:.3g} GFLOP a step, take ~{flops / bf16:.3g} s "
+            f"of every step here; --optim.name=adamw does without them")

@@ -8,7 +8,8 @@ and the FLOPs (kiln.memory.estimate, kiln.memory.planner, kiln.perf.flops) ask t
     part(table, kind, where)                         a kind by name; an unknown one is an error naming the known
     make_norm(kind, dim, eps, bias)                  the norm module of that kind
 
-Adding a part kind is one class here (and its nn.Module in kiln/models/parts.py), listed in its table. Every cost
+Adding a part kind is one class here (positions: in kiln/models/position_costs.py; its nn.Module in
+kiln/models/parts.py), listed in its table. Every cost
 (parameters, linears, saved tensors, widths, backward peak) has no default: a kind that forgets one raises
 NotImplementedError when it is first asked, never costed as another kind. The few defaults (no config fields of
 its own, no auxiliary loss, its output in the compute dtype) are stated on the base class.

@@ -20,6 +20,8 @@ Variants, each a fresh `python` process (rounds rotate the order, so machine noi
                  loop's overhead alone. The tanh GELU costs more on a CPU: at (8, 256, 1536) bf16 on one core of the
                  AMX Xeon its forward took 6.2 ms against 1.5 and its backward 6.5 against 4.0 (2026-11-27), ~6% of
                  a tiny step at one thread
+    kiln-fp32-exact, kiln-bf16-exact   kiln-X with model.mlp=gelu_exact: nanoGPT's exact GELU, the plain loop's own
+                 model, so kiln-X-exact against plain-X is also the loop's overhead alone
 Steady tokens/s: the tokens of updates 6..N over the time from the end of update 5 to the end of update N.
 Printed ratios are medians over rounds of per-round ratios (each round's variants ran back to back).
 CPU seconds (user + system, every thread of the child) are printed beside the wall clock: on a machine shared with
@@ -43,7 +45,8 @@ import time
 SHAPE = dict(n_layer=6, n_head=6, d_model=384, seq_len=256, batch=8, vocab=256)
 HYPER = dict(lr=2e-3, beta1=0.9, beta2=0.95, weight_decay=0.1, grad_clip=1.0, warmup=50, min_lr_ratio=0.1)
 WARM = 5  # updates not counted in the steady rate
-VARIANTS = ("plain-fp32", "kiln-fp32", "kiln-bf16", "plain-bf16", "kiln-fp32-mkl", "plain-fp32-tanh", "plain-bf16-tanh")
+VARIANTS = ("plain-fp32", "kiln-fp32", "kiln-bf16", "plain-bf16", "kiln-fp32-mkl", "plain-fp32-tanh", "plain-bf16-tanh",
+            "kiln-fp32-exact", "kiln-bf16-exact")
 BASE = "-base"  # with --base-tree DIR: each kiln variant once more from another checkout, as kiln-X-base (before/after
 # a change, interleaved)
 SHARD_DTYPES = {1: "u1", 2: "<u2", 4: "<u4"}  # kiln.data.shards' dtype codes (the plain loop imports no kiln)
@@ -191,6 +194,8 @@ def kiln_child(args) -> dict:
     argv = ["train", "--run-dir", args.run_dir] + kiln_overrides(args.variant.split("-")[1], args.steps, args.seed)
     if args.variant.endswith("-mkl"):
         argv.append("--train.cpu_linear=torch")
+    if args.variant.endswith("-exact"):
+        argv.append("--model.mlp=gelu_exact")
     parsed, _ = build_parser().parse_known_args([a for a in argv if not OVERRIDE.match(a)])
     cfg = config_from(parsed, [a for a in argv if OVERRIDE.match(a)])
 

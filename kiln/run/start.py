@@ -59,11 +59,11 @@ def muon_notice(optimizer, device, ns_steps: int) -> str | None:
     hidden = [p for g in getattr(optimizer, "param_groups", ()) if g.get("muon") for p in g["params"]]
     if device.type != "cpu" or not hidden:
         return None
-    bf16, fp32 = stored_cpu_peak("bf16"), stored_cpu_peak("fp32")
-    if native_bf16() is not None and bf16 >= fp32:
+    bf16, fp32, unit = stored_cpu_peak("bf16"), stored_cpu_peak("fp32"), native_bf16()
+    if unit is not None and bf16 >= fp32:
         return None
     flops = sum(newton_schulz_flops(*p.shape, ns_steps) for p in hidden)
-    why = "emulated on this CPU" if native_bf16() is None else "slower than fp32 on this CPU"
+    why = "emulated on this CPU" if unit is None else "slower than fp32 on this CPU"
     return (f"optim.name=muon: torch's Muon orthogonalises in bf16, {why} ({_gflops(bf16)} vs fp32 "
             f"{_gflops(fp32)}): its Newton-Schulz products, {flops / 1e9:.3g} GFLOP a step, take ~{flops / bf16:.3g} s "
             f"of every step here; --optim.name=adamw does without them")

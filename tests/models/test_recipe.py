@@ -24,28 +24,24 @@ def _layer_norm(x, m):  # float64 by hand
     return (x - mu) / torch.sqrt(var + m.eps) * m.weight + m.bias
 
 
-def test_gelu_exact_mlp_is_fc_erf_gelu_proj_in_float64():
-    """nanoGPT's MLP: x·Φ(x) with Φ the normal CDF through erf, not GPT-2's tanh form (which differs by up to ~1e-3)."""
+ACTIVATIONS = {  # float64 by hand, from the fc output h
+    "relu2": lambda h: torch.where(h > 0, h * h, torch.zeros_like(h)),  # modded-nanogpt's
+    "gelu_exact": lambda h: h * 0.5 * (1 + torch.erf(h / math.sqrt(2))),  # nanoGPT's: h·Φ(h), Φ through erf
+    "gelu": lambda h: 0.5 * h * (1 + torch.tanh(math.sqrt(2 / math.pi) * (h + 0.044715 * h ** 3))),  # GPT-2's
+}
+
+
+@pytest.mark.parametrize("kind", list(ACTIVATIONS))
+def test_each_gpt2_mlp_is_fc_activation_proj_in_float64(kind):
     torch.manual_seed(0)
-    model = build_model(gpt2(mlp="gelu_exact")).double()
+    model = build_model(gpt2(mlp=kind)).double()
     mlp = model.blocks[0].mlp
     x = torch.randn(3, 7, 32, dtype=torch.float64)
     h = x @ mlp.fc.weight.T + mlp.fc.bias
-    want = (h * 0.5 * (1 + torch.erf(h / math.sqrt(2)))) @ mlp.proj.weight.T + mlp.proj.bias
-    torch.testing.assert_close(mlp(x), want, rtol=0, atol=1e-12)
-    tanh_form = build_model(gpt2()).double().blocks[0].mlp
-    tanh_form.load_state_dict(mlp.state_dict())
-    assert (tanh_form(x) - want).abs().max() > 1e-7  # the default part is the other function
-
-
-def test_relu2_mlp_is_fc_squared_relu_proj_in_float64():
-    torch.manual_seed(0)
-    model = build_model(gpt2(mlp="relu2")).double()
-    mlp = model.blocks[0].mlp
-    x = torch.randn(3, 7, 32, dtype=torch.float64)
-    h = x @ mlp.fc.weight.T + mlp.fc.bias
-    want = torch.where(h > 0, h * h, torch.zeros_like(h)) @ mlp.proj.weight.T + mlp.proj.bias
-    torch.testing.assert_close(mlp(x), want, rtol=0, atol=1e-12)
+    torch.testing.assert_close(mlp(x), ACTIVATIONS[kind](h) @ mlp.proj.weight.T + mlp.proj.bias, rtol=0, atol=1e-12)
+    # no two parts compute the same function (the erf and tanh GELUs differ by up to ~1e-3)
+    others = [ACTIVATIONS[k](h) for k in ACTIVATIONS if k != kind]
+    assert all((ACTIVATIONS[kind](h) - o).abs().max() > 1e-7 for o in others)
     # and the whole model trains through it: every weight gets a gradient
     ids = torch.randint(0, 50, (2, 16))
     model(ids, ids).backward()

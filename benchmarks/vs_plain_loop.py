@@ -22,6 +22,8 @@ Variants, each a fresh `python` process (rounds rotate the order, so machine noi
                  a tiny step at one thread
     kiln-fp32-exact, kiln-bf16-exact   kiln-X with model.mlp=gelu_exact: nanoGPT's exact GELU, the plain loop's own
                  model, so kiln-X-exact against plain-X is also the loop's overhead alone
+    kiln-bf16m-exact   kiln-bf16-exact with precision.mode=bf16-master: bf16 weights (fp32 masters in the optimizer),
+                 no autocast, so no per-step casts of the weights or of fp32 norm outputs
 Steady tokens/s: the tokens of updates 6..N over the time from the end of update 5 to the end of update N.
 Printed ratios are medians over rounds of per-round ratios (each round's variants ran back to back).
 CPU seconds (user + system, every thread of the child) are printed beside the wall clock: on a machine shared with
@@ -46,7 +48,8 @@ SHAPE = dict(n_layer=6, n_head=6, d_model=384, seq_len=256, batch=8, vocab=256)
 HYPER = dict(lr=2e-3, beta1=0.9, beta2=0.95, weight_decay=0.1, grad_clip=1.0, warmup=50, min_lr_ratio=0.1)
 WARM = 5  # updates not counted in the steady rate
 VARIANTS = ("plain-fp32", "kiln-fp32", "kiln-bf16", "plain-bf16", "kiln-fp32-mkl", "plain-fp32-tanh", "plain-bf16-tanh",
-            "kiln-fp32-exact", "kiln-bf16-exact")
+            "kiln-fp32-exact", "kiln-bf16-exact", "kiln-bf16m-exact")
+PRECISION = {"fp32": "fp32", "bf16": "bf16", "bf16m": "bf16-master"}  # a kiln variant's second word -> precision.mode
 BASE = "-base"  # with --base-tree DIR: each kiln variant once more from another checkout, as kiln-X-base (before/after
 # a change, interleaved)
 SHARD_DTYPES = {1: "u1", 2: "<u2", 4: "<u4"}  # kiln.data.shards' dtype codes (the plain loop imports no kiln)
@@ -191,7 +194,8 @@ def kiln_child(args) -> dict:
         freeze_loaded()
 
     imported, imported_cpu = time.time(), time.process_time()
-    argv = ["train", "--run-dir", args.run_dir] + kiln_overrides(args.variant.split("-")[1], args.steps, args.seed)
+    precision = PRECISION[args.variant.split("-")[1]]
+    argv = ["train", "--run-dir", args.run_dir] + kiln_overrides(precision, args.steps, args.seed)
     if args.variant.endswith("-mkl"):
         argv.append("--train.cpu_linear=torch")
     if args.variant.endswith("-exact"):

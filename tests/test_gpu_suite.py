@@ -120,7 +120,7 @@ def test_fp8_part_runs_bf16_and_records_why_fp8_cannot_run_here(results):
     bf16, fp8 = data["modes"]["bf16"], data["modes"]["fp8"]
     assert finite_positive(bf16["tokens_per_s"]) and math.isfinite(bf16["final_loss"]) and bf16["final_step"] == 4
     assert "compute capability ≥ 8.9" in fp8["error"]
-    assert "| fp8 | ValueError: precision.mode='fp8' needs" in (results / "fp8.md").read_text()
+    assert "| fp8 | KilnError: precision.mode='fp8' needs" in (results / "fp8.md").read_text()
 
 
 def test_profile_part_holds_the_breakdown_and_verdict(results):
@@ -274,7 +274,7 @@ def test_merge_tables_hold_the_json_numbers(results, tmp_path):
     fp8 = load(results, "fp8")["modes"]
     rows = {r[0]: r for r in table(body, "fp8")}
     assert rows["bf16"][4] == f"{fp8['bf16']['final_loss']:.4f} (step 4)" and rows["bf16"][2] == "1.000×"
-    assert rows["fp8"][1].startswith("not run: ValueError: precision.mode='fp8' needs")
+    assert rows["fp8"][1].startswith("not run: KilnError: precision.mode='fp8' needs")
 
     (row,) = table(body, "Kernels")
     assert row[0].startswith("failed (exit 1): benchmarks/kernels.py needs a CUDA GPU")
